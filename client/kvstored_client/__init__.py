@@ -1,0 +1,26 @@
+"""kvstored client SDK: talk to the local kvstored daemon from an inference engine.
+
+Light on purpose: grpcio, protobuf, numpy, cbor2 and xxhash; torch only if you pass tensors.
+"""
+
+from kvstored_client import shm
+from kvstored_client.client import Buffers, Client, LoadResult, LookupResult, SaveResult
+from kvstored_client.errors import (
+    DaemonNotRunning,
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    LeaseExpired,
+    NotFound,
+    ResourceExhausted,
+)
+from kvstored_client.hashing import block_hashes
+from kvstored_client.layout import TensorLayout
+from kvstored_client.namespace import Namespace
+from kvstored_client.version import __version__
+
+__all__ = [
+    "Buffers", "Client", "DaemonNotRunning", "FailedPrecondition", "InvalidArgument", "KVStoreError",
+    "LeaseExpired", "LoadResult", "LookupResult", "Namespace", "NotFound", "ResourceExhausted",
+    "SaveResult", "TensorLayout", "__version__", "block_hashes", "shm",
+]

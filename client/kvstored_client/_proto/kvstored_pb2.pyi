@@ -1,0 +1,319 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+TIER_DRAM: Tier
+
+class NamespaceSpec(_message.Message):
+    __slots__ = ("model", "revision", "kv_dtype", "block_size", "layout", "tp_rank", "tp_size", "hash_algo", "hash_seed", "block_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    kv_dtype: str
+    block_size: int
+    layout: str
+    tp_rank: int
+    tp_size: int
+    hash_algo: str
+    hash_seed: str
+    block_bytes: int
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layout: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class BlockKeys(_message.Message):
+    __slots__ = ("hashes", "token_ids", "cache_salt", "lora_name")
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: str
+    lora_name: str
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    arena_path: str
+    arena_bytes: int
+    lease_ttl_ms: int
+    max_batch_blocks: int
+    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("client_name", "pid")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    pid: int
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("session_id", "closing")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOSING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    closing: bool
+    def __init__(self, session_id: _Optional[str] = ..., closing: _Optional[bool] = ...) -> None: ...
+
+class OpenNamespaceRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: NamespaceSpec
+    def __init__(self, spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
+
+class OpenNamespaceResponse(_message.Message):
+    __slots__ = ("namespace_id", "spec")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    spec: NamespaceSpec
+    def __init__(self, namespace_id: _Optional[int] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys", "lease", "session_id")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    keys: BlockKeys
+    lease: bool
+    session_id: str
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., lease: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hit_blocks", "tiers", "offsets", "lease_id", "lease_ttl_ms", "block_bytes", "block_size")
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    hit_blocks: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lease_id: int
+    lease_ttl_ms: int
+    block_bytes: int
+    block_size: int
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "keys", "block_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: int
+    keys: BlockKeys
+    block_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("reservation_id", "present_blocks", "offsets", "ttl_ms")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: int
+    present_blocks: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    ttl_ms: int
+    def __init__(self, reservation_id: _Optional[int] = ..., present_blocks: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class SealRequest(_message.Message):
+    __slots__ = ("session_id", "reservation_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    reservation_id: int
+    def __init__(self, session_id: _Optional[str] = ..., reservation_id: _Optional[int] = ...) -> None: ...
+
+class SealResponse(_message.Message):
+    __slots__ = ("sealed_blocks",)
+    SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    sealed_blocks: int
+    def __init__(self, sealed_blocks: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "lease_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_id: int
+    def __init__(self, session_id: _Optional[str] = ..., lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TensorDesc(_message.Message):
+    __slots__ = ("shm_name", "offset", "shape", "strides", "dtype", "block_dim")
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIM_FIELD_NUMBER: _ClassVar[int]
+    shm_name: str
+    offset: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    block_dim: int
+    def __init__(self, shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_dim: _Optional[int] = ...) -> None: ...
+
+class RegisterBuffersRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "tensors")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorDesc]
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorDesc, _Mapping]]] = ...) -> None: ...
+
+class RegisterBuffersResponse(_message.Message):
+    __slots__ = ("buffers_id", "num_blocks", "block_bytes", "layout")
+    BUFFERS_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    buffers_id: int
+    num_blocks: int
+    block_bytes: int
+    layout: str
+    def __init__(self, buffers_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+
+class UnregisterBuffersRequest(_message.Message):
+    __slots__ = ("session_id", "buffers_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    buffers_id: int
+    def __init__(self, session_id: _Optional[str] = ..., buffers_id: _Optional[int] = ...) -> None: ...
+
+class UnregisterBuffersResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SaveBlocksRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "buffers_id", "keys", "block_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: int
+    buffers_id: int
+    keys: BlockKeys
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., buffers_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SaveBlocksResponse(_message.Message):
+    __slots__ = ("present_blocks", "stored_blocks")
+    PRESENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    present_blocks: int
+    stored_blocks: int
+    def __init__(self, present_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ...) -> None: ...
+
+class LoadBlocksRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "buffers_id", "keys", "block_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: int
+    buffers_id: int
+    keys: BlockKeys
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., buffers_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoadBlocksResponse(_message.Message):
+    __slots__ = ("loaded_blocks", "tiers")
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    loaded_blocks: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, loaded_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "evictions")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    evictions: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("version", "uptime_s", "tiers", "lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "saved_blocks", "active_leases", "clients", "namespaces", "index_blocks")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    uptime_s: float
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    lookups: int
+    lookup_blocks: int
+    hit_blocks: int
+    hit_tokens: int
+    saved_blocks: int
+    active_leases: int
+    clients: int
+    namespaces: int
+    index_blocks: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., saved_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., clients: _Optional[int] = ..., namespaces: _Optional[int] = ..., index_blocks: _Optional[int] = ...) -> None: ...

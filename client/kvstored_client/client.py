@@ -1,0 +1,421 @@
+"""``kvstored.Client``: the SDK an engine embeds to reuse, save and load KV blocks.
+
+One client holds one gRPC channel to the local daemon and, once needed, one session (a stream
+whose end releases everything the client held) and a mapping of the daemon's DRAM arena. Block
+bytes move by memory copies into and out of that arena, never inside protobuf messages.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from kvstored_client import shm
+from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.errors import (
+    DaemonNotRunning,
+    InvalidArgument,
+    KVStoreError,
+    LeaseExpired,
+    from_rpc_error,
+)
+from kvstored_client.hashing import block_hashes
+from kvstored_client.namespace import Namespace
+from kvstored_client.paths import discover_socket_path
+
+MAX_MESSAGE_BYTES = 64 << 20
+T = TypeVar("T")
+TIER_NAMES = {pb.TIER_DRAM: "dram"}
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """How much of a prompt is cached: leading ``tokens`` (``blocks`` whole blocks), per tier."""
+
+    tokens: int
+    blocks: int
+    per_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """``present``: leading blocks that were cached already; ``stored``: blocks added now."""
+
+    present: int
+    stored: int
+    block_size: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the prompt now cached from its start."""
+        return (self.present + self.stored) * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """The cached prefix: ``blocks`` rows of ``data`` (a view of ``out`` when one was given)."""
+
+    tokens: int
+    blocks: int
+    data: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Buffers:
+    """A registration of engine KV tensors with the daemon."""
+
+    buffers_id: int
+    num_blocks: int
+    block_bytes: int
+    layout: str
+    namespace: Namespace
+
+
+class Client:
+    """A connection to the local kvstored daemon.
+
+    ``Client()`` connects to the daemon on its default socket and works in the default namespace,
+    whose block payload size is fixed by its first save. Engines pass their own
+    :class:`Namespace` (model, dtype, block size, layout, shard) so their blocks never mix with
+    anyone else's. Token counts that are not whole blocks are fine: the partial tail is ignored.
+    Raises :class:`DaemonNotRunning` when nothing answers on the socket.
+    """
+
+    def __init__(self, socket: str | None = None, *, namespace: Namespace | None = None,
+                 client_name: str = "kvstored-python", timeout_s: float = 30.0,
+                 cache_salt: str | None = None) -> None:
+        self.socket = socket or discover_socket_path()
+        self._timeout = timeout_s
+        self._client_name = client_name
+        self._cache_salt = cache_salt
+        target = self.socket if self.socket.startswith(("unix:", "dns:", "ipv4:")) else f"unix:{self.socket}"
+        self._channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+        try:
+            self._hello = self._stub.Hello(pb.HelloRequest(), timeout=min(timeout_s, 5.0), wait_for_ready=False)
+        except grpc.RpcError as exc:
+            self._channel.close()
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise DaemonNotRunning(
+                    f"no kvstored daemon answers on {self.socket}. Start one with `kvstored` "
+                    "(or `systemctl start kvstored`), or point KVSTORED_SOCKET or "
+                    "Client(socket=...) at a running one.") from None
+            raise from_rpc_error(exc) from None
+        self.daemon_version = self._hello.version
+        self._lock = threading.Lock()
+        self._session_id: str | None = None
+        self._session_call: Any = None
+        self._session_done = threading.Event()
+        self._arena: np.ndarray | None = None
+        self._arena_map: mmap.mmap | None = None
+        self._namespace_ids: dict[Namespace, tuple[int, Namespace]] = {}
+        self._pending_releases: list[grpc.Future] = []
+        self.namespace = namespace or Namespace()
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _call(self, method: Callable[..., T], request: Any) -> T:
+        try:
+            return method(request, timeout=self._timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                raise DaemonNotRunning(f"kvstored on {self.socket} went away: {exc.details()}") from None
+            raise from_rpc_error(exc) from None
+
+    def _session(self) -> str:
+        with self._lock:
+            if self._session_id is not None:
+                return self._session_id
+            done = self._session_done
+            hello = pb.SessionRequest(client_name=self._client_name, pid=os.getpid())
+
+            def requests() -> Iterator[pb.SessionRequest]:
+                yield hello
+                done.wait()  # keep the stream open for the client's lifetime
+
+            call = self._stub.Session(requests())
+            try:
+                first = next(call)
+            except grpc.RpcError as exc:
+                done.set()
+                raise from_rpc_error(exc) from None
+            self._session_call = call
+            self._session_id = first.session_id
+            threading.Thread(target=self._watch_session, args=(call,), daemon=True,
+                             name="kvstored-session").start()
+            return self._session_id
+
+    def _watch_session(self, call: Any) -> None:
+        try:
+            for event in call:
+                if event.closing:
+                    break
+        except grpc.RpcError:
+            pass
+        with self._lock:
+            if self._session_call is call:
+                self._session_id = None  # daemon restarted or stopped: the next call reconnects
+                self._session_call = None
+
+    def _arena_view(self) -> np.ndarray:
+        if self._arena is None:
+            fd = os.open(self._hello.arena_path, os.O_RDWR)
+            try:
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._arena_map = mmap.mmap(fd, self._hello.arena_bytes, flags=flags)
+            finally:
+                os.close(fd)
+            self._arena = np.frombuffer(self._arena_map, dtype=np.uint8)
+        return self._arena
+
+    def _ns(self, namespace: Namespace | None) -> tuple[int, Namespace]:
+        ns = namespace or self.namespace
+        entry = self._namespace_ids.get(ns)
+        if entry is None or entry[1].block_bytes == 0:
+            resp = self._call(self._stub.OpenNamespace, pb.OpenNamespaceRequest(spec=_spec_pb(ns)))
+            entry = (resp.namespace_id, _spec_from_pb(resp.spec))
+            self._namespace_ids[ns] = entry
+        return entry
+
+    def _keys(self, spec: Namespace, tokens: Any, hashes: Sequence[bytes] | None,
+              cache_salt: str | None) -> tuple[pb.BlockKeys, int]:
+        salt = cache_salt if cache_salt is not None else self._cache_salt
+        if hashes is not None:
+            if tokens is not None:
+                raise InvalidArgument("give tokens or hashes, not both")
+            if salt:
+                raise InvalidArgument("cache_salt applies to tokens; engine hashes already include it")
+            return pb.BlockKeys(hashes=list(hashes)), len(hashes)
+        if tokens is None:
+            raise InvalidArgument("give tokens or hashes")
+        try:
+            chain = block_hashes(_token_array(tokens), spec.block_size, spec.hash_seed, spec.hash_algo,
+                                 cache_salt=salt or None)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        return pb.BlockKeys(hashes=chain), len(chain)
+
+    def _release_later(self, lease_id: int) -> None:
+        self._pending_releases = [f for f in self._pending_releases if not f.done()]
+        self._pending_releases.append(self._stub.Release.future(
+            pb.ReleaseRequest(session_id=self._session(), lease_id=lease_id), timeout=self._timeout))
+
+    # -- reuse --------------------------------------------------------------------------------
+    def lookup(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
+               namespace: Namespace | None = None, cache_salt: str | None = None) -> LookupResult:
+        """How many leading tokens of a prompt are cached, and on which tiers. Changes nothing."""
+        ns_id, spec = self._ns(namespace)
+        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
+        resp = self._call(self._stub.Lookup, pb.LookupRequest(namespace_id=ns_id, keys=keys))
+        per_tier: dict[str, int] = {}
+        for tier in resp.tiers:
+            name = TIER_NAMES.get(tier, str(tier))
+            per_tier[name] = per_tier.get(name, 0) + 1
+        return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, per_tier)
+
+    def save(self, tokens: Any, kv: Any, *, hashes: Sequence[bytes] | None = None,
+             namespace: Namespace | None = None, cache_salt: str | None = None) -> SaveResult:
+        """Store a prompt's KV: ``kv`` has one row per whole block (numpy array or CPU tensor).
+
+        Blocks already cached are skipped; when the DRAM tier cannot make room, a shorter prefix
+        is stored (``stored`` says how much). One reserve and one seal call per batch.
+        """
+        ns_id, spec = self._ns(namespace)
+        keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
+        rows = _rows(kv)
+        if rows.shape[0] < n_blocks:
+            raise InvalidArgument(f"kv has {rows.shape[0]} rows for {n_blocks} blocks")
+        if n_blocks == 0:
+            return SaveResult(0, 0, spec.block_size)
+        block_bytes = rows.shape[1]
+        resp = self._call(self._stub.Reserve, pb.ReserveRequest(
+            session_id=self._session(), namespace_id=ns_id, keys=keys, block_bytes=block_bytes))
+        if spec.block_bytes == 0:
+            self._namespace_ids.pop(namespace or self.namespace, None)  # learn the fixed size
+        arena = self._arena_view()
+        first = resp.present_blocks
+        for i, offset in enumerate(resp.offsets):
+            arena[offset: offset + block_bytes] = rows[first + i]
+        sealed = self._call(self._stub.Seal, pb.SealRequest(
+            session_id=self._session(), reservation_id=resp.reservation_id)).sealed_blocks
+        return SaveResult(first, sealed, spec.block_size)
+
+    def load(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None, out: Any = None,
+             dtype: Any = None, namespace: Namespace | None = None,
+             cache_salt: str | None = None) -> LoadResult:
+        """Read the KV of the longest cached prefix, one row per block.
+
+        With ``out`` (an array or tensor with a row per block, e.g. reused between calls) rows
+        are copied into it and ``data`` is a view of its first ``blocks`` rows; otherwise a new
+        uint8 array (or ``dtype``) is returned. Raises LeaseExpired if the read outlived its lease.
+        """
+        ns_id, spec = self._ns(namespace)
+        keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
+        started = time.monotonic()
+        resp = self._call(self._stub.Lookup, pb.LookupRequest(
+            namespace_id=ns_id, keys=keys, lease=True, session_id=self._session()))
+        hit = resp.hit_blocks
+        block_bytes = resp.block_bytes
+        if out is not None:
+            rows = _rows(out)
+            if rows.shape[0] < hit or rows.shape[1] != block_bytes:
+                raise InvalidArgument(f"out has rows of {rows.shape[1]} bytes x {rows.shape[0]}; "
+                                      f"need {hit} rows of {block_bytes} bytes")
+            data = out[:hit]
+        else:
+            rows = np.empty((hit, block_bytes), dtype=np.uint8)
+            data = rows if dtype is None else rows.view(dtype)
+        if hit:
+            arena = self._arena_view()
+            for i, offset in enumerate(resp.offsets):
+                rows[i] = arena[offset: offset + block_bytes]
+            # The daemon's deadline is at least ttl after our request left: well inside it, the
+            # bytes were pinned for the whole copy and the release need not be waited for.
+            if time.monotonic() - started < resp.lease_ttl_ms / 2000:
+                self._release_later(resp.lease_id)
+            else:
+                try:
+                    self._call(self._stub.Release, pb.ReleaseRequest(
+                        session_id=self._session(), lease_id=resp.lease_id))
+                except KVStoreError as exc:
+                    raise LeaseExpired(f"the read took longer than its lease: {exc}") from None
+        return LoadResult(hit * spec.block_size, hit, data)
+
+    # -- engine buffers -------------------------------------------------------------------------
+    def register_buffers(self, tensors: Sequence[Any], block_dim: int | Sequence[int] = 0, *,
+                         namespace: Namespace | None = None) -> Buffers:
+        """Register an engine's paged KV tensors (allocated with ``kvstored.shm.empty``).
+
+        A block's payload is each tensor indexed at the block along ``block_dim``, in order. The
+        daemon maps them and copies blocks itself in ``save_blocks``/``load_blocks``.
+        """
+        ns_id, spec = self._ns(namespace)
+        dims = [block_dim] * len(tensors) if isinstance(block_dim, int) else list(block_dim)
+        if len(dims) != len(tensors):
+            raise InvalidArgument("one block_dim per tensor")
+        descs = []
+        for t, dim in zip(tensors, dims):
+            try:
+                place = shm.describe(t, dim)
+            except (ValueError, TypeError) as exc:
+                raise InvalidArgument(str(exc)) from None
+            descs.append(pb.TensorDesc(shm_name=place.shm_name, offset=place.offset,
+                                       shape=place.layout.shape, strides=place.layout.strides,
+                                       dtype=place.layout.dtype, block_dim=dim))
+        resp = self._call(self._stub.RegisterBuffers, pb.RegisterBuffersRequest(
+            session_id=self._session(), namespace_id=ns_id, tensors=descs))
+        self._namespace_ids.pop(namespace or self.namespace, None)
+        return Buffers(resp.buffers_id, resp.num_blocks, resp.block_bytes, resp.layout,
+                       namespace or self.namespace)
+
+    def unregister_buffers(self, buffers: Buffers) -> None:
+        """After this returns the daemon no longer touches the tensors; the engine may free them."""
+        self._call(self._stub.UnregisterBuffers, pb.UnregisterBuffersRequest(
+            session_id=self._session(), buffers_id=buffers.buffers_id))
+
+    def save_blocks(self, buffers: Buffers, block_ids: Sequence[int], tokens: Any = None, *,
+                    hashes: Sequence[bytes] | None = None, cache_salt: str | None = None) -> SaveResult:
+        """Store blocks ``block_ids`` of the registered buffers as the prompt's chain of blocks."""
+        ns_id, spec = self._ns(buffers.namespace)
+        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
+        resp = self._call(self._stub.SaveBlocks, pb.SaveBlocksRequest(
+            session_id=self._session(), namespace_id=ns_id, buffers_id=buffers.buffers_id,
+            keys=keys, block_ids=list(block_ids)))
+        return SaveResult(resp.present_blocks, resp.stored_blocks, spec.block_size)
+
+    def load_blocks(self, buffers: Buffers, block_ids: Sequence[int], tokens: Any = None, *,
+                    hashes: Sequence[bytes] | None = None, cache_salt: str | None = None) -> LookupResult:
+        """Copy the cached prefix of the prompt into blocks ``block_ids``; returns what was loaded."""
+        ns_id, spec = self._ns(buffers.namespace)
+        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
+        resp = self._call(self._stub.LoadBlocks, pb.LoadBlocksRequest(
+            session_id=self._session(), namespace_id=ns_id, buffers_id=buffers.buffers_id,
+            keys=keys, block_ids=list(block_ids)))
+        return LookupResult(resp.loaded_blocks * spec.block_size, resp.loaded_blocks,
+                            {"dram": resp.loaded_blocks} if resp.loaded_blocks else {})
+
+    # -- admin --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The daemon's counters and per-tier usage as a plain dict (see ``kvctl stats``)."""
+        resp = self._call(self._stub.Stats, pb.StatsRequest())
+        return json_format.MessageToDict(resp, preserving_proto_field_name=True,
+                                         always_print_fields_with_no_presence=True)
+
+    def close(self) -> None:
+        """End the session (the daemon releases its leases and buffers) and the channel."""
+        for fut in self._pending_releases:
+            try:
+                fut.result(timeout=self._timeout)
+            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                pass
+        self._pending_releases.clear()
+        self._session_done.set()
+        if self._session_call is not None:
+            self._session_call.cancel()
+        self._channel.close()
+        self._arena = None
+        if self._arena_map is not None:
+            try:
+                self._arena_map.close()
+            except BufferError:
+                pass
+            self._arena_map = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _spec_pb(ns: Namespace) -> pb.NamespaceSpec:
+    return pb.NamespaceSpec(model=ns.model, revision=ns.revision, kv_dtype=ns.kv_dtype,
+                            block_size=ns.block_size, layout=ns.layout, tp_rank=ns.tp_rank,
+                            tp_size=ns.tp_size, hash_algo=ns.hash_algo, hash_seed=ns.hash_seed,
+                            block_bytes=ns.block_bytes)
+
+
+def _spec_from_pb(msg: pb.NamespaceSpec) -> Namespace:
+    return Namespace(model=msg.model, revision=msg.revision, kv_dtype=msg.kv_dtype,
+                     block_size=msg.block_size, layout=msg.layout, tp_rank=msg.tp_rank,
+                     tp_size=msg.tp_size, hash_algo=msg.hash_algo, hash_seed=msg.hash_seed,
+                     block_bytes=msg.block_bytes)
+
+
+def _token_array(tokens: Any) -> np.ndarray:
+    if hasattr(tokens, "detach"):  # torch tensor
+        tokens = tokens.detach().cpu().numpy()
+    return np.asarray(tokens)
+
+
+def _rows(kv: Any) -> np.ndarray:
+    """A (blocks, bytes) uint8 view of ``kv`` without copying; ValueError if it is not one."""
+    if hasattr(kv, "detach"):  # torch tensor: view its bytes through numpy
+        import torch
+
+        if kv.device.type != "cpu":
+            raise InvalidArgument("save/load take CPU tensors; use register_buffers for device memory")
+        if not kv.is_contiguous():
+            raise InvalidArgument("kv tensor must be contiguous")
+        arr = kv.detach().reshape(kv.shape[0], -1).view(torch.uint8).numpy()
+    else:
+        arr = np.asarray(kv)
+        if arr.ndim == 0:
+            raise InvalidArgument("kv must have one row per block")
+        if not arr.flags.c_contiguous:
+            raise InvalidArgument("kv array must be C-contiguous")
+        arr = arr.reshape(arr.shape[0], -1).view(np.uint8)
+    if arr.ndim != 2 or arr.shape[1] == 0:
+        raise InvalidArgument("kv must have one non-empty row per block")
+    return arr

@@ -1,0 +1,30 @@
+"""Where the daemon listens by default; shared by the daemon and the SDK so both agree."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SYSTEM_SOCKET = "/run/kvstored/kvstored.sock"
+
+
+def default_socket_path() -> str:
+    """``$KVSTORED_SOCKET``, else ``$XDG_RUNTIME_DIR/kvstored/kvstored.sock``, else
+    ``/tmp/kvstored-$UID/kvstored.sock`` (the daemon's embedded default)."""
+    if env := os.environ.get("KVSTORED_SOCKET"):
+        return env
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return str(Path(runtime) / "kvstored" / "kvstored.sock")
+    return f"/tmp/kvstored-{os.getuid()}/kvstored.sock"
+
+
+def discover_socket_path() -> str:
+    """The socket a client should try: the user default if it exists, else the systemd one if it
+    exists, else the user default (so the error message names where the daemon would listen)."""
+    user = default_socket_path()
+    if os.path.exists(user) or os.environ.get("KVSTORED_SOCKET"):
+        return user
+    if os.path.exists(SYSTEM_SOCKET):
+        return SYSTEM_SOCKET
+    return user

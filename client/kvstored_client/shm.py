@@ -1,0 +1,122 @@
+"""Tensors in shared memory that the daemon can map: the CPU twin of engine GPU buffers.
+
+``empty(shape, dtype)`` allocates one; ``find(array)`` tells which allocation (file and offset) an
+array or tensor view lives in, so ``Client.register_buffers`` can describe it to the daemon.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import secrets
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvstored_client.layout import DTYPE_SIZES, TensorLayout
+
+SHM_DIR = os.environ.get("KVSTORED_SHM_DIR", "/dev/shm")
+_live: weakref.WeakValueDictionary[int, SharedTensor] = weakref.WeakValueDictionary()
+
+
+class SharedTensor:
+    """A zero-filled buffer in a shared-memory file, viewable as numpy or (CPU) torch.
+
+    The file is unlinked when the object is closed or collected; keep it alive as long as the
+    daemon may copy into it (i.e. until ``unregister_buffers`` or the client closes).
+    """
+
+    def __init__(self, shape: tuple[int, ...], dtype: str, shm_dir: str = SHM_DIR) -> None:
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"unsupported dtype {dtype!r}")
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = dtype
+        self.nbytes = math.prod(self.shape) * DTYPE_SIZES[dtype]
+        self.name = f"kvstored-buf-{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = Path(shm_dir) / self.name
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        try:
+            os.ftruncate(fd, max(self.nbytes, 1))
+            self._mmap = mmap.mmap(fd, max(self.nbytes, 1), flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.bytes = np.frombuffer(self._mmap, dtype=np.uint8, count=self.nbytes)
+        self.base_address = self.bytes.ctypes.data
+        _live[self.base_address] = self
+        self._finalizer = weakref.finalize(self, _unlink, self.path)
+
+    def numpy(self) -> np.ndarray:
+        """The whole buffer as a numpy array (bfloat16 and float8 as same-width unsigned ints)."""
+        np_dtype = np.dtype(self.dtype) if self.dtype not in ("bfloat16", "float8_e4m3fn", "float8_e5m2") \
+            else np.dtype(f"u{DTYPE_SIZES[self.dtype]}")
+        return self.bytes.view(np_dtype).reshape(self.shape)
+
+    def torch(self) -> Any:
+        """The whole buffer as a CPU torch tensor sharing this memory (needs torch)."""
+        import torch
+
+        t = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)
+        return t.view(getattr(torch, self.dtype)).view(self.shape)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def empty(shape: tuple[int, ...] | list[int], dtype: str = "float16") -> SharedTensor:
+    """Allocate a zero-filled shared-memory tensor the daemon can map."""
+    return SharedTensor(tuple(shape), dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    shm_name: str
+    offset: int
+    layout: TensorLayout
+
+
+def describe(array: Any, block_dim: int) -> Placement:
+    """Where ``array`` (numpy array or CPU torch tensor, possibly a view) lives in shared memory.
+
+    Raises ValueError when it is not inside a live :class:`SharedTensor` of this process.
+    """
+    address, shape, strides, dtype, itemsize = _array_info(array)
+    for base, owner in list(_live.items()):
+        if base <= address < base + owner.nbytes:
+            layout = TensorLayout(shape, strides, dtype, block_dim)
+            layout.validate()
+            if address - base + layout.extent_bytes > owner.nbytes:
+                raise ValueError("tensor extends past its shared-memory buffer")
+            return Placement(owner.name, address - base, layout)
+    raise ValueError("tensor is not in shared memory: allocate it with kvstored.shm.empty() "
+                     "(CUDA tensors need the cuda extra)")
+
+
+def _array_info(array: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], str, int]:
+    if isinstance(array, np.ndarray):
+        item = array.itemsize
+        if any(s % item for s in array.strides):
+            raise ValueError("strides must be whole elements")
+        return (array.ctypes.data, tuple(array.shape), tuple(s // item for s in array.strides),
+                _numpy_dtype_name(array.dtype), item)
+    # torch.Tensor, duck-typed so torch stays optional
+    if hasattr(array, "data_ptr") and hasattr(array, "stride"):
+        if array.device.type != "cpu":
+            raise ValueError(f"{array.device} tensors need the CUDA path (cuda extra)")
+        name = str(array.dtype).removeprefix("torch.")
+        return (array.data_ptr(), tuple(array.shape), tuple(array.stride()), name, array.element_size())
+    raise TypeError(f"expected a numpy array or torch tensor, got {type(array).__name__}")
+
+
+def _numpy_dtype_name(dtype: np.dtype) -> str:
+    name = str(dtype)
+    if name not in DTYPE_SIZES:
+        raise ValueError(f"unsupported dtype {name}")
+    return name

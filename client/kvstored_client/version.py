@@ -1,0 +1,3 @@
+"""The one version number of kvstored (daemon, SDK and kvctl)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,197 @@
+"""Daemon configuration: TOML file + flag overrides -> a validated, frozen :class:`Config`.
+
+Sources, later wins: embedded defaults, the TOML file (``--config``, else
+``/etc/kvstored/kvstored.toml`` when it exists), then ``--set section.key=value`` flags.
+Unknown sections or keys and bad values raise :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstored_client.paths import default_socket_path
+
+SYSTEM_CONFIG = Path("/etc/kvstored/kvstored.toml")
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown or its value is invalid; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    socket: str = ""                 # Unix socket path; "" = default runtime location
+    socket_mode: int = 0o660
+    tcp: str = ""                    # "host:port" for an additional TCP listener; "" = none
+    insecure: bool = False           # allow an unauthenticated TCP listener on a non-loopback address
+    max_batch_blocks: int = 16384    # blocks in one request (a 256k-token prompt at 16/block)
+    shutdown_grace_s: float = 10.0
+    watchdog: bool = True            # send WATCHDOG=1 when systemd asks for it
+
+
+@dataclass(frozen=True, slots=True)
+class DramConfig:
+    capacity: int = 1 << 30          # bytes of the shared-memory arena
+    page_bytes: int = 32 << 20       # arena pages; one page holds blocks of one size
+    shm_dir: str = "/dev/shm"
+    prefault: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseConfig:
+    ttl_s: float = 30.0              # a read lease expires after this
+    reservation_ttl_s: float = 60.0  # an unsealed reservation is dropped after this
+    reap_interval_s: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class KeysConfig:
+    allow_fast_hash: bool = False    # admit xxh3_128 namespaces (trusted single-tenant nodes)
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    dram: DramConfig = field(default_factory=DramConfig)
+    leases: LeaseConfig = field(default_factory=LeaseConfig)
+    keys: KeysConfig = field(default_factory=KeysConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def socket_path(self) -> str:
+        return self.server.socket or default_socket_path()
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE_KEYS = {("dram", "capacity"), ("dram", "page_bytes")}
+_MODE_KEYS = {("server", "socket_mode")}
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def parse_size(text: str | int) -> int:
+    """'1GiB', '512MiB', '4096' or an int -> bytes; ValueError otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"expected a size like '1GiB', got {text!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+
+
+def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
+    name = f"{section}.{key}"
+    try:
+        if (section, key) in _SIZE_KEYS:
+            return parse_size(value)
+        if (section, key) in _MODE_KEYS:
+            return int(value, 8) if isinstance(value, str) else int(value)
+        if isinstance(default, bool):
+            if isinstance(value, str) and value.lower() in ("true", "false"):
+                return value.lower() == "true"
+            if not isinstance(value, bool):
+                raise ValueError(f"expected true or false, got {value!r}")
+            return value
+        if isinstance(default, int):
+            if isinstance(value, bool):
+                raise ValueError(f"expected an integer, got {value!r}")
+            return int(value)
+        if isinstance(default, float):
+            if isinstance(value, bool):
+                raise ValueError(f"expected a number, got {value!r}")
+            return float(value)
+        if isinstance(default, str):
+            if not isinstance(value, str):
+                raise ValueError(f"expected a string, got {value!r}")
+            return value
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    raise AssertionError(f"no coercion for {name}")
+
+
+def _validate(cfg: Config) -> None:
+    checks: list[tuple[bool, str]] = [
+        (cfg.dram.capacity > 0, "dram.capacity: must be positive"),
+        (cfg.dram.page_bytes >= 4096 and cfg.dram.page_bytes % 4096 == 0,
+         "dram.page_bytes: must be a positive multiple of 4096"),
+        (cfg.dram.capacity >= cfg.dram.page_bytes,
+         "dram.capacity: must hold at least one page (dram.page_bytes)"),
+        (cfg.server.max_batch_blocks > 0, "server.max_batch_blocks: must be positive"),
+        (0 <= cfg.server.socket_mode <= 0o777, "server.socket_mode: must be a file mode like '0660'"),
+        (cfg.leases.ttl_s > 0, "leases.ttl_s: must be positive"),
+        (cfg.leases.reservation_ttl_s > 0, "leases.reservation_ttl_s: must be positive"),
+        (cfg.leases.reap_interval_s > 0, "leases.reap_interval_s: must be positive"),
+        (cfg.log.level in _LOG_LEVELS, f"log.level: must be one of {', '.join(_LOG_LEVELS)}"),
+        (cfg.server.tcp == "" or re.match(r"^[\w.\-\[\]:]+:\d+$", cfg.server.tcp) is not None,
+         "server.tcp: expected host:port"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    host = cfg.server.tcp.rpartition(":")[0].strip("[]")
+    if cfg.server.tcp and not cfg.server.insecure and host not in ("127.0.0.1", "localhost", "::1"):
+        raise ConfigError(f"server.tcp: {cfg.server.tcp} is not a loopback address and the API has no "
+                          "authentication yet; set server.insecure = true to accept that explicitly")
+
+
+def build(values: dict[str, Any]) -> Config:
+    """Build a Config from nested ``{section: {key: value}}``; raises ConfigError."""
+    sections: dict[str, Any] = {}
+    defaults = Config()
+    known = {f.name for f in dataclasses.fields(Config)}
+    for section, table in values.items():
+        if section not in known:
+            raise ConfigError(f"{section}: unknown section (expected one of {', '.join(sorted(known))})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section}: expected a table")
+        current = getattr(defaults, section)
+        fields = {f.name: getattr(current, f.name) for f in dataclasses.fields(current)}
+        for key, value in table.items():
+            if key not in fields:
+                raise ConfigError(f"{section}.{key}: unknown key (expected one of {', '.join(sorted(fields))})")
+            fields[key] = _coerce(section, key, value, fields[key])
+        sections[section] = type(current)(**fields)
+    cfg = dataclasses.replace(defaults, **sections)
+    _validate(cfg)
+    return cfg
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """'section.key=value' -> (section, key, value); ConfigError when malformed."""
+    name, sep, value = text.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        raise ConfigError(f"{text}: expected section.key=value")
+    return section, key, value.strip()
+
+
+def load(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Read the config file (explicit path, else the system one if present) and apply overrides.
+
+    Raises ConfigError for a missing explicit file, TOML syntax errors, unknown keys, bad values.
+    """
+    values: dict[str, dict[str, Any]] = {}
+    file = Path(path) if path else (SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else None)
+    if file is not None:
+        try:
+            with open(file, "rb") as fh:
+                values = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"{file}: config file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{file}: {exc}") from None
+    for text in overrides or []:
+        section, key, value = parse_override(text)
+        values.setdefault(section, {})[key] = value
+    return build(values)

@@ -1,0 +1,72 @@
+"""Leaf-only LRU eviction order for the blocks of one slot size.
+
+Recency is an intrusive doubly linked list through the blocks (two pointers each, no per-block
+container entry). Callers touch a hit prefix deepest block first, so a parent is always more
+recent than its children and the least recent evictable block is a leaf of the resident tree;
+``victims`` still checks, so a broken ordering can never orphan a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvstored.index import Block
+
+
+class LRUOrder:
+    """Recency list of sealed blocks; head = least recently used."""
+
+    __slots__ = ("_head", "_tail", "_len")
+
+    def __init__(self) -> None:
+        self._head: Block | None = None
+        self._tail: Block | None = None
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _unlink(self, block: Block) -> None:
+        prev, nxt = block.lru_prev, block.lru_next
+        if prev is None:
+            self._head = nxt
+        else:
+            prev.lru_next = nxt
+        if nxt is None:
+            self._tail = prev
+        else:
+            nxt.lru_prev = prev
+        block.lru_prev = block.lru_next = None
+        self._len -= 1
+
+    def _append(self, block: Block) -> None:
+        block.lru_prev = self._tail
+        block.lru_next = None
+        if self._tail is None:
+            self._head = block
+        else:
+            self._tail.lru_next = block
+        self._tail = block
+        self._len += 1
+
+    def contains(self, block: Block) -> bool:
+        return block.lru_prev is not None or self._head is block
+
+    def touch(self, block: Block) -> None:
+        """Mark ``block`` most recently used (adds it if absent)."""
+        if self.contains(block):
+            self._unlink(block)
+        self._append(block)
+
+    def discard(self, block: Block) -> None:
+        if self.contains(block):
+            self._unlink(block)
+
+    def victims(self) -> Iterator[Block]:
+        """Evictable blocks, least recently used first. Safe against removal of the yielded block."""
+        block = self._head
+        while block is not None:
+            nxt = block.lru_next
+            if block.evictable:
+                yield block
+            block = nxt

@@ -1,0 +1,1 @@
+"""gRPC front end of the daemon: servicers, status mapping, process lifecycle."""

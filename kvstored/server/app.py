@@ -1,0 +1,173 @@
+"""The daemon process: parse flags, open the tiers, serve gRPC, shut down cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstored import config as config_mod
+from kvstored.config import Config, ConfigError
+from kvstored.copy import CopyEngine
+from kvstored.server import sdnotify
+from kvstored.server.servicer import KVStoreServicer
+from kvstored.store import BlockStore
+from kvstored.tiers.dram import Arena
+from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.version import __version__
+
+log = logging.getLogger("kvstored")
+SERVICE_NAME = "kvstored.v1.KVStore"
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="kvstored", description="KV-cache storage daemon for LLM inference.")
+    parser.add_argument("--config", help="TOML config file (default: /etc/kvstored/kvstored.toml if present)")
+    parser.add_argument("--socket", help="Unix socket path (server.socket)")
+    parser.add_argument("--tcp", help="additional TCP listener host:port (server.tcp)")
+    parser.add_argument("--dram-capacity", help="DRAM arena size, e.g. 4GiB (dram.capacity)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log.level")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override any config key (repeatable)")
+    parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    parser.add_argument("--version", action="version", version=f"kvstored {__version__}")
+    args = parser.parse_args(argv)
+    overrides = list(args.set)
+    for flag, key in (("socket", "server.socket"), ("tcp", "server.tcp"),
+                      ("dram_capacity", "dram.capacity"), ("log_level", "log.level")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    return args, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    try:
+        cfg = config_mod.load(args.config, overrides)
+    except ConfigError as exc:
+        print(f"kvstored: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import dataclasses
+        import json
+        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        return 0
+    logging.basicConfig(level=cfg.log.level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a hard dependency; keep running without it
+        runner = asyncio.run
+    try:
+        return runner(serve(cfg))
+    except StartupError as exc:
+        log.error("%s", exc)
+        return 1
+
+
+class StartupError(Exception):
+    """The daemon cannot start (socket in use, directory not ours, ...)."""
+
+
+def _prepare_socket(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.parent.stat().st_uid not in (os.getuid(), 0):
+        raise StartupError(f"{path.parent} belongs to another user; choose another server.socket")
+    if path.exists() or path.is_symlink():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path))
+            except OSError:
+                path.unlink()  # stale: left by a daemon that died
+            else:
+                raise StartupError(f"another kvstored is already listening on {path}")
+
+
+async def serve(cfg: Config) -> int:
+    """Run until SIGTERM/SIGINT; returns the exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    shutting_down = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    sock_path = Path(cfg.socket_path)
+    _prepare_socket(sock_path)
+    health_servicer = health.aio.HealthServicer()
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    old_umask = os.umask(0o777 & ~cfg.server.socket_mode)
+    try:
+        server.add_insecure_port(f"unix:{sock_path}")
+        if cfg.server.tcp:
+            if server.add_insecure_port(cfg.server.tcp) == 0:
+                raise StartupError(f"cannot listen on {cfg.server.tcp}")
+    finally:
+        os.umask(old_umask)
+
+    log.info("opening DRAM tier: %d MiB arena in %s", cfg.dram.capacity >> 20, cfg.dram.shm_dir)
+    try:
+        arena = Arena(cfg.dram.shm_dir, cfg.dram.capacity, cfg.server.socket_mode, cfg.dram.prefault)
+    except OSError as exc:
+        raise StartupError(f"cannot create the DRAM arena in {cfg.dram.shm_dir}: {exc}") from None
+    copy = CopyEngine(arena)
+    store = BlockStore(cfg, arena, copy)
+    pb_grpc.add_KVStoreServicer_to_server(
+        KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down), server)
+    await server.start()
+    os.chmod(sock_path, cfg.server.socket_mode)
+
+    async def reaper() -> None:
+        while True:
+            await asyncio.sleep(cfg.leases.reap_interval_s)
+            if n := store.reap():
+                log.info("expired %d lease(s)", n)
+
+    async def watchdog(interval: float) -> None:
+        while True:
+            sdnotify.notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+    tasks = [asyncio.ensure_future(reaper())]
+    interval = sdnotify.watchdog_interval_s()
+    if interval and cfg.server.watchdog:
+        tasks.append(asyncio.ensure_future(watchdog(interval)))
+
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    sdnotify.notify(f"READY=1\nSTATUS=serving on {sock_path}\nMAINPID={os.getpid()}")
+    log.info("kvstored %s serving on unix:%s%s", __version__, sock_path,
+             f" and {cfg.server.tcp}" if cfg.server.tcp else "")
+
+    await stop.wait()
+    log.info("shutting down: finishing in-flight calls")
+    sdnotify.notify("STOPPING=1")
+    await health_servicer.enter_graceful_shutdown()
+    shutting_down.set()  # ends session streams so clients see the shutdown
+    await server.stop(cfg.server.shutdown_grace_s)
+    for task in tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    copy.close()
+    arena.close()
+    with contextlib.suppress(FileNotFoundError):
+        sock_path.unlink()
+    log.info("stopped")
+    return 0

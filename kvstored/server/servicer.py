@@ -1,0 +1,151 @@
+"""The KVStore servicer: protobuf in, one domain call, protobuf out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from kvstored.buffers import TensorSource
+from kvstored.errors import InvalidArgument
+from kvstored.server.status import mapped
+from kvstored.store import BlockStore, KeyRequest
+from kvstored.tiers.dram import Arena
+from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.layout import TensorLayout
+from kvstored_client.namespace import Namespace
+from kvstored_client.version import __version__
+
+log = logging.getLogger("kvstored.server")
+
+
+def _keys(msg: pb.BlockKeys) -> KeyRequest:
+    return KeyRequest(list(msg.hashes), msg.token_ids, msg.cache_salt, msg.lora_name)
+
+
+def _spec_to_pb(spec: Namespace) -> pb.NamespaceSpec:
+    return pb.NamespaceSpec(model=spec.model, revision=spec.revision, kv_dtype=spec.kv_dtype,
+                            block_size=spec.block_size, layout=spec.layout, tp_rank=spec.tp_rank,
+                            tp_size=spec.tp_size, hash_algo=spec.hash_algo, hash_seed=spec.hash_seed,
+                            block_bytes=spec.block_bytes)
+
+
+def _spec_from_pb(msg: pb.NamespaceSpec) -> Namespace:
+    return Namespace(model=msg.model, revision=msg.revision, kv_dtype=msg.kv_dtype,
+                     block_size=msg.block_size, layout=msg.layout, tp_rank=msg.tp_rank,
+                     tp_size=msg.tp_size, hash_algo=msg.hash_algo, hash_seed=msg.hash_seed,
+                     block_bytes=msg.block_bytes)
+
+
+def _tensor(i: int, msg: pb.TensorDesc) -> TensorSource:
+    if len(msg.shape) != len(msg.strides):
+        raise InvalidArgument(f"tensors[{i}]: shape and strides differ in length")
+    return TensorSource(msg.shm_name, msg.offset,
+                        TensorLayout(tuple(msg.shape), tuple(msg.strides), msg.dtype, msg.block_dim))
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, store: BlockStore, arena: Arena, lease_ttl_s: float, max_batch_blocks: int,
+                 shutting_down: asyncio.Event) -> None:
+        self._store = store
+        self._arena = arena
+        self._lease_ttl_ms = int(lease_ttl_s * 1000)
+        self._max_batch = max_batch_blocks
+        self._shutting_down = shutting_down
+
+    @mapped
+    async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
+        return pb.HelloResponse(version=__version__, arena_path=str(self._arena.path),
+                                arena_bytes=self._arena.capacity, lease_ttl_ms=self._lease_ttl_ms,
+                                max_batch_blocks=self._max_batch)
+
+    async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        session = self._store.open_session(first.client_name, first.pid)
+        log.info("session %s opened by %s (pid %d)", session.session_id[:8], first.client_name, first.pid)
+        try:
+            await context.write(pb.SessionEvent(session_id=session.session_id))
+            reader = asyncio.ensure_future(context.read())
+            closing = asyncio.ensure_future(self._shutting_down.wait())
+            done, _ = await asyncio.wait({reader, closing}, return_when=asyncio.FIRST_COMPLETED)
+            if closing in done:
+                await context.write(pb.SessionEvent(session_id=session.session_id, closing=True))
+            for task in (reader, closing):
+                task.cancel()
+        finally:
+            # Client closed, died (the RPC is cancelled) or the daemon is stopping.
+            self._store.close_session(session.session_id)
+            log.info("session %s closed", session.session_id[:8])
+
+    @mapped
+    async def OpenNamespace(self, request: pb.OpenNamespaceRequest,
+                            context: grpc.aio.ServicerContext) -> pb.OpenNamespaceResponse:
+        state = self._store.open_namespace(_spec_from_pb(request.spec))
+        return pb.OpenNamespaceResponse(namespace_id=state.namespace_id, spec=_spec_to_pb(state.spec))
+
+    @mapped
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        r = self._store.lookup(request.namespace_id, _keys(request.keys), request.lease, request.session_id)
+        return pb.LookupResponse(hit_blocks=r.blocks, tiers=[int(t) for t in r.tiers], offsets=r.offsets,
+                                 lease_id=r.lease_id, lease_ttl_ms=int(r.lease_ttl_s * 1000),
+                                 block_bytes=r.block_bytes, block_size=r.block_size)
+
+    @mapped
+    async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        r = self._store.reserve(request.session_id, request.namespace_id, _keys(request.keys),
+                                request.block_bytes)
+        return pb.ReserveResponse(reservation_id=r.reservation_id, present_blocks=r.present,
+                                  offsets=r.offsets, ttl_ms=int(r.ttl_s * 1000))
+
+    @mapped
+    async def Seal(self, request: pb.SealRequest, context: grpc.aio.ServicerContext) -> pb.SealResponse:
+        return pb.SealResponse(sealed_blocks=self._store.seal(request.session_id, request.reservation_id))
+
+    @mapped
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        self._store.release(request.session_id, request.lease_id)
+        return pb.ReleaseResponse()
+
+    @mapped
+    async def RegisterBuffers(self, request: pb.RegisterBuffersRequest,
+                              context: grpc.aio.ServicerContext) -> pb.RegisterBuffersResponse:
+        sources = [_tensor(i, t) for i, t in enumerate(request.tensors)]
+        b = self._store.register_buffers(request.session_id, request.namespace_id, sources)
+        return pb.RegisterBuffersResponse(buffers_id=b.buffers_id, num_blocks=b.num_blocks,
+                                          block_bytes=b.block_bytes, layout=b.signature)
+
+    @mapped
+    async def UnregisterBuffers(self, request: pb.UnregisterBuffersRequest,
+                                context: grpc.aio.ServicerContext) -> pb.UnregisterBuffersResponse:
+        self._store.unregister_buffers(request.session_id, request.buffers_id)
+        return pb.UnregisterBuffersResponse()
+
+    @mapped
+    async def SaveBlocks(self, request: pb.SaveBlocksRequest,
+                         context: grpc.aio.ServicerContext) -> pb.SaveBlocksResponse:
+        present, stored = await self._store.save_blocks(
+            request.session_id, request.namespace_id, request.buffers_id, _keys(request.keys),
+            request.block_ids)
+        return pb.SaveBlocksResponse(present_blocks=present, stored_blocks=stored)
+
+    @mapped
+    async def LoadBlocks(self, request: pb.LoadBlocksRequest,
+                         context: grpc.aio.ServicerContext) -> pb.LoadBlocksResponse:
+        tiers = await self._store.load_blocks(request.session_id, request.namespace_id,
+                                              request.buffers_id, _keys(request.keys), request.block_ids)
+        return pb.LoadBlocksResponse(loaded_blocks=len(tiers), tiers=[int(t) for t in tiers])
+
+    @mapped
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        s = self._store.stats()
+        return pb.StatsResponse(
+            version=__version__, uptime_s=s.uptime_s,
+            tiers=[pb.TierStats(name=t.name, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
+                                blocks=t.blocks, evictions=t.evictions) for t in s.tiers],
+            lookups=s.lookups, lookup_blocks=s.lookup_blocks, hit_blocks=s.hit_blocks,
+            hit_tokens=s.hit_tokens, saved_blocks=s.saved_blocks, active_leases=s.active_leases,
+            clients=s.clients, namespaces=s.namespaces, index_blocks=s.index_blocks)

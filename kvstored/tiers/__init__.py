@@ -1,0 +1,1 @@
+"""Storage tiers: mechanism only (allocate, map, free); decisions live in kvstored.policy."""

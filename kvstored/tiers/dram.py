@@ -1,0 +1,128 @@
+"""The DRAM tier: one shared-memory arena, pre-faulted at start, carved into fixed-size slots.
+
+The arena is a file in the shared-memory directory that clients map too, so block bytes move by
+plain memory copies on the node. It is split into pages; a page serves slots of one size only
+(blocks of one payload size), and returns to the free pool when its last slot is freed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SLOT_ALIGN = 64  # a cache line: keeps every slot's copies aligned
+
+
+def slot_size(block_bytes: int) -> int:
+    """Bytes a block of ``block_bytes`` occupies in the arena."""
+    return -(-block_bytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+class Arena:
+    """A shared-memory file mapped read-write. ``close`` unmaps and unlinks it."""
+
+    def __init__(self, shm_dir: str, capacity: int, mode: int = 0o660, prefault: bool = True) -> None:
+        self.path = Path(shm_dir) / f"kvstored-{os.getpid()}-{secrets.token_hex(4)}"
+        self.capacity = capacity
+        old_umask = os.umask(0)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+        finally:
+            os.umask(old_umask)
+        try:
+            os.ftruncate(fd, capacity)
+            self._mmap = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
+        if prefault:
+            self._prefault()
+
+    def _prefault(self) -> None:
+        # A fresh page costs ~10x a copy into a warm one: pay it once, at start.
+        advice = getattr(mmap, "MADV_POPULATE_WRITE", None)
+        if advice is not None:
+            try:
+                self._mmap.madvise(advice)
+                return
+            except OSError:
+                pass
+        self.buf[:: mmap.PAGESIZE] = 0
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.buf[offset: offset + nbytes]
+
+    def close(self) -> None:
+        del self.buf
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping dies with the process
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass(slots=True)
+class _Page:
+    slot_bytes: int
+    free: list[int] = field(default_factory=list)
+    used: int = 0
+
+
+class SlotAllocator:
+    """Pages of ``page_bytes`` carved into slots of one size each; pure bookkeeping of offsets."""
+
+    def __init__(self, capacity: int, page_bytes: int) -> None:
+        assert capacity >= page_bytes > 0, "arena must hold at least one page"
+        self.page_bytes = page_bytes
+        self.num_pages = capacity // page_bytes
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._pages: dict[int, _Page] = {}
+        self._partial: dict[int, set[int]] = {}  # slot size -> pages with a free slot
+        self.used_bytes = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def alloc(self, slot_bytes: int) -> int | None:
+        """A free slot's offset, or None when no page of this size has room and no page is free."""
+        assert 0 < slot_bytes <= self.page_bytes, f"slot of {slot_bytes} B exceeds the page size"
+        partial = self._partial.setdefault(slot_bytes, set())
+        if not partial:
+            if not self._free_pages:
+                return None
+            index = self._free_pages.pop()
+            base = index * self.page_bytes
+            count = self.page_bytes // slot_bytes
+            self._pages[index] = _Page(slot_bytes, [base + k * slot_bytes for k in range(count - 1, -1, -1)])
+            partial.add(index)
+        index = next(iter(partial))
+        page = self._pages[index]
+        offset = page.free.pop()
+        page.used += 1
+        if not page.free:
+            partial.discard(index)
+        self.used_bytes += slot_bytes
+        return offset
+
+    def free(self, offset: int) -> None:
+        index = offset // self.page_bytes
+        page = self._pages.get(index)
+        assert page is not None, f"free of offset {offset} in an unassigned page"
+        page.free.append(offset)
+        page.used -= 1
+        self.used_bytes -= page.slot_bytes
+        if page.used == 0:
+            del self._pages[index]
+            self._partial[page.slot_bytes].discard(index)
+            self._free_pages.append(index)
+        else:
+            self._partial[page.slot_bytes].add(index)
