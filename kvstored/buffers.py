@@ -77,7 +77,8 @@ class RegisteredBuffers:
             end = src.offset + src.layout.extent_bytes
             if end > size:
                 raise InvalidArgument(f"{where}: tensor extends to byte {end} but {name!r} has {size}")
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            # Populate the page tables now: a copy into a page not yet mapped here costs far more.
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         self._maps.append(mm)

@@ -24,8 +24,18 @@ class Tier(enum.IntEnum):
 class Block:
     """One cached block. Mutable bookkeeping, kept small: there may be millions."""
 
-    __slots__ = ("key", "parent", "index", "children", "state", "pins", "offset", "tier",
-                 "lru_prev", "lru_next")
+    __slots__ = (
+        "children",
+        "index",
+        "key",
+        "lru_next",
+        "lru_prev",
+        "offset",
+        "parent",
+        "pins",
+        "state",
+        "tier",
+    )
 
     def __init__(self, key: bytes, parent: Block | None, index: PrefixIndex, offset: int) -> None:
         self.key = key

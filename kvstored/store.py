@@ -314,7 +314,7 @@ class BlockStore:
 
     def _evict_one(self, sb: int) -> bool:
         """Evict the least recently used evictable leaf, of this slot size first."""
-        order = [sb] + sorted((s for s in self._lru if s != sb), key=lambda s: -len(self._lru[s]))
+        order = [sb, *sorted((s for s in self._lru if s != sb), key=lambda s: -len(self._lru[s]))]
         for size in order:
             lru = self._lru.get(size)
             if lru is None:
@@ -451,7 +451,7 @@ class BlockStore:
         """Copy the longest cached prefix of a chain into engine buffers; returns its tiers."""
         session = self._session(session_id)
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id)
-        state, chain = self.resolve_keys(namespace_id, keys)
+        _, chain = self.resolve_keys(namespace_id, keys)
         self._check_block_ids(buffers, chain, block_ids)
         result = self.lookup(namespace_id, KeyRequest(hashes=chain), lease=True, session_id=session_id)
         if not result.blocks:

@@ -261,7 +261,7 @@ class Client:
         uint8 array (or ``dtype``) is returned. Raises LeaseExpired if the read outlived its lease.
         """
         ns_id, spec = self._ns(namespace)
-        keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
+        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
         started = time.monotonic()
         resp = self._call(self._stub.Lookup, pb.LookupRequest(
             namespace_id=ns_id, keys=keys, lease=True, session_id=self._session()))
@@ -300,7 +300,7 @@ class Client:
         A block's payload is each tensor indexed at the block along ``block_dim``, in order. The
         daemon maps them and copies blocks itself in ``save_blocks``/``load_blocks``.
         """
-        ns_id, spec = self._ns(namespace)
+        ns_id, _ = self._ns(namespace)
         dims = [block_dim] * len(tensors) if isinstance(block_dim, int) else list(block_dim)
         if len(dims) != len(tensors):
             raise InvalidArgument("one block_dim per tensor")

@@ -41,7 +41,9 @@ class SharedTensor:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
             os.ftruncate(fd, max(self.nbytes, 1))
-            self._mmap = mmap.mmap(fd, max(self.nbytes, 1), flags=mmap.MAP_SHARED)
+            # Allocate and map every page up front, like an engine's KV pool is at start.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._mmap = mmap.mmap(fd, max(self.nbytes, 1), flags=flags)
         finally:
             os.close(fd)
         self.bytes = np.frombuffer(self._mmap, dtype=np.uint8, count=self.nbytes)
@@ -87,7 +89,7 @@ def describe(array: Any, block_dim: int) -> Placement:
 
     Raises ValueError when it is not inside a live :class:`SharedTensor` of this process.
     """
-    address, shape, strides, dtype, itemsize = _array_info(array)
+    address, shape, strides, dtype = _array_info(array)
     for base, owner in list(_live.items()):
         if base <= address < base + owner.nbytes:
             layout = TensorLayout(shape, strides, dtype, block_dim)
@@ -99,19 +101,19 @@ def describe(array: Any, block_dim: int) -> Placement:
                      "(CUDA tensors need the cuda extra)")
 
 
-def _array_info(array: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], str, int]:
+def _array_info(array: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], str]:
     if isinstance(array, np.ndarray):
         item = array.itemsize
         if any(s % item for s in array.strides):
             raise ValueError("strides must be whole elements")
         return (array.ctypes.data, tuple(array.shape), tuple(s // item for s in array.strides),
-                _numpy_dtype_name(array.dtype), item)
+                _numpy_dtype_name(array.dtype))
     # torch.Tensor, duck-typed so torch stays optional
     if hasattr(array, "data_ptr") and hasattr(array, "stride"):
         if array.device.type != "cpu":
             raise ValueError(f"{array.device} tensors need the CUDA path (cuda extra)")
         name = str(array.dtype).removeprefix("torch.")
-        return (array.data_ptr(), tuple(array.shape), tuple(array.stride()), name, array.element_size())
+        return array.data_ptr(), tuple(array.shape), tuple(array.stride()), name
     raise TypeError(f"expected a numpy array or torch tensor, got {type(array).__name__}")
 
 

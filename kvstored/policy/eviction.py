@@ -16,7 +16,7 @@ from kvstored.index import Block
 class LRUOrder:
     """Recency list of sealed blocks; head = least recently used."""
 
-    __slots__ = ("_head", "_tail", "_len")
+    __slots__ = ("_head", "_len", "_tail")
 
     def __init__(self) -> None:
         self._head: Block | None = None

@@ -65,13 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=cfg.log.level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+
     try:
-        import uvloop
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a hard dependency; keep running without it
-        runner = asyncio.run
-    try:
-        return runner(serve(cfg))
+        return uvloop.run(serve(cfg))
     except StartupError as exc:
         log.error("%s", exc)
         return 1

@@ -9,6 +9,7 @@ import grpc
 
 from kvstored.buffers import TensorSource
 from kvstored.errors import InvalidArgument
+from kvstored.index import Tier
 from kvstored.server.status import mapped
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
@@ -19,6 +20,7 @@ from kvstored_client.namespace import Namespace
 from kvstored_client.version import __version__
 
 log = logging.getLogger("kvstored.server")
+_TIER_PB = {Tier.DRAM: pb.TIER_DRAM}
 
 
 def _keys(msg: pb.BlockKeys) -> KeyRequest:
@@ -90,7 +92,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @mapped
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         r = self._store.lookup(request.namespace_id, _keys(request.keys), request.lease, request.session_id)
-        return pb.LookupResponse(hit_blocks=r.blocks, tiers=[int(t) for t in r.tiers], offsets=r.offsets,
+        return pb.LookupResponse(hit_blocks=r.blocks, tiers=[_TIER_PB[t] for t in r.tiers], offsets=r.offsets,
                                  lease_id=r.lease_id, lease_ttl_ms=int(r.lease_ttl_s * 1000),
                                  block_bytes=r.block_bytes, block_size=r.block_size)
 
@@ -137,7 +139,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                          context: grpc.aio.ServicerContext) -> pb.LoadBlocksResponse:
         tiers = await self._store.load_blocks(request.session_id, request.namespace_id,
                                               request.buffers_id, _keys(request.keys), request.block_ids)
-        return pb.LoadBlocksResponse(loaded_blocks=len(tiers), tiers=[int(t) for t in tiers])
+        return pb.LoadBlocksResponse(loaded_blocks=len(tiers), tiers=[_TIER_PB[t] for t in tiers])
 
     @mapped
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:

@@ -1,0 +1,108 @@
+"""Shared fixtures: real daemons in subprocesses on sockets in a per-test temp directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Daemon:
+    """A kvstored process started for a test."""
+
+    socket: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def wait_serving(socket: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Poll the gRPC health service until SERVING; fail if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(f"unix:{socket}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvstored exited with {proc.returncode} before serving")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+    raise TimeoutError("kvstored did not become SERVING in time")
+
+
+def start_daemon(tmp: Path, *extra: str, env: dict[str, str] | None = None, wait: bool = True,
+                 name: str = "kv") -> Daemon:
+    tmp.mkdir(parents=True, exist_ok=True)
+    socket = str(tmp / f"{name}.sock")
+    log_path = tmp / f"{name}.log"
+    args = [sys.executable, "-m", "kvstored", "--socket", socket, "--dram-capacity", "64MiB",
+            "--set", "dram.page_bytes=1MiB", "--set", "log.level=debug", *extra]
+    full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "KVSTORED_SOCKET")}
+    full_env.update(env or {})
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+    daemon = Daemon(socket, proc, log_path, args)
+    if wait:
+        try:
+            wait_serving(socket, proc)
+        except BaseException:
+            daemon.stop(signal.SIGKILL)
+            raise RuntimeError(f"daemon failed to start:\n{daemon.log()}") from None
+    return daemon
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[object]:
+    started: list[Daemon] = []
+
+    def factory(*extra: str, **kwargs: object) -> Daemon:
+        d = start_daemon(tmp_path / f"d{len(started)}", *extra, **kwargs)  # type: ignore[arg-type]
+        started.append(d)
+        return d
+
+    yield factory
+    for d in started:
+        d.stop()
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> Daemon:  # type: ignore[no-untyped-def]
+    return daemon_factory()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> Iterator[object]:
+    import kvstored
+
+    c = kvstored.Client(daemon.socket)
+    yield c
+    c.close()

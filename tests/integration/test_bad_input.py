@@ -1,0 +1,157 @@
+"""Bad input gets a clear status and changes nothing (raw protobuf against a real daemon)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+import kvstored
+from kvstored_client._proto import kvstored_pb2 as pb
+
+
+class Raw:
+    """A client plus its raw stub and session, for requests the SDK would refuse to send."""
+
+    def __init__(self, socket: str) -> None:
+        self.client = kvstored.Client(socket)
+        self.stub = self.client._stub
+        self.session = self.client._session()
+        self.client.save(np.arange(64), np.ones((4, 512), np.uint8))  # fixes 512-byte blocks
+        self.ns = self.client._ns(None)[0]
+
+    def state(self) -> dict[str, Any]:
+        st = self.client.stats()
+        for key in ("uptime_s", "lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "clients"):
+            st.pop(key)
+        return st
+
+    def expect(self, code: grpc.StatusCode, needle: str, method: Any, request: Any) -> None:
+        before = self.state()
+        with pytest.raises(grpc.RpcError) as info:
+            method(request, timeout=10)
+        assert info.value.code() == code, info.value.details()
+        assert needle in info.value.details()
+        assert self.state() == before, "a refused call changed the store"
+
+
+@pytest.fixture
+def raw(daemon) -> Iterator[Raw]:  # type: ignore[no-untyped-def]
+    r = Raw(daemon.socket)
+    yield r
+    r.client.close()
+
+
+def keys(n: int, start: int = 1000) -> pb.BlockKeys:
+    return pb.BlockKeys(hashes=kvstored.block_hashes(np.arange(start, start + 16 * n)))
+
+
+def test_wrong_payload_size(raw: Raw) -> None:
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "512 bytes; got 100", raw.stub.Reserve,
+               pb.ReserveRequest(session_id=raw.session, namespace_id=raw.ns, keys=keys(2), block_bytes=100))
+
+
+def test_sdk_refuses_rows_that_do_not_cover_the_blocks(raw: Raw) -> None:
+    before = raw.state()
+    with pytest.raises(kvstored.InvalidArgument, match="1 rows for 3 blocks"):
+        raw.client.save(np.arange(48), np.ones((1, 512), np.uint8))
+    with pytest.raises(kvstored.InvalidArgument, match="512 bytes; got 256"):
+        raw.client.save(np.arange(5000, 5048), np.ones((3, 256), np.uint8))
+    assert raw.state() == before
+
+
+def test_unknown_namespace(raw: Raw) -> None:
+    raw.expect(grpc.StatusCode.NOT_FOUND, "unknown namespace", raw.stub.Lookup,
+               pb.LookupRequest(namespace_id=424242, keys=keys(1)))
+
+
+def test_partial_tail_is_ignored(raw: Raw) -> None:
+    resp = raw.stub.Lookup(pb.LookupRequest(namespace_id=raw.ns, keys=pb.BlockKeys(
+        token_ids=list(range(64 + 15)))))
+    assert resp.hit_blocks == 4  # 79 tokens = 4 whole blocks + an ignored tail of 15
+    resp = raw.stub.Lookup(pb.LookupRequest(namespace_id=raw.ns, keys=pb.BlockKeys(token_ids=list(range(15)))))
+    assert resp.hit_blocks == 0
+
+
+def test_oversized_batch(raw: Raw) -> None:
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "max_batch_blocks", raw.stub.Reserve,
+               pb.ReserveRequest(session_id=raw.session, namespace_id=raw.ns, block_bytes=512,
+                                 keys=pb.BlockKeys(hashes=[bytes(32)] * 16385)))
+
+
+def test_malformed_hash_and_both_key_kinds(raw: Raw) -> None:
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "has 3 bytes", raw.stub.Reserve,
+               pb.ReserveRequest(session_id=raw.session, namespace_id=raw.ns, block_bytes=512,
+                                 keys=pb.BlockKeys(hashes=[b"abc"])))
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "not both", raw.stub.Lookup,
+               pb.LookupRequest(namespace_id=raw.ns, keys=pb.BlockKeys(hashes=[bytes(32)], token_ids=[1] * 16)))
+
+
+def test_bad_namespace_spec(raw: Raw) -> None:
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "block_size", raw.stub.OpenNamespace,
+               pb.OpenNamespaceRequest(spec=pb.NamespaceSpec(model="x", block_size=0, hash_algo="sha256_cbor")))
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "hash_algo", raw.stub.OpenNamespace,
+               pb.OpenNamespaceRequest(spec=pb.NamespaceSpec(model="x", block_size=16, hash_algo="md5")))
+
+
+@pytest.mark.parametrize(("tensor", "needle"), [
+    (dict(shm_name="../etc/passwd", shape=[4, 16], strides=[16, 1], dtype="float16"), "plain file name"),
+    (dict(shm_name="kvstored-no-such-buffer", shape=[4, 16], strides=[16, 1], dtype="float16"), "cannot open"),
+    (dict(shm_name="SHM", shape=[4, 16], strides=[16, 1], dtype="complex64"), "unsupported dtype"),
+    (dict(shm_name="SHM", shape=[4, 16], strides=[16], dtype="float16"), "differ in length"),
+    (dict(shm_name="SHM", shape=[4, 16], strides=[16, 1], dtype="float16", block_dim=2), "block_dim"),
+    (dict(shm_name="SHM", shape=[400, 16], strides=[16, 1], dtype="float16"), "extends to byte"),
+    (dict(shm_name="SHM", shape=[4, 16], strides=[16, -1], dtype="float16"), "non-negative"),
+    (dict(shm_name="SHM", shape=[4, 8], strides=[8, 1], dtype="float16"), "512 bytes; got 16"),
+])
+def test_invalid_buffer_descriptors(raw: Raw, tensor: dict[str, Any], needle: str) -> None:
+    buf = kvstored.shm.empty((4, 256), "float16")  # 2 KiB file
+    if tensor["shm_name"] == "SHM":
+        tensor = {**tensor, "shm_name": buf.name}
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, needle, raw.stub.RegisterBuffers,
+               pb.RegisterBuffersRequest(session_id=raw.session, namespace_id=raw.ns,
+                                         tensors=[pb.TensorDesc(**tensor)]))
+
+
+def test_block_ids_out_of_range_and_count_mismatch(raw: Raw) -> None:
+    buf = kvstored.shm.empty((4, 256), "float16")
+    b = raw.client.register_buffers([buf.numpy()], block_dim=0)
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "out of range", raw.stub.SaveBlocks,
+               pb.SaveBlocksRequest(session_id=raw.session, namespace_id=raw.ns, buffers_id=b.buffers_id,
+                                    keys=keys(2), block_ids=[0, 9]))
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "1 block ids for 2 blocks", raw.stub.LoadBlocks,
+               pb.LoadBlocksRequest(session_id=raw.session, namespace_id=raw.ns, buffers_id=b.buffers_id,
+                                    keys=keys(2), block_ids=[0]))
+    raw.expect(grpc.StatusCode.NOT_FOUND, "unknown buffers", raw.stub.SaveBlocks,
+               pb.SaveBlocksRequest(session_id=raw.session, namespace_id=raw.ns, buffers_id=999,
+                                    keys=keys(1), block_ids=[0]))
+
+
+def test_unknown_session_and_reservation(raw: Raw) -> None:
+    raw.expect(grpc.StatusCode.FAILED_PRECONDITION, "unknown session", raw.stub.Reserve,
+               pb.ReserveRequest(session_id="forged", namespace_id=raw.ns, keys=keys(1), block_bytes=512))
+    raw.expect(grpc.StatusCode.NOT_FOUND, "unknown reservation", raw.stub.Seal,
+               pb.SealRequest(session_id=raw.session, reservation_id=31337))
+
+
+def test_calls_after_expiry(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--set", "leases.ttl_s=0.2", "--set", "leases.reservation_ttl_s=0.2",
+                       "--set", "leases.reap_interval_s=0.05")
+    raw = Raw(d.socket)
+    try:
+        res = raw.stub.Reserve(pb.ReserveRequest(session_id=raw.session, namespace_id=raw.ns,
+                                                 keys=keys(2), block_bytes=512))
+        lease = raw.stub.Lookup(pb.LookupRequest(namespace_id=raw.ns, lease=True, session_id=raw.session,
+                                                 keys=pb.BlockKeys(hashes=kvstored.block_hashes(np.arange(64)))))
+        time.sleep(0.5)
+        raw.expect(grpc.StatusCode.FAILED_PRECONDITION, "expired before it was sealed", raw.stub.Seal,
+                   pb.SealRequest(session_id=raw.session, reservation_id=res.reservation_id))
+        raw.expect(grpc.StatusCode.FAILED_PRECONDITION, "expired before it was released", raw.stub.Release,
+                   pb.ReleaseRequest(session_id=raw.session, lease_id=lease.lease_id))
+        assert raw.client.lookup(np.arange(1000, 1032)).blocks == 0  # nothing half-written is visible
+    finally:
+        raw.client.close()

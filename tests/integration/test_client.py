@@ -1,0 +1,199 @@
+"""The SDK against a real daemon: save, reuse, load, engine buffers, leases, client death."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import kvstored
+from kvstored import Namespace
+
+
+def rows(n: int, width: int = 1024, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, size=(n, width), dtype=np.uint8)
+
+
+def test_save_then_reuse_prefix_then_load(client) -> None:  # type: ignore[no-untyped-def]
+    system = np.arange(16 * 8)
+    first = np.concatenate([system, np.arange(5000, 5000 + 16 * 2 + 5)])  # 10 blocks + 5-token tail
+    kv = rows(10)
+    assert client.lookup(first).tokens == 0
+    saved = client.save(first, kv)
+    assert (saved.present, saved.stored, saved.tokens) == (0, 10, 160)
+    second = np.concatenate([system, np.arange(9000, 9000 + 16 * 3)])
+    hit = client.lookup(second)
+    assert (hit.tokens, hit.blocks, hit.per_tier) == (128, 8, {"dram": 8})
+    loaded = client.load(second)
+    assert loaded.blocks == 8 and np.array_equal(loaded.data, kv[:8])
+    # the second request saves only its own suffix
+    again = client.save(second, np.concatenate([kv[:8], rows(3, seed=1)]))
+    assert (again.present, again.stored) == (8, 3)
+
+
+def test_load_into_out_and_by_engine_hashes(client) -> None:  # type: ignore[no-untyped-def]
+    tokens = list(range(16 * 4))
+    kv = rows(4, 4096)
+    client.save(tokens, kv)
+    out = np.zeros((8, 4096), dtype=np.uint8)
+    res = client.load(hashes=kvstored.block_hashes(tokens), out=out)
+    assert res.blocks == 4 and np.shares_memory(res.data, out) and np.array_equal(out[:4], kv)
+    assert not out[4:].any()
+
+
+def test_torch_tensors_round_trip(client) -> None:  # type: ignore[no-untyped-def]
+    ns = Namespace(model="tiny-llama", kv_dtype="bfloat16")
+    kv = torch.randn(3, 2, 16, 4, 8).to(torch.bfloat16)  # (blocks, K/V, tokens, heads, dim)
+    tokens = torch.arange(48)
+    assert client.save(tokens, kv, namespace=ns).stored == 3
+    out = torch.zeros_like(kv)
+    res = client.load(tokens, out=out, namespace=ns)
+    assert res.blocks == 3 and torch.equal(out, kv)
+
+
+def test_namespaces_never_mix(client) -> None:  # type: ignore[no-untyped-def]
+    tokens = list(range(32))
+    client.save(tokens, rows(2), namespace=Namespace(model="a"))
+    assert client.lookup(tokens, namespace=Namespace(model="b")).blocks == 0
+    assert client.lookup(tokens, namespace=Namespace(model="a", tp_rank=1, tp_size=2)).blocks == 0
+    assert client.lookup(tokens, namespace=Namespace(model="a")).blocks == 2
+
+
+def test_tenant_salt_isolates_prefixes(daemon) -> None:  # type: ignore[no-untyped-def]
+    with kvstored.Client(daemon.socket, cache_salt="tenant-a") as a, \
+            kvstored.Client(daemon.socket, cache_salt="tenant-b") as b:
+        a.save(list(range(32)), rows(2))
+        assert a.lookup(list(range(32))).blocks == 2
+        assert b.lookup(list(range(32))).blocks == 0
+
+
+@pytest.mark.parametrize("layout", ["vllm_flash", "block_first", "sglang_pages"])
+def test_registered_buffers_save_and_load_blocks(client, layout: str) -> None:  # type: ignore[no-untyped-def]
+    layers, nblocks, bs, heads, dim = 3, 12, 16, 2, 8
+    ns = Namespace(model=f"m-{layout}", kv_dtype="float16")
+    if layout == "vllm_flash":  # per layer (2, num_blocks, block_size, heads, dim)
+        shape, dim_of_block = (2, nblocks, bs, heads, dim), 1
+        src = [kvstored.shm.empty(shape, "float16") for _ in range(layers)]
+        dst = [kvstored.shm.empty(shape, "float16") for _ in range(layers)]
+    elif layout == "block_first":  # per layer (num_blocks, 2, block_size, heads, dim)
+        shape, dim_of_block = (nblocks, 2, bs, heads, dim), 0
+        src = [kvstored.shm.empty(shape, "float16") for _ in range(layers)]
+        dst = [kvstored.shm.empty(shape, "float16") for _ in range(layers)]
+    else:  # one buffer for all layers: (num_pages, layers, 2, page, heads, dim)
+        shape, dim_of_block = (nblocks, layers, 2, bs, heads, dim), 0
+        src = [kvstored.shm.empty(shape, "float16")]
+        dst = [kvstored.shm.empty(shape, "float16")]
+    rng = np.random.default_rng(3)
+    for t in src:
+        t.numpy()[...] = rng.standard_normal(t.shape).astype(np.float16)
+    b_src = client.register_buffers([t.numpy() for t in src], dim_of_block, namespace=ns)
+    b_dst = client.register_buffers([t.numpy() for t in dst], dim_of_block, namespace=ns)
+    assert b_src.num_blocks == nblocks and b_src.layout == b_dst.layout
+    tokens = np.arange(16 * 4 + 3)
+    saved = client.save_blocks(b_src, [7, 2, 9, 4], tokens)
+    assert (saved.present, saved.stored) == (0, 4)
+    loaded = client.load_blocks(b_dst, [0, 1, 2, 3], tokens)
+    assert loaded.blocks == 4
+    for s, d in zip(src, dst):
+        a, b = s.numpy(), d.numpy()
+        take = (slice(None),) * dim_of_block
+        for i, j in zip([7, 2, 9, 4], [0, 1, 2, 3]):
+            assert np.array_equal(a[(*take, i)], b[(*take, j)])
+        untouched = [k for k in range(nblocks) if k not in (0, 1, 2, 3)]
+        assert not b[(*take, untouched)].any()
+    # bytes saved through buffers are readable as rows through the direct path, and vice versa
+    assert client.load(tokens, namespace=ns).blocks == 4
+    client.unregister_buffers(b_src)
+    with pytest.raises(kvstored.NotFound):
+        client.save_blocks(b_src, [0], np.arange(16))
+
+
+def test_torch_shared_buffers_register(client) -> None:  # type: ignore[no-untyped-def]
+    buf = kvstored.shm.empty((2, 6, 16, 2, 4), "bfloat16")
+    t = buf.torch()
+    t.copy_(torch.randn(t.shape).to(torch.bfloat16))
+    ns = Namespace(model="torch-buf", kv_dtype="bfloat16")
+    b = client.register_buffers([t], block_dim=1, namespace=ns)
+    assert b.layout == "bfloat16[2, 16, 2, 4]"
+    client.save_blocks(b, [5], list(range(16)))
+    other = kvstored.shm.empty((2, 6, 16, 2, 4), "bfloat16")
+    b2 = client.register_buffers([other.torch()], block_dim=1, namespace=ns)
+    client.load_blocks(b2, [0], list(range(16)))
+    assert torch.equal(other.torch()[:, 0], t[:, 5])
+
+
+def test_lru_eviction_under_pressure(client) -> None:  # type: ignore[no-untyped-def]
+    # the test daemon has a 64 MiB arena in 1 MiB pages; blocks of 256 KiB -> 256 slots
+    width = 256 << 10
+    kept = np.arange(16 * 16)
+    client.save(kept, rows(16, width))
+    for i in range(30):  # 30 x 16 blocks = 480 blocks through a 256-block tier
+        client.save(np.arange(16 * 16) + 100_000 * (i + 1), rows(16, width, seed=i))
+        assert client.lookup(kept).blocks == 16  # recently used: survives
+    st = client.stats()
+    assert int(st["tiers"][0]["evictions"]) > 0
+    assert int(st["tiers"][0]["used_bytes"]) <= int(st["tiers"][0]["capacity_bytes"])
+    assert client.lookup(np.arange(16 * 16) + 100_000).blocks == 0  # the oldest went first
+
+
+def test_dead_client_leases_are_released(daemon) -> None:  # type: ignore[no-untyped-def]
+    with kvstored.Client(daemon.socket) as c:
+        c.save(np.arange(32), rows(2))
+    code = f"""
+import time
+import numpy as np
+import kvstored
+from kvstored_client._proto import kvstored_pb2 as pb
+c = kvstored.Client({daemon.socket!r})
+keys = pb.BlockKeys(hashes=kvstored.block_hashes(np.arange(32)))
+c._stub.Lookup(pb.LookupRequest(namespace_id=c._ns(None)[0], lease=True, session_id=c._session(), keys=keys))
+print("leased", flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "leased"
+        with kvstored.Client(daemon.socket) as c:
+            st = c.stats()
+            assert int(st["active_leases"]) == 1 and int(st["clients"]) == 1
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and int(c.stats()["active_leases"]):
+                time.sleep(0.05)
+            st = c.stats()
+            assert int(st["active_leases"]) == 0 and int(st["clients"]) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_lease_expiry_is_reported(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--set", "leases.ttl_s=0.3", "--set", "leases.reap_interval_s=0.05")
+    from kvstored_client._proto import kvstored_pb2 as pb
+
+    with kvstored.Client(d.socket) as c:
+        c.save(np.arange(32), rows(2))
+        ns_id = c._ns(None)[0]
+        resp = c._stub.Lookup(pb.LookupRequest(namespace_id=ns_id, lease=True, session_id=c._session(),
+                                               keys=pb.BlockKeys(hashes=kvstored.block_hashes(np.arange(32)))))
+        assert resp.hit_blocks == 2
+        time.sleep(0.6)
+        with pytest.raises(kvstored.LeaseExpired, match="expired"):
+            c._call(c._stub.Release, pb.ReleaseRequest(session_id=c._session(), lease_id=resp.lease_id))
+        assert int(c.stats()["active_leases"]) == 0
+
+
+def test_session_survives_daemon_restart(daemon_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory()
+    c = kvstored.Client(d.socket)
+    c.save(np.arange(32), rows(2))
+    d.stop()
+    with pytest.raises(kvstored.DaemonNotRunning):
+        c.lookup(np.arange(32))
+    c.close()

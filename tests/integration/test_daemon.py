@@ -1,0 +1,145 @@
+"""The daemon process: health, socket mode, config errors, SIGTERM, sd_notify, stale sockets."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import kvstored
+from conftest import ROOT, start_daemon
+
+
+def test_serving_with_socket_mode_0660(daemon) -> None:  # type: ignore[no-untyped-def]
+    assert stat.S_IMODE(os.stat(daemon.socket).st_mode) == 0o660
+    with grpc.insecure_channel(f"unix:{daemon.socket}") as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="kvstored.v1.KVStore"), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_config_error_names_the_key_and_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "k.toml"
+    bad.write_text("[dram]\ncapacityy = 1\n")
+    proc = subprocess.run([sys.executable, "-m", "kvstored", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "dram.capacityy: unknown key" in proc.stderr
+
+
+def test_print_config_shows_effective_values() -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvstored", "--config", str(ROOT / "systemd" / "kvstored.toml"),
+                           "--dram-capacity", "3GiB", "--print-config"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert '"capacity": 3221225472' in proc.stdout
+
+
+def test_sigterm_finishes_in_flight_calls_and_exits_0(daemon) -> None:  # type: ignore[no-untyped-def]
+    client = kvstored.Client(daemon.socket)
+    tokens = np.arange(16 * 64)
+    kv = np.ones((64, 1 << 16), dtype=np.uint8)  # 64 blocks of 64 KiB
+    errors: list[BaseException] = []
+    results: list[object] = []
+
+    def saver() -> None:
+        try:
+            for i in range(20):
+                results.append(client.save(tokens + i * 100_000, kv))
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=saver)
+    t.start()
+    while not results and t.is_alive():
+        time.sleep(0.01)
+    assert daemon.stop(signal.SIGTERM) == 0
+    t.join(30)
+    client.close()
+    # Every call either completed or failed cleanly with the daemon gone: no hang, no crash.
+    assert results
+    for exc in errors:
+        assert isinstance(exc, kvstored.KVStoreError), repr(exc)
+    assert not os.path.exists(daemon.socket)
+    assert "stopped" in daemon.log()
+
+
+def test_sd_notify_ready_and_stopping(tmp_path: Path) -> None:
+    notify_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(notify_path)
+    sock.settimeout(30)
+    try:
+        d = start_daemon(tmp_path / "d", env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "200000"})
+        messages = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any("READY=1" in m for m in messages):
+            messages.append(sock.recv(4096).decode())
+        assert any("READY=1" in m for m in messages)
+        while time.monotonic() < deadline and not any("WATCHDOG=1" in m for m in messages):
+            messages.append(sock.recv(4096).decode())
+        assert any("WATCHDOG=1" in m for m in messages)
+        assert d.stop() == 0
+        while time.monotonic() < deadline and not any("STOPPING=1" in m for m in messages):
+            messages.append(sock.recv(4096).decode())
+        assert any("STOPPING=1" in m for m in messages)
+    finally:
+        sock.close()
+
+
+def test_stale_socket_is_replaced_and_live_one_refused(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path / "a")
+    try:
+        second = start_daemon(tmp_path / "a", wait=False, name="kv")
+        assert second.proc.wait(60) == 1
+        assert "already listening" in second.log()
+    finally:
+        d.stop(signal.SIGKILL)
+    assert os.path.exists(d.socket)  # left behind by the killed daemon
+    again = start_daemon(tmp_path / "a")
+    try:
+        with kvstored.Client(again.socket) as c:
+            assert c.stats()["version"] == kvstored.__version__
+    finally:
+        again.stop()
+
+
+def test_client_error_when_daemon_not_running(tmp_path: Path) -> None:
+    with pytest.raises(kvstored.DaemonNotRunning, match="Start one with `kvstored`"):
+        kvstored.Client(str(tmp_path / "nobody.sock"))
+
+
+def test_defaults_socket_from_runtime_dir(tmp_path: Path) -> None:
+    """`kvstored` and `kvstored.Client()` with no arguments meet at the default socket."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVSTORED_SOCKET", "NOTIFY_SOCKET")}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "kvstored", "--dram-capacity", "32MiB"], env=env,
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        sock = tmp_path / "kvstored" / "kvstored.sock"
+        code = ("import kvstored, numpy as np; c = kvstored.Client(); "
+                "print(c.save(np.arange(32), np.zeros((2, 100), np.uint8)).stored, c.socket)")
+        deadline = time.monotonic() + 30
+        out = None
+        while time.monotonic() < deadline:
+            run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                 timeout=60)
+            if run.returncode == 0:
+                out = run.stdout.split()
+                break
+            time.sleep(0.2)
+        assert out == ["2", str(sock)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

@@ -1,0 +1,227 @@
+"""The block store with an injected clock: visibility, leases, expiry, eviction, sessions."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstored import config
+from kvstored.copy import CopyEngine
+from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstored.store import BlockStore, KeyRequest
+from kvstored.tiers.dram import Arena
+from kvstored_client.hashing import block_hashes
+from kvstored_client.namespace import Namespace
+
+BLOCK = 4096  # bytes per block; pages of 16 KiB hold 4 blocks
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
+    cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False},
+                        "leases": {"ttl_s": 10.0, "reservation_ttl_s": 20.0}})
+    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
+    copy = CopyEngine(arena)
+    clock = Clock()
+    ids = iter(range(1, 1000))
+    store = BlockStore(cfg, arena, copy, clock=clock, new_session_id=lambda: f"s{next(ids)}")
+    yield store, clock
+    copy.close()
+    arena.close()
+
+
+def chain(n: int, start: int = 0) -> list[bytes]:
+    return block_hashes(list(range(start, start + 16 * n)))
+
+
+def save(store: BlockStore, sid: str, ns: int, keys: list[bytes]) -> int:
+    r = store.reserve(sid, ns, KeyRequest(hashes=keys), BLOCK)
+    return store.seal(sid, r.reservation_id)
+
+
+def test_blocks_visible_only_after_seal(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    s = store.open_session("t", 1)
+    ns = store.open_namespace(Namespace()).namespace_id
+    keys = chain(3)
+    r = store.reserve(s.session_id, ns, KeyRequest(hashes=keys), BLOCK)
+    assert r.present == 0 and len(r.offsets) == 3
+    assert store.lookup(ns, KeyRequest(hashes=keys)).blocks == 0
+    assert store.seal(s.session_id, r.reservation_id) == 3
+    assert store.lookup(ns, KeyRequest(hashes=keys)).blocks == 3
+    # a longer prompt with the same prefix reserves only the new tail
+    r2 = store.reserve(s.session_id, ns, KeyRequest(hashes=chain(5)), BLOCK)
+    assert r2.present == 3 and len(r2.offsets) == 2
+
+
+def test_token_ids_and_hashes_name_the_same_blocks(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    s = store.open_session("t", 1)
+    ns = store.open_namespace(Namespace()).namespace_id
+    save(store, s.session_id, ns, chain(2))
+    assert store.lookup(ns, KeyRequest(token_ids=list(range(40)))).blocks == 2  # tail of 8 ignored
+
+
+def test_wrong_payload_size_changes_nothing(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    s = store.open_session("t", 1)
+    ns = store.open_namespace(Namespace()).namespace_id
+    save(store, s.session_id, ns, chain(1))
+    before = store.stats()
+    with pytest.raises(InvalidArgument, match="4096 bytes; got 100"):
+        store.reserve(s.session_id, ns, KeyRequest(hashes=chain(2)), 100)
+    assert store.stats() == before
+
+
+def test_read_lease_expires_and_release_says_so(env: tuple[BlockStore, Clock]) -> None:
+    store, clock = env
+    s = store.open_session("t", 1)
+    ns = store.open_namespace(Namespace()).namespace_id
+    save(store, s.session_id, ns, chain(2))
+    r = store.lookup(ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s.session_id)
+    assert store.stats().active_leases == 1
+    clock.now += 11
+    assert store.reap() == 1
+    assert store.stats().active_leases == 0
+    with pytest.raises(FailedPrecondition, match="expired"):
+        store.release(s.session_id, r.lease_id)
+    with pytest.raises(NotFound):
+        store.release(s.session_id, 99999)
+
+
+def test_reservation_expiry_drops_unsealed_blocks(env: tuple[BlockStore, Clock]) -> None:
+    store, clock = env
+    s = store.open_session("t", 1)
+    ns = store.open_namespace(Namespace()).namespace_id
+    r = store.reserve(s.session_id, ns, KeyRequest(hashes=chain(2)), BLOCK)
+    clock.now += 21
+    store.reap()
+    with pytest.raises(FailedPrecondition, match="expired"):
+        store.seal(s.session_id, r.reservation_id)
+    assert store.stats().index_blocks == 0 and store.stats().tiers[0].used_bytes == 0
+
+
+def test_leased_blocks_are_never_evicted(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    s = store.open_session("t", 1)
+    ns = store.open_namespace(Namespace()).namespace_id
+    a, b = chain(4, 0), chain(4, 10_000)
+    save(store, s.session_id, ns, a)
+    save(store, s.session_id, ns, b)  # the arena (8 blocks) is full
+    store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=s.session_id)
+    c = chain(4, 20_000)
+    assert save(store, s.session_id, ns, c) == 4  # evicts b, the unleased one
+    assert store.lookup(ns, KeyRequest(hashes=a)).blocks == 4
+    assert store.lookup(ns, KeyRequest(hashes=b)).blocks == 0
+    store.lookup(ns, KeyRequest(hashes=c), lease=True, session_id=s.session_id)
+    with pytest.raises(ResourceExhausted, match="full"):
+        store.reserve(s.session_id, ns, KeyRequest(hashes=chain(1, 30_000)), BLOCK)
+    assert store.stats().tiers[0].evictions == 4
+
+
+def test_session_close_releases_everything(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    s = store.open_session("t", 1)
+    ns = store.open_namespace(Namespace()).namespace_id
+    save(store, s.session_id, ns, chain(2))
+    store.lookup(ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s.session_id)
+    store.reserve(s.session_id, ns, KeyRequest(hashes=chain(4)), BLOCK)
+    store.close_session(s.session_id)
+    st = store.stats()
+    assert st.active_leases == 0 and st.clients == 0 and st.index_blocks == 2
+    with pytest.raises(FailedPrecondition, match="unknown session"):
+        store.lookup(ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s.session_id)
+
+
+def test_concurrent_writers_of_one_chain(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    s1, s2 = store.open_session("a", 1), store.open_session("b", 2)
+    ns = store.open_namespace(Namespace()).namespace_id
+    r1 = store.reserve(s1.session_id, ns, KeyRequest(hashes=chain(2)), BLOCK)
+    r2 = store.reserve(s2.session_id, ns, KeyRequest(hashes=chain(3)), BLOCK)
+    assert len(r1.offsets) == 2 and r2.present == 0 and r2.offsets == []  # s1 is writing block 0
+    store.seal(s1.session_id, r1.reservation_id)
+    store.seal(s2.session_id, r2.reservation_id)
+    assert store.lookup(ns, KeyRequest(hashes=chain(3))).blocks == 2
+
+
+def test_churn_never_orphans_and_respects_capacity(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    s = store.open_session("t", 1)
+    ns_state = store.open_namespace(Namespace())
+    rng = random.Random(7)
+    prefixes = [list(range(p * 1000, p * 1000 + 16 * 3)) for p in range(4)]
+    for _ in range(300):
+        toks = rng.choice(prefixes) + [rng.randrange(50_000) for _ in range(16 * rng.randrange(0, 4))]
+        keys = block_hashes(toks)
+        r = store.reserve(s.session_id, ns_state.namespace_id, KeyRequest(hashes=keys), BLOCK)
+        store.seal(s.session_id, r.reservation_id)
+        assert store.stats().tiers[0].used_bytes <= 8 * BLOCK
+        for key in keys:
+            block = ns_state.index.get(key)
+            if block is not None and block.parent is not None:
+                assert ns_state.index.get(block.parent.key) is block.parent
+
+
+def test_block_sizes_share_the_arena_by_pages(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    s = store.open_session("t", 1)
+    small = store.open_namespace(Namespace(model="small")).namespace_id
+    big = store.open_namespace(Namespace(model="big")).namespace_id
+    r = store.reserve(s.session_id, small, KeyRequest(hashes=chain(8)), 1024)
+    store.seal(s.session_id, r.reservation_id)  # 8 x 1 KiB: half of one page
+    r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4)), BLOCK)
+    assert len(r.offsets) == 4  # fits in the free page
+    store.seal(s.session_id, r.reservation_id)
+    assert store.lookup(small, KeyRequest(hashes=chain(8))).blocks == 8
+    # No free page: a size class evicts its own least recent blocks first...
+    r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4, 5000)), BLOCK)
+    store.seal(s.session_id, r.reservation_id)
+    assert len(r.offsets) == 4
+    assert store.lookup(big, KeyRequest(hashes=chain(4))).blocks == 0
+    assert store.lookup(small, KeyRequest(hashes=chain(8))).blocks == 8
+    # ...and only when all of its own are leased does it reclaim another size's page.
+    store.lookup(big, KeyRequest(hashes=chain(4, 5000)), lease=True, session_id=s.session_id)
+    r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4, 9000)), BLOCK)
+    store.seal(s.session_id, r.reservation_id)
+    assert len(r.offsets) == 4
+    assert store.lookup(small, KeyRequest(hashes=chain(8))).blocks == 0
+    assert store.lookup(big, KeyRequest(hashes=chain(4, 5000))).blocks == 4
+
+
+def test_namespace_validation(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    with pytest.raises(InvalidArgument, match="hash_algo"):
+        store.open_namespace(Namespace(hash_algo="xxh3_128"))  # disabled by default
+    with pytest.raises(InvalidArgument, match="block_size"):
+        store.open_namespace(Namespace(block_size=0))
+    with pytest.raises(InvalidArgument, match="page_bytes"):
+        store.open_namespace(Namespace(model="huge", block_bytes=1 << 30))
+    with pytest.raises(NotFound, match="unknown namespace"):
+        store.lookup(12345, KeyRequest(hashes=chain(1)))
+    a = store.open_namespace(Namespace(model="m", kv_dtype="float16")).namespace_id
+    b = store.open_namespace(Namespace(model="m", kv_dtype="bfloat16")).namespace_id
+    c = store.open_namespace(Namespace(model="m", kv_dtype="float16", tp_rank=1, tp_size=2)).namespace_id
+    assert len({a, b, c}) == 3
+
+
+def test_batch_limit_and_hash_length(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    ns = store.open_namespace(Namespace()).namespace_id
+    with pytest.raises(InvalidArgument, match="max_batch_blocks"):
+        store.lookup(ns, KeyRequest(hashes=[b"\0" * 32] * 16385))
+    with pytest.raises(InvalidArgument, match="hashes\\[1\\] has 5 bytes"):
+        store.lookup(ns, KeyRequest(hashes=[b"\0" * 32, b"short"]))
+    with pytest.raises(InvalidArgument, match="not both"):
+        store.lookup(ns, KeyRequest(hashes=chain(1), token_ids=list(range(16))))

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command: install (venv + the project with its dev extra) and run the whole suite.
+# Extra arguments go to pytest, e.g. `bash tools/test.sh tests/unit -x`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# torch==2.13.0 in the dev extra is the CPU wheel; a plain "torch" would pull a CUDA build.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+exec .venv/bin/python -m pytest "$@"
