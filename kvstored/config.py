@@ -8,6 +8,7 @@ Unknown sections or keys and bad values raise :class:`ConfigError` naming the ke
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -40,6 +41,23 @@ class DramConfig:
     page_bytes: int = 32 << 20       # arena pages; one page holds blocks of one size
     shm_dir: str = "/dev/shm"
     prefault: bool = True
+    # Keep blocks without a slower-tier copy under this share of the arena, so that eviction
+    # usually finds a clean block it can drop at once.
+    writeback_watermark: float = 0.75
+
+
+@dataclass(frozen=True, slots=True)
+class SSDConfig:
+    enabled: bool = True
+    path: str = ""                   # "" = the state directory (see default_state_dir) + /ssd
+    capacity: int = 8 << 30          # payload bytes kept on disk
+    map_slack: float = 1.5           # LMDB map = capacity x this: copy-on-write needs headroom
+    high_watermark: float = 0.95     # above this share of capacity, evict ...
+    low_watermark: float = 0.85      # ... down to this share
+    admission: str = "always"        # demote from DRAM: always | never | hit_before | cost
+    read_threads: int = 2
+    sync: bool = True                # fsync each group commit (off: faster, loses recent writes on power loss)
+    reader_check_interval_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +81,7 @@ class LogConfig:
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     dram: DramConfig = field(default_factory=DramConfig)
+    ssd: SSDConfig = field(default_factory=SSDConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     keys: KeysConfig = field(default_factory=KeysConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -71,13 +90,27 @@ class Config:
     def socket_path(self) -> str:
         return self.server.socket or default_socket_path()
 
+    @property
+    def ssd_path(self) -> str:
+        return self.ssd.path or str(default_state_dir() / "ssd")
+
+
+def default_state_dir() -> Path:
+    """``$STATE_DIRECTORY`` (set by systemd's StateDirectory=), else ``$XDG_STATE_HOME/kvstored``,
+    else ``~/.local/state/kvstored``."""
+    if env := os.environ.get("STATE_DIRECTORY"):
+        return Path(env.split(":")[0])
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "kvstored"
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE_KEYS = {("dram", "capacity"), ("dram", "page_bytes")}
+_SIZE_KEYS = {("dram", "capacity"), ("dram", "page_bytes"), ("ssd", "capacity")}
 _MODE_KEYS = {("server", "socket_mode")}
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+ADMISSION_MODES = ("always", "never", "hit_before", "cost")
 
 
 def parse_size(text: str | int) -> int:
@@ -132,6 +165,15 @@ def _validate(cfg: Config) -> None:
         (cfg.leases.ttl_s > 0, "leases.ttl_s: must be positive"),
         (cfg.leases.reservation_ttl_s > 0, "leases.reservation_ttl_s: must be positive"),
         (cfg.leases.reap_interval_s > 0, "leases.reap_interval_s: must be positive"),
+        (0 < cfg.dram.writeback_watermark <= 1, "dram.writeback_watermark: must be in (0, 1]"),
+        (cfg.ssd.capacity > 0, "ssd.capacity: must be positive"),
+        (cfg.ssd.map_slack >= 1.1, "ssd.map_slack: must be at least 1.1"),
+        (0 < cfg.ssd.low_watermark < cfg.ssd.high_watermark <= 1,
+         "ssd.low_watermark: must be below ssd.high_watermark, both in (0, 1]"),
+        (cfg.ssd.admission in ADMISSION_MODES,
+         f"ssd.admission: must be one of {', '.join(ADMISSION_MODES)}"),
+        (cfg.ssd.read_threads >= 1, "ssd.read_threads: must be at least 1"),
+        (cfg.ssd.reader_check_interval_s > 0, "ssd.reader_check_interval_s: must be positive"),
         (cfg.log.level in _LOG_LEVELS, f"log.level: must be one of {', '.join(_LOG_LEVELS)}"),
         (cfg.server.tcp == "" or re.match(r"^[\w.\-\[\]:]+:\d+$", cfg.server.tcp) is not None,
          "server.tcp: expected host:port"),

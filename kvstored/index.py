@@ -1,9 +1,10 @@
 """Radix prefix index: the blocks of each namespace as a tree keyed by chained hashes.
 
 A key is the hash of its whole prefix, so a chain of keys names a path from the root and the
-longest cached prefix is the longest run of leading keys that are present and sealed. A block is
-only inserted under a present parent and only leaves are removed, so the resident set is always
-closed under ancestors: no cached block is ever orphaned.
+longest cached prefix is the longest run of leading keys whose blocks hold data. A block is only
+inserted under a present parent and only leaves leave the index, so no cached block is ever
+orphaned. Where a block's bytes are (DRAM slot, SSD copy, both) is recorded here; moving them is
+the tiers' business.
 """
 
 from __future__ import annotations
@@ -11,47 +12,63 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-
-class BlockState(enum.IntEnum):
-    RESERVED = 0  # slot allocated, bytes being written; invisible to lookups
-    SEALED = 1    # visible; readable under a lease
+# Block.flags bits (one small int instead of several fields: there may be millions of blocks)
+SEALED = 1      # bytes complete; visible to lookups
+ON_SSD = 2      # a verified copy is in the SSD tier
+HIT = 4         # matched by a lookup since it was stored
+DEMOTING = 8    # being written to the SSD tier
+NO_SLOT = -1    # Block.offset when the block has no DRAM slot
 
 
 class Tier(enum.IntEnum):
     DRAM = 1
+    SSD = 2
 
 
 class Block:
-    """One cached block. Mutable bookkeeping, kept small: there may be millions."""
+    """One cached block. Mutable bookkeeping, kept small."""
 
-    __slots__ = (
-        "children",
-        "index",
-        "key",
-        "lru_next",
-        "lru_prev",
-        "offset",
-        "parent",
-        "pins",
-        "state",
-        "tier",
-    )
+    __slots__ = ("children", "depth", "flags", "index", "key", "lru_next", "lru_prev", "offset",
+                 "parent", "pins")
 
-    def __init__(self, key: bytes, parent: Block | None, index: PrefixIndex, offset: int) -> None:
+    def __init__(self, key: bytes, parent: Block | None, index: PrefixIndex, offset: int, depth: int) -> None:
         self.key = key
         self.parent = parent
         self.index = index
         self.children = 0
-        self.state = BlockState.RESERVED
-        self.pins = 1  # the reservation that creates it
+        self.flags = 0
+        self.pins = 1  # the reservation or restore that creates it
         self.offset = offset
-        self.tier = Tier.DRAM
+        self.depth = depth
+        # One recency list at a time: the DRAM list while it has a slot, else the SSD list.
         self.lru_prev: Block | None = None
         self.lru_next: Block | None = None
 
     @property
+    def sealed(self) -> bool:
+        return bool(self.flags & SEALED)
+
+    @property
+    def in_dram(self) -> bool:
+        return self.offset != NO_SLOT
+
+    @property
+    def on_ssd(self) -> bool:
+        return bool(self.flags & ON_SSD)
+
+    @property
+    def readable(self) -> bool:
+        """Sealed and holding its bytes somewhere (not a hollow block that lost them)."""
+        return bool(self.flags & SEALED) and (self.offset != NO_SLOT or bool(self.flags & ON_SSD))
+
+    @property
+    def tier(self) -> Tier:
+        return Tier.DRAM if self.offset != NO_SLOT else Tier.SSD
+
+    @property
     def evictable(self) -> bool:
-        return self.state == BlockState.SEALED and self.pins == 0 and self.children == 0
+        """Can leave the index now: sealed, unpinned, not being written out, and a leaf."""
+        return self.flags & (SEALED | DEMOTING) == SEALED and self.pins == 0 and self.children == 0
 
 
 class PrefixIndex:
@@ -67,32 +84,35 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self._blocks.values()))
+
     def get(self, key: bytes) -> Block | None:
         return self._blocks.get(key)
 
     def match(self, keys: Sequence[bytes]) -> list[Block]:
-        """The sealed blocks of the longest cached prefix of ``keys``, in order."""
+        """The readable blocks of the longest cached prefix of ``keys``, in order."""
         out: list[Block] = []
         blocks = self._blocks
         for key in keys:
             block = blocks.get(key)
-            if block is None or block.state != BlockState.SEALED:
+            if block is None or not block.readable:
                 break
             out.append(block)
         return out
 
     def insert(self, key: bytes, parent: Block | None, offset: int) -> Block:
-        """Add a RESERVED block under ``parent`` (None = root); the key must be new."""
+        """Add an unsealed block under ``parent`` (None = root); the key must be new."""
         assert key not in self._blocks, "insert of a key already present"
         assert parent is None or self._blocks.get(parent.key) is parent, "parent is not in the index"
-        block = Block(key, parent, self, offset)
+        block = Block(key, parent, self, offset, 0 if parent is None else parent.depth + 1)
         self._blocks[key] = block
         if parent is not None:
             parent.children += 1
         return block
 
     def remove(self, block: Block) -> None:
-        """Remove a leaf (evicted or aborted)."""
+        """Remove a leaf (evicted, aborted or lost)."""
         assert block.children == 0, "removing an interior block would orphan its descendants"
         assert self._blocks.get(block.key) is block, "removing a block not in the index"
         del self._blocks[block.key]

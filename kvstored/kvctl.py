@@ -31,22 +31,24 @@ def _duration(seconds: float) -> str:
 
 def render_stats(stats: dict[str, Any], console: Console) -> None:
     tiers = Table(title=f"kvstored {stats['version']} — up {_duration(stats['uptime_s'])}")
-    for col in ("tier", "capacity", "used", "used %", "blocks", "evictions"):
+    for col in ("tier", "capacity", "used", "used %", "blocks", "evictions", "write errors", "read errors"):
         tiers.add_column(col, justify="left" if col == "tier" else "right")
     for t in stats["tiers"]:
-        cap, used = int(t["capacity_bytes"]), int(t["used_bytes"])
+        cap, used = t["capacity_bytes"], t["used_bytes"]
         tiers.add_row(t["name"], _size(cap), _size(used), f"{100 * used / cap:.1f}" if cap else "-",
-                      str(t["blocks"]), str(t["evictions"]))
+                      str(t["blocks"]), str(t["evictions"]), str(t["write_errors"]), str(t["read_errors"]))
     console.print(tiers)
-    lookups, asked, hit = int(stats["lookups"]), int(stats["lookup_blocks"]), int(stats["hit_blocks"])
+    asked, hit = stats["lookup_blocks"], stats["hit_blocks"]
     counters = Table(show_header=False, box=None)
     counters.add_column(justify="left")
     counters.add_column(justify="right")
     for name, value in (
-        ("lookups", lookups),
+        ("lookups", stats["lookups"]),
         ("blocks asked / hit", f"{asked} / {hit}" + (f"  ({100 * hit / asked:.1f}%)" if asked else "")),
         ("hit tokens", stats["hit_tokens"]),
         ("saved blocks", stats["saved_blocks"]),
+        ("promotions / demotions", f"{stats['promotions']} / {stats['demotions']}"),
+        ("dropped blocks", stats["dropped_blocks"]),
         ("index blocks", stats["index_blocks"]),
         ("namespaces", stats["namespaces"]),
         ("active leases", stats["active_leases"]),
@@ -65,27 +67,55 @@ def cli(ctx: click.Context, socket: str | None) -> None:
     ctx.obj = socket
 
 
+def _client(socket: str | None) -> Client:
+    try:
+        return Client(socket, client_name="kvctl")
+    except KVStoreError as exc:
+        click.echo(f"kvctl: {exc}", err=True)
+        sys.exit(1)
+
+
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_obj
 def stats(socket: str | None, as_json: bool) -> None:
     """Per-tier capacity and usage, lookups and hits, leases, clients, uptime."""
-    try:
-        with Client(socket, client_name="kvctl") as client:
-            data = client.stats()
-    except KVStoreError as exc:
-        click.echo(f"kvctl: {exc}", err=True)
-        sys.exit(1)
-    for key in ("lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "saved_blocks", "active_leases",
-                "clients", "namespaces", "index_blocks"):
-        data[key] = int(data[key])  # protobuf JSON writes 64-bit integers as strings
-    for tier in data["tiers"]:
-        for key in ("capacity_bytes", "used_bytes", "blocks", "evictions"):
-            tier[key] = int(tier[key])
+    with _client(socket) as client:
+        data = client.stats()
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
     else:
         render_stats(data, Console())
+
+
+@cli.command()
+@click.option("--model", default="", help="only namespaces of this model (default: all)")
+@click.option("--tier", type=click.Choice(["dram", "ssd", "all"]), default="all", show_default=True,
+              help="drop copies from this tier; 'all' removes blocks entirely")
+@click.pass_obj
+def evict(socket: str | None, model: str, tier: str) -> None:
+    """Drop cached blocks (leased blocks stay)."""
+    with _client(socket) as client:
+        try:
+            n = client.evict(model, None if tier == "all" else tier)
+        except KVStoreError as exc:
+            click.echo(f"kvctl: {exc}", err=True)
+            sys.exit(1)
+    click.echo(f"evicted {n} block(s)" + (f" of {model}" if model else "") + f" from {tier}")
+
+
+@cli.command()
+@click.option("--model", default="", help="only namespaces of this model (default: all)")
+@click.pass_obj
+def flush(socket: str | None, model: str) -> None:
+    """Write every DRAM block without an SSD copy to the SSD tier now (e.g. before a restart)."""
+    with _client(socket) as client:
+        try:
+            n = client.flush(model)
+        except KVStoreError as exc:
+            click.echo(f"kvctl: {exc}", err=True)
+            sys.exit(1)
+    click.echo(f"flushed {n} block(s) to ssd")
 
 
 def main() -> None:

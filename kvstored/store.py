@@ -1,28 +1,40 @@
-"""The block store: namespaces, the prefix index, the DRAM tier and leases, composed.
+"""The block store: namespaces, the prefix index, the DRAM and SSD tiers and leases, composed.
 
 Every method runs on the daemon's event loop thread, so bookkeeping needs no locks; byte copies
-run on the copy engine's threads while the blocks involved are pinned by a busy lease, which the
-reaper and session teardown leave alone until the copy is done.
+and disk I/O run on worker threads while the blocks involved are pinned (by a lease, a
+promotion or a write-back), and nothing pinned is ever evicted, demoted twice or freed.
+
+Tiers are exclusive in their recency lists and inclusive in their bytes: a block with a DRAM slot
+sits in its size's DRAM list, one without sits in the SSD list; a block may have both a slot and
+an SSD copy ("clean"), which makes evicting it from DRAM free. The write-back task keeps the
+DRAM blocks without an SSD copy below ``dram.writeback_watermark`` of the arena.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
+import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 
 from kvstored.buffers import RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
 from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstored.index import Block, BlockState, PrefixIndex, Tier
+from kvstored.index import DEMOTING, HIT, NO_SLOT, ON_SSD, SEALED, Block, PrefixIndex, Tier
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
+from kvstored.policy.admission import admit
 from kvstored.policy.eviction import LRUOrder
 from kvstored.tiers.dram import Arena, SlotAllocator, slot_size
+from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDError, SSDTier
 from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
+
+log = logging.getLogger("kvstored.store")
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +80,8 @@ class TierStats:
     used_bytes: int
     blocks: int
     evictions: int
+    write_errors: int = 0
+    read_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +97,16 @@ class StoreStats:
     clients: int
     namespaces: int
     index_blocks: int
+    promotions: int
+    demotions: int
+    dropped_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreReport:
+    namespaces: int
+    blocks: int
+    dropped: int
 
 
 @dataclass(slots=True)
@@ -92,23 +116,33 @@ class _Counters:
     hit_blocks: int = 0
     hit_tokens: int = 0
     saved_blocks: int = 0
-    evictions: int = 0
+    dram_evictions: int = 0
+    ssd_evictions: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    dropped: int = 0
+    ssd_write_errors: int = 0
+    ssd_read_errors: int = 0
 
 
 class BlockStore:
     """The daemon's domain. Expected failures raise :mod:`kvstored.errors` types and change nothing."""
 
-    def __init__(self, config: Config, arena: Arena, copy: CopyEngine,
+    def __init__(self, config: Config, arena: Arena, copy: CopyEngine, ssd: SSDTier | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  new_session_id: Callable[[], str] = lambda: secrets.token_hex(16)) -> None:
         self._config = config
         self._arena = arena
         self._copy = copy
+        self._ssd = ssd
         self._clock = clock
         self._new_session_id = new_session_id
         self._started = clock()
         self._allocator = SlotAllocator(arena.capacity, config.dram.page_bytes)
-        self._lru: dict[int, LRUOrder] = {}
+        self._dram_lru: dict[int, LRUOrder] = {}
+        self._ssd_lru = LRUOrder()
+        self._ssd_used = 0
+        self._dirty_bytes = 0   # DRAM bytes of sealed blocks without an SSD copy
         self._namespaces: dict[int, NamespaceState] = {}
         self._sessions: dict[str, Session] = {}
         self._leases = LeaseTable(clock)
@@ -116,6 +150,10 @@ class BlockStore:
         self._next_buffers_id = 1
         self._busy: set[int] = set()      # lease ids with a copy in flight
         self._doomed: set[int] = set()    # busy leases to end once their copy is done
+        self._promoting: dict[Block, asyncio.Future[bool]] = {}
+        self._background: set[asyncio.Task[object]] = set()
+        self._writeback_wanted = asyncio.Event()
+        self._ssd_backoff_until = 0.0
         self._n = _Counters()
 
     # -- sessions ---------------------------------------------------------------------------
@@ -157,12 +195,22 @@ class BlockStore:
         namespace_id = spec.identity()
         state = self._namespaces.get(namespace_id)
         if state is None:
-            state = NamespaceState(namespace_id, spec, PrefixIndex(namespace_id))
-            state.index.slot_bytes = slot_size(spec.block_bytes) if spec.block_bytes else 0
-            self._namespaces[namespace_id] = state
+            state = self._add_namespace(namespace_id, spec)
         elif spec.block_bytes:
             self._fix_block_bytes(state, spec.block_bytes)
         return state
+
+    def _add_namespace(self, namespace_id: int, spec: Namespace) -> NamespaceState:
+        state = NamespaceState(namespace_id, spec, PrefixIndex(namespace_id))
+        self._namespaces[namespace_id] = state
+        if spec.block_bytes:
+            state.index.slot_bytes = slot_size(spec.block_bytes)
+            self._persist_namespace(state)
+        return state
+
+    def _persist_namespace(self, state: NamespaceState) -> None:
+        if self._ssd is not None:
+            self._ssd.put_namespace(state.namespace_id, json.dumps(dataclasses.asdict(state.spec)).encode())
 
     def _check_block_bytes(self, block_bytes: int) -> None:
         if block_bytes > self._config.dram.page_bytes:
@@ -176,6 +224,7 @@ class BlockStore:
         if state.spec.block_bytes == 0:
             state.spec = dataclasses.replace(state.spec, block_bytes=block_bytes)
             state.index.slot_bytes = slot_size(block_bytes)
+            self._persist_namespace(state)
         elif state.spec.block_bytes != block_bytes:
             raise InvalidArgument(f"namespace {state.spec.model!r} stores blocks of "
                                   f"{state.spec.block_bytes} bytes; got {block_bytes}")
@@ -215,41 +264,163 @@ class BlockStore:
         return state, chain
 
     # -- reads ------------------------------------------------------------------------------
-    def lookup(self, namespace_id: int, keys: KeyRequest, lease: bool = False,
-               session_id: str = "") -> LookupResult:
-        """Longest cached prefix of ``keys``; with ``lease``, pins the hit blocks for a direct read."""
+    async def lookup(self, namespace_id: int, keys: KeyRequest, lease: bool = False,
+                     session_id: str = "") -> LookupResult:
+        """Longest cached prefix of ``keys``, with the tier of each block.
+
+        With ``lease``, the hit blocks are brought to DRAM (awaiting SSD reads; a block that
+        fails its checksum ends the prefix there) and pinned for a direct read. Without, blocks
+        found on a slower tier start moving to DRAM in the background (prefetch).
+        """
         session = self._session(session_id) if lease else None
         state, chain = self.resolve_keys(namespace_id, keys)
         hits = state.index.match(chain)
         self._touch(hits)
+        for block in hits:
+            block.flags |= HIT
+        tiers = [b.tier for b in hits]
+        lease_id = 0
+        ttl = self._config.leases.ttl_s
+        if session is not None and hits:
+            held = self._pin(session, LeaseKind.READ, namespace_id, hits, ttl)
+            n = await self._ensure_dram(hits)
+            if n < len(hits):
+                for block in hits[n:]:
+                    block.pins -= 1
+                del held.pinned[n:]
+                hits = hits[:n]
+                tiers = tiers[:n]
+            if hits and self._leases.get(held.lease_id) is held:
+                lease_id = held.lease_id
+            else:
+                hits, tiers = [], []
+                if self._leases.get(held.lease_id) is held:
+                    self._end(held, session, aborted=True)
+        elif hits and any(not b.in_dram for b in hits):
+            self._prefetch_in_background(hits)
         self._n.lookups += 1
         self._n.lookup_blocks += len(chain)
         self._n.hit_blocks += len(hits)
         self._n.hit_tokens += len(hits) * state.spec.block_size
-        lease_id = 0
-        ttl = self._config.leases.ttl_s
-        if session is not None and hits:
-            lease_id = self._pin(session, LeaseKind.READ, namespace_id, hits, ttl).lease_id
-        return LookupResult(len(hits), [b.tier for b in hits],
-                            [b.offset for b in hits] if session is not None else [],
+        return LookupResult(len(hits), tiers, [b.offset for b in hits] if session is not None else [],
                             lease_id, ttl, state.spec.block_bytes, state.spec.block_size)
+
+    def prefetch(self, namespace_id: int, keys: KeyRequest) -> tuple[int, int]:
+        """Start promoting the cached prefix's slower-tier blocks; returns (hit, promoting)."""
+        state, chain = self.resolve_keys(namespace_id, keys)
+        hits = state.index.match(chain)
+        self._touch(hits)
+        slow = sum(1 for b in hits if not b.in_dram and b not in self._promoting)
+        if slow:
+            self._prefetch_in_background(hits)
+        return len(hits), slow
+
+    def _prefetch_in_background(self, hits: list[Block]) -> None:
+        for block in hits:
+            block.pins += 1
+
+        async def run() -> None:
+            try:
+                await self._ensure_dram(hits)
+            finally:
+                for block in hits:
+                    block.pins -= 1
+        self._spawn(run())
+
+    def _spawn(self, coro: Coroutine[object, object, object]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _ensure_dram(self, blocks: list[Block]) -> int:
+        """Give every block of a (pinned) prefix a valid DRAM slot, reading SSD copies as needed.
+
+        Returns how many leading blocks are now readable in DRAM: fewer when the arena cannot
+        make room or a copy is corrupt (that block becomes hollow and is dropped).
+        """
+        waits: list[tuple[int, asyncio.Future[bool]]] = []
+        cut = len(blocks)
+        loop = asyncio.get_running_loop()
+        for i, block in enumerate(blocks):
+            pending = self._promoting.get(block)
+            if pending is not None:
+                waits.append((i, pending))
+                continue
+            if block.in_dram:
+                continue
+            if self._ssd is None or not block.on_ssd:
+                cut = i
+                break
+            offset = self._alloc(block.index.slot_bytes)
+            if offset is None:
+                cut = i
+                break
+            self._ssd_lru.discard(block)
+            block.offset = offset
+            done: asyncio.Future[bool] = loop.create_future()
+            self._promoting[block] = done
+            read = self._ssd.read_into(block.index.namespace_id, block.key,
+                                       self._arena.view(offset, self._block_bytes(block)))
+            self._spawn(self._finish_promotion(block, read, done))
+            waits.append((i, done))
+        for i, fut in waits:
+            if not await fut:
+                cut = min(cut, i)
+        return cut
+
+    async def _finish_promotion(self, block: Block, read: object, done: asyncio.Future[bool]) -> None:
+        try:
+            await asyncio.wrap_future(read)  # type: ignore[arg-type]
+        except Corrupt as exc:
+            log.warning("dropping block %s: %s", block.key.hex()[:16], exc)
+            self._n.ssd_read_errors += 1
+            self._release_slot(block)
+            self._drop_ssd_copy(block)
+            self._n.dropped += 1
+            self._promoting.pop(block, None)
+            done.set_result(False)
+            self._remove_if_hollow(block)
+            return
+        except Exception as exc:
+            log.warning("SSD read of %s failed: %s", block.key.hex()[:16], exc)
+            self._n.ssd_read_errors += 1
+            self._release_slot(block)
+            self._ssd_lru.touch(block)
+            self._promoting.pop(block, None)
+            done.set_result(False)
+            return
+        self._promoting.pop(block, None)
+        self._dram_for(block).touch(block)
+        self._n.promotions += 1
+        done.set_result(True)
 
     def _touch(self, blocks: Sequence[Block]) -> None:
         # Deepest first, so each parent ends up more recent than its children (leaf-first LRU).
         for block in reversed(blocks):
-            self._lru_for(block.index.slot_bytes).touch(block)
+            if block in self._promoting:
+                continue
+            if block.in_dram:
+                self._dram_for(block).touch(block)
+            elif block.on_ssd:
+                self._ssd_lru.touch(block)
 
-    def _lru_for(self, slot_bytes: int) -> LRUOrder:
-        lru = self._lru.get(slot_bytes)
+    def _dram_for(self, block: Block) -> LRUOrder:
+        return self._lru_of_size(block.index.slot_bytes)
+
+    def _lru_of_size(self, slot_bytes: int) -> LRUOrder:
+        lru = self._dram_lru.get(slot_bytes)
         if lru is None:
-            lru = self._lru[slot_bytes] = LRUOrder()
+            lru = self._dram_lru[slot_bytes] = LRUOrder()
         return lru
 
+    def _block_bytes(self, block: Block) -> int:
+        return self._namespaces[block.index.namespace_id].spec.block_bytes
+
     def _pin(self, session: Session, kind: LeaseKind, namespace_id: int, blocks: list[Block],
-             ttl_s: float, new: list[Block] | None = None) -> Lease:
+             ttl_s: float) -> Lease:
         for block in blocks:
             block.pins += 1
-        return self._leases.add(session, kind, namespace_id, blocks, new or [], ttl_s)
+        return self._leases.add(session, kind, namespace_id, list(blocks), [], ttl_s)
 
     def release(self, session_id: str, lease_id: int) -> None:
         """End a read lease, or abort a reservation. FailedPrecondition when it already expired."""
@@ -290,15 +461,30 @@ class BlockStore:
         self._touch(present)
         parent = present[-1] if present else None
         sb = state.index.slot_bytes
+        blocked = False
         for key in chain[len(present):]:
-            if state.index.get(key) is not None:
-                break  # another client is writing this block; it will seal it
+            existing = state.index.get(key)
+            if existing is not None:
+                if existing.sealed and not existing.readable and existing.pins == 0 \
+                        and existing not in self._promoting:
+                    # A hollow block (its bytes were lost): write it again in place.
+                    offset = self._alloc(sb)
+                    if offset is None:
+                        break
+                    existing.offset = offset
+                    existing.flags = 0
+                    existing.pins += 1
+                    lease.new.append(existing)
+                    parent = existing
+                    continue
+                blocked = True  # another client is writing this block; it will seal it
+                break
             offset = self._alloc(sb)
             if offset is None:
                 break
             parent = state.index.insert(key, parent, offset)
             lease.new.append(parent)
-        if not lease.new and len(present) < len(chain) and state.index.get(chain[len(present)]) is None:
+        if not lease.new and len(present) < len(chain) and not blocked:
             self._end(lease, session, aborted=True)
             raise ResourceExhausted("DRAM tier full: every block that could make room is leased "
                                     "or being written; retry after releasing leases")
@@ -307,28 +493,69 @@ class BlockStore:
     def _alloc(self, sb: int) -> int | None:
         offset = self._allocator.alloc(sb)
         while offset is None:
-            if not self._evict_one(sb):
+            if not self._reclaim_dram(sb):
                 return None
             offset = self._allocator.alloc(sb)
         return offset
 
-    def _evict_one(self, sb: int) -> bool:
-        """Evict the least recently used evictable leaf, of this slot size first."""
-        order = [sb, *sorted((s for s in self._lru if s != sb), key=lambda s: -len(self._lru[s]))]
+    def _reclaim_dram(self, sb: int) -> bool:
+        """Free one DRAM slot, least recently used first, this slot size before others: a block
+        with an SSD copy just loses its slot; one without leaves the index if it is a leaf."""
+        self._writeback_wanted.set()
+        order = [sb, *sorted((s for s in self._dram_lru if s != sb), key=lambda s: -len(self._dram_lru[s]))]
         for size in order:
-            lru = self._lru.get(size)
+            lru = self._dram_lru.get(size)
             if lru is None:
                 continue
-            for victim in lru.victims():
-                self._remove(victim)
-                self._n.evictions += 1
+            for block in lru.oldest():
+                if block.pins or block.flags & (SEALED | DEMOTING) != SEALED:
+                    continue
+                if block.on_ssd:
+                    self._release_slot(block)
+                    self._ssd_lru.touch(block)
+                elif block.children == 0:
+                    self._remove(block)
+                    self._n.dropped += 1
+                else:
+                    continue
+                self._n.dram_evictions += 1
                 return True
         return False
 
-    def _remove(self, block: Block) -> None:
-        self._lru_for(block.index.slot_bytes).discard(block)
-        block.index.remove(block)
+    def _release_slot(self, block: Block) -> None:
+        """Give back a block's DRAM slot (its bytes stay wherever else they are)."""
+        if block.offset == NO_SLOT:
+            return
+        self._dram_for(block).discard(block)
+        if block.sealed and not block.on_ssd:
+            self._dirty_bytes -= block.index.slot_bytes
         self._allocator.free(block.offset)
+        block.offset = NO_SLOT
+
+    def _drop_ssd_copy(self, block: Block) -> None:
+        if not block.on_ssd:
+            return
+        self._ssd_lru.discard(block)
+        block.flags &= ~ON_SSD
+        self._ssd_used -= self._block_bytes(block)
+        if block.in_dram and block.sealed:
+            self._dirty_bytes += block.index.slot_bytes
+        if self._ssd is not None:
+            self._ssd.delete(block.index.namespace_id, block.key)
+
+    def _remove(self, block: Block) -> None:
+        """Take a leaf out of the index and out of every tier; hollow ancestors follow."""
+        self._release_slot(block)
+        self._drop_ssd_copy(block)
+        block.index.remove(block)
+        self._remove_if_hollow(block.parent)
+
+    def _remove_if_hollow(self, block: Block | None) -> None:
+        while block is not None and block.sealed and not block.readable and block.children == 0 \
+                and block.pins == 0 and block not in self._promoting:
+            parent = block.parent
+            block.index.remove(block)
+            block = parent
 
     def seal(self, session_id: str, reservation_id: int) -> int:
         """Make a reservation's written blocks visible; returns how many were sealed."""
@@ -351,17 +578,27 @@ class BlockStore:
         self._leases.pop(lease, session)
         for block in lease.pinned:
             block.pins -= 1
-        if lease.kind == LeaseKind.RESERVATION:
-            if aborted:
-                for block in reversed(lease.new):
-                    block.pins -= 1
-                    self._remove(block)
-            else:
-                for block in lease.new:
-                    block.pins -= 1
-                    block.state = BlockState.SEALED
-                self._touch(lease.new)
-                self._n.saved_blocks += len(lease.new)
+        if lease.kind != LeaseKind.RESERVATION:
+            return
+        if aborted:
+            for block in reversed(lease.new):
+                block.pins -= 1
+                self._release_slot(block)
+                if block.children:
+                    block.flags = SEALED  # a hollow block we were rewriting: hollow again
+                else:
+                    block.index.remove(block)
+            first = lease.new[0].parent if lease.new else None
+            self._remove_if_hollow(lease.new[0] if lease.new and lease.new[0].children else first)
+            return
+        for block in lease.new:
+            block.pins -= 1
+            block.flags |= SEALED
+            self._dirty_bytes += block.index.slot_bytes
+        self._touch(lease.new)
+        self._n.saved_blocks += len(lease.new)
+        if self._dirty_bytes > self._config.dram.writeback_watermark * self._allocator.capacity:
+            self._writeback_wanted.set()
 
     def reap(self) -> int:
         """End leases past their deadline (busy ones once their copy finishes); returns the count."""
@@ -370,6 +607,180 @@ class BlockStore:
             self._leases.mark_expired(lease.lease_id)
             self._end(lease, self._sessions.get(lease.session_id), aborted=True)
         return len(expired)
+
+    # -- the SSD tier: write-back, room, restore --------------------------------------------
+    async def writeback_loop(self, interval_s: float = 0.5) -> None:
+        """Background task: keep DRAM's blocks without an SSD copy under the watermark."""
+        while True:
+            try:
+                await asyncio.wait_for(self._writeback_wanted.wait(), interval_s)
+            except TimeoutError:
+                pass
+            self._writeback_wanted.clear()
+            limit = self._config.dram.writeback_watermark * self._allocator.capacity
+            if self._ssd is None or self._clock() < self._ssd_backoff_until or self._dirty_bytes <= limit:
+                continue
+            try:
+                if await self._write_back(self._dirty_bytes - limit, force=False, models=None):
+                    self._writeback_wanted.set()  # more to do: go again at once
+            except Exception:  # a bug here must not stop write-back for good
+                log.exception("write-back round failed")
+
+    async def _write_back(self, nbytes: float, force: bool, models: set[int] | None) -> int:
+        """Copy the least recently used DRAM blocks without an SSD copy to SSD (up to ``nbytes``)."""
+        if self._ssd is None:
+            return 0
+        chosen: list[Block] = []
+        total = 0
+        cfg = self._config.ssd
+        # One round writes at most the gap between the watermarks, so room can always be made.
+        batch_cap = min(256 << 20, max(1, (cfg.high_watermark - cfg.low_watermark) * cfg.capacity))
+        for lru in list(self._dram_lru.values()):
+            for block in lru.oldest():
+                if total >= nbytes or total >= batch_cap:
+                    break
+                if block.flags & (SEALED | ON_SSD | DEMOTING) != SEALED or block in self._promoting:
+                    continue
+                if models is not None and block.index.namespace_id not in models:
+                    continue
+                if not force and not admit(self._config.ssd.admission, block.depth, bool(block.flags & HIT),
+                                           self._namespaces[block.index.namespace_id].spec):
+                    continue
+                chosen.append(block)
+                total += self._block_bytes(block)
+        if not chosen or not self._make_ssd_room(total):
+            return 0
+        futures = []
+        for block in chosen:
+            block.flags |= DEMOTING
+            block.pins += 1
+            parent = block.parent.key if block.parent is not None else b""
+            futures.append(asyncio.wrap_future(self._ssd.put(
+                block.index.namespace_id, block.key, parent, block.depth,
+                self._arena.view(block.offset, self._block_bytes(block)))))
+            self._ssd_used += self._block_bytes(block)  # reserved now; returned on failure
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        written = 0
+        for block, result in zip(chosen, results):
+            block.flags &= ~DEMOTING
+            block.pins -= 1
+            if isinstance(result, BaseException):
+                self._ssd_used -= self._block_bytes(block)
+                self._n.ssd_write_errors += 1
+                if isinstance(result, MapFull):
+                    self._make_ssd_room(self._config.ssd.capacity * 0.05)
+                elif isinstance(result, SSDError):
+                    self._ssd_backoff_until = self._clock() + 1.0
+                continue
+            block.flags |= ON_SSD
+            self._dirty_bytes -= block.index.slot_bytes
+            written += 1
+        self._n.demotions += written
+        return written
+
+    def _make_ssd_room(self, nbytes: float) -> bool:
+        """Evict SSD-only leaves (least recent first) so ``nbytes`` more fit under the high watermark."""
+        cfg = self._config.ssd
+        if self._ssd_used + nbytes <= cfg.high_watermark * cfg.capacity:
+            return True
+        target = max(0.0, min(cfg.low_watermark * cfg.capacity, cfg.high_watermark * cfg.capacity - nbytes))
+        for block in self._ssd_lru.oldest():
+            if self._ssd_used <= target:
+                break
+            if block.evictable and not block.in_dram:
+                self._remove(block)
+                self._n.ssd_evictions += 1
+        return self._ssd_used + nbytes <= cfg.high_watermark * cfg.capacity
+
+    def restore(self) -> RestoreReport:
+        """Rebuild namespaces and the index from the SSD tier (at start, before serving).
+
+        Records that do not decode, whose namespace is unknown, whose parent is missing or whose
+        length is wrong are deleted from disk and counted; payload checksums are verified when a
+        block is read, so a corrupt payload is still never served.
+        """
+        if self._ssd is None:
+            return RestoreReport(0, 0, 0)
+        for namespace_id, raw in self._ssd.namespaces().items():
+            try:
+                spec = Namespace(**json.loads(raw))
+            except (TypeError, ValueError):
+                continue
+            if spec.identity() == namespace_id and namespace_id not in self._namespaces:
+                self._add_namespace(namespace_id, spec)
+        records: list[BlockRecord] = []
+        dropped = 0
+        for item in self._ssd.scan():
+            if isinstance(item, BlockRecord):
+                records.append(item)
+            else:
+                self._ssd.delete_raw(item[0])
+                dropped += 1
+        restored: list[Block] = []
+        for rec in sorted(records, key=lambda r: r.depth):
+            state = self._namespaces.get(rec.namespace_id)
+            parent = state.index.get(rec.parent) if state is not None and rec.depth else None
+            if state is None or rec.length != state.spec.block_bytes or (rec.depth and parent is None) \
+                    or state.index.get(rec.key) is not None:
+                self._ssd.delete(rec.namespace_id, rec.key)
+                dropped += 1
+                continue
+            block = state.index.insert(rec.key, parent, NO_SLOT)
+            block.flags = SEALED | ON_SSD
+            block.pins = 0
+            self._ssd_used += rec.length
+            restored.append(block)
+        for block in reversed(restored):  # deepest last inserted first: parents end up more recent
+            self._ssd_lru.touch(block)
+        self._n.dropped += dropped
+        return RestoreReport(len(self._namespaces), len(restored), dropped)
+
+    # -- administration ---------------------------------------------------------------------
+    def _namespace_ids(self, model: str) -> set[int]:
+        return {ns_id for ns_id, s in self._namespaces.items() if not model or s.spec.model == model}
+
+    def evict(self, model: str = "", tier: Tier | None = None) -> int:
+        """Drop cached blocks of the namespaces of ``model`` (all when empty) from ``tier`` (all
+        when None); pinned blocks stay. Returns how many blocks lost a copy or left the index."""
+        ids = self._namespace_ids(model)
+        blocks = sorted((b for ns_id in ids for b in self._namespaces[ns_id].index), key=lambda b: -b.depth)
+        count = 0
+        for block in blocks:
+            if block.pins or block.flags & (SEALED | DEMOTING) != SEALED or block in self._promoting:
+                continue
+            if tier is Tier.DRAM and block.in_dram:
+                if block.on_ssd:
+                    self._release_slot(block)
+                    self._ssd_lru.touch(block)
+                elif block.children == 0:
+                    self._remove(block)
+                else:
+                    continue
+                count += 1
+            elif tier is Tier.SSD and block.on_ssd:
+                if block.in_dram:
+                    self._drop_ssd_copy(block)
+                elif block.children == 0:
+                    self._remove(block)
+                else:
+                    continue
+                count += 1
+            elif tier is None and block.children == 0:
+                self._remove(block)
+                count += 1
+        return count
+
+    async def flush(self, model: str = "") -> int:
+        """Write every DRAM block of ``model`` (all when empty) without an SSD copy to SSD now."""
+        if self._ssd is None:
+            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)")
+        ids = self._namespace_ids(model)
+        total = 0
+        while True:
+            written = await self._write_back(float("inf"), force=True, models=ids)
+            total += written
+            if written == 0:
+                return total
 
     # -- registered engine buffers ----------------------------------------------------------
     def register_buffers(self, session_id: str, namespace_id: int,
@@ -453,7 +864,7 @@ class BlockStore:
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id)
         _, chain = self.resolve_keys(namespace_id, keys)
         self._check_block_ids(buffers, chain, block_ids)
-        result = self.lookup(namespace_id, KeyRequest(hashes=chain), lease=True, session_id=session_id)
+        result = await self.lookup(namespace_id, KeyRequest(hashes=chain), lease=True, session_id=session_id)
         if not result.blocks:
             return []
         lease = self._leases.get(result.lease_id)
@@ -481,13 +892,23 @@ class BlockStore:
             if self._leases.get(lease.lease_id) is not None:
                 self._end(lease, self._sessions.get(lease.session_id), aborted=True)
 
-    # -- introspection ----------------------------------------------------------------------
+    # -- introspection and shutdown ---------------------------------------------------------
     def stats(self) -> StoreStats:
         index_blocks = sum(len(s.index) for s in self._namespaces.values())
-        dram_blocks = sum(len(lru) for lru in self._lru.values())
-        dram = TierStats("dram", self._allocator.capacity, self._allocator.used_bytes,
-                         dram_blocks, self._n.evictions)
-        return StoreStats(self._clock() - self._started, [dram], self._n.lookups,
+        dram_blocks = sum(len(lru) for lru in self._dram_lru.values())
+        tiers = [TierStats("dram", self._allocator.capacity, self._allocator.used_bytes,
+                           dram_blocks, self._n.dram_evictions)]
+        if self._ssd is not None:
+            ssd_blocks = sum(1 for s in self._namespaces.values() for b in s.index if b.on_ssd)
+            tiers.append(TierStats("ssd", self._config.ssd.capacity, self._ssd_used, ssd_blocks,
+                                   self._n.ssd_evictions, self._n.ssd_write_errors, self._n.ssd_read_errors))
+        return StoreStats(self._clock() - self._started, tiers, self._n.lookups,
                           self._n.lookup_blocks, self._n.hit_blocks, self._n.hit_tokens,
                           self._n.saved_blocks, self._leases.count(LeaseKind.READ),
-                          len(self._sessions), len(self._namespaces), index_blocks)
+                          len(self._sessions), len(self._namespaces), index_blocks,
+                          self._n.promotions, self._n.demotions, self._n.dropped)
+
+    async def drain(self) -> None:
+        """Wait for background promotions and write-backs in flight (shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -65,7 +65,8 @@ def start_daemon(tmp: Path, *extra: str, env: dict[str, str] | None = None, wait
     socket = str(tmp / f"{name}.sock")
     log_path = tmp / f"{name}.log"
     args = [sys.executable, "-m", "kvstored", "--socket", socket, "--dram-capacity", "64MiB",
-            "--set", "dram.page_bytes=1MiB", "--set", "log.level=debug", *extra]
+            "--set", "dram.page_bytes=1MiB", "--set", "log.level=debug",
+            "--ssd-path", str(tmp / f"{name}-ssd"), "--ssd-capacity", "256MiB", *extra]
     full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "KVSTORED_SOCKET")}
     full_env.update(env or {})
     with open(log_path, "wb") as log:

@@ -35,7 +35,7 @@ from kvstored_client.paths import discover_socket_path
 
 MAX_MESSAGE_BYTES = 64 << 20
 T = TypeVar("T")
-TIER_NAMES = {pb.TIER_DRAM: "dram"}
+TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,12 +345,39 @@ class Client:
         return LookupResult(resp.loaded_blocks * spec.block_size, resp.loaded_blocks,
                             {"dram": resp.loaded_blocks} if resp.loaded_blocks else {})
 
+    def prefetch(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
+                 namespace: Namespace | None = None, cache_salt: str | None = None) -> LookupResult:
+        """Start moving a prompt's cached blocks from slower tiers to DRAM ahead of ``load``;
+        returns at once with what is cached (``per_tier['promoting']``: blocks on their way)."""
+        ns_id, spec = self._ns(namespace)
+        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
+        resp = self._call(self._stub.Prefetch, pb.PrefetchRequest(namespace_id=ns_id, keys=keys))
+        return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks,
+                            {"promoting": resp.promoting_blocks} if resp.promoting_blocks else {})
+
     # -- admin --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        """The daemon's counters and per-tier usage as a plain dict (see ``kvctl stats``)."""
+        """The daemon's counters and per-tier usage as a plain dict (see ``kvctl stats``);
+        counts are ints."""
         resp = self._call(self._stub.Stats, pb.StatsRequest())
-        return json_format.MessageToDict(resp, preserving_proto_field_name=True,
-                                         always_print_fields_with_no_presence=True)
+        out = json_format.MessageToDict(resp, preserving_proto_field_name=True,
+                                        always_print_fields_with_no_presence=True)
+        # protobuf's JSON mapping writes 64-bit integers as strings; give callers numbers
+        return {k: (int(v) if isinstance(v, str) and k != "version" else v) for k, v in out.items()} | {
+            "tiers": [{k: (int(v) if k != "name" else v) for k, v in t.items()} for t in out["tiers"]]}
+
+    def evict(self, model: str = "", tier: str | None = None) -> int:
+        """Drop cached blocks of ``model``'s namespaces (all when empty) from ``tier`` ("dram",
+        "ssd", or all when None); leased blocks stay. Returns how many blocks were dropped."""
+        tiers = {None: pb.TIER_UNSPECIFIED, "dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD}
+        if tier not in tiers:
+            raise InvalidArgument(f"unknown tier {tier!r}; expected dram or ssd")
+        return int(self._call(self._stub.Evict, pb.EvictRequest(model=model, tier=tiers[tier])).blocks)
+
+    def flush(self, model: str = "") -> int:
+        """Write every DRAM block of ``model`` (all when empty) that has no SSD copy to SSD now;
+        returns how many were written."""
+        return int(self._call(self._stub.Flush, pb.FlushRequest(model=model)).blocks)
 
     def close(self) -> None:
         """End the session (the daemon releases its leases and buffers) and the channel."""

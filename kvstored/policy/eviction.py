@@ -1,9 +1,9 @@
-"""Leaf-only LRU eviction order for the blocks of one slot size.
+"""Recency order for the blocks of one tier (LRU), leaf-aware.
 
 Recency is an intrusive doubly linked list through the blocks (two pointers each, no per-block
 container entry). Callers touch a hit prefix deepest block first, so a parent is always more
-recent than its children and the least recent evictable block is a leaf of the resident tree;
-``victims`` still checks, so a broken ordering can never orphan a block.
+recent than its children and the least recent blocks are leaves of the resident tree; the
+store's eviction still checks each candidate, so a broken ordering can never orphan a block.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvstored.index import Block
 
 
 class LRUOrder:
-    """Recency list of sealed blocks; head = least recently used."""
+    """Recency list; head = least recently used."""
 
     __slots__ = ("_head", "_len", "_tail")
 
@@ -62,11 +62,14 @@ class LRUOrder:
         if self.contains(block):
             self._unlink(block)
 
-    def victims(self) -> Iterator[Block]:
-        """Evictable blocks, least recently used first. Safe against removal of the yielded block."""
+    def oldest(self) -> Iterator[Block]:
+        """Blocks from least to most recently used; safe against removal of the yielded block."""
         block = self._head
         while block is not None:
             nxt = block.lru_next
-            if block.evictable:
-                yield block
+            yield block
             block = nxt
+
+    def victims(self) -> Iterator[Block]:
+        """Blocks that may leave the index now, least recently used first."""
+        return (b for b in self.oldest() if b.evictable)

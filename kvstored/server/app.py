@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import lmdb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstored import config as config_mod
@@ -22,6 +23,7 @@ from kvstored.server import sdnotify
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena
+from kvstored.tiers.ssd import SSDTier
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.version import __version__
 
@@ -36,6 +38,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--socket", help="Unix socket path (server.socket)")
     parser.add_argument("--tcp", help="additional TCP listener host:port (server.tcp)")
     parser.add_argument("--dram-capacity", help="DRAM arena size, e.g. 4GiB (dram.capacity)")
+    parser.add_argument("--ssd-path", help="directory of the SSD tier's LMDB files (ssd.path)")
+    parser.add_argument("--ssd-capacity", help="SSD tier size, e.g. 100GiB (ssd.capacity)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log.level")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override any config key (repeatable)")
@@ -44,7 +48,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     args = parser.parse_args(argv)
     overrides = list(args.set)
     for flag, key in (("socket", "server.socket"), ("tcp", "server.tcp"),
-                      ("dram_capacity", "dram.capacity"), ("log_level", "log.level")):
+                      ("dram_capacity", "dram.capacity"), ("ssd_path", "ssd.path"),
+                      ("ssd_capacity", "ssd.capacity"), ("log_level", "log.level")):
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
@@ -123,8 +128,21 @@ async def serve(cfg: Config) -> int:
         arena = Arena(cfg.dram.shm_dir, cfg.dram.capacity, cfg.server.socket_mode, cfg.dram.prefault)
     except OSError as exc:
         raise StartupError(f"cannot create the DRAM arena in {cfg.dram.shm_dir}: {exc}") from None
+    ssd = None
+    if cfg.ssd.enabled:
+        log.info("opening SSD tier: %d MiB in %s", cfg.ssd.capacity >> 20, cfg.ssd_path)
+        try:
+            ssd = SSDTier(cfg.ssd_path, int(cfg.ssd.capacity * cfg.ssd.map_slack), cfg.ssd.read_threads,
+                          cfg.ssd.sync)
+        except (OSError, lmdb.Error) as exc:
+            arena.close()
+            raise StartupError(f"cannot open the SSD tier in {cfg.ssd_path}: {exc}") from None
     copy = CopyEngine(arena)
-    store = BlockStore(cfg, arena, copy)
+    store = BlockStore(cfg, arena, copy, ssd)
+    report = store.restore()
+    if report.blocks or report.dropped:
+        log.info("restored %d block(s) in %d namespace(s) from SSD; dropped %d unusable record(s)",
+                 report.blocks, report.namespaces, report.dropped)
     pb_grpc.add_KVStoreServicer_to_server(
         KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down), server)
     await server.start()
@@ -141,7 +159,17 @@ async def serve(cfg: Config) -> int:
             sdnotify.notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 
+    async def reader_check(interval: float) -> None:
+        assert ssd is not None
+        while True:
+            await asyncio.sleep(interval)
+            if n := ssd.reader_check():
+                log.info("cleared %d stale LMDB reader slot(s)", n)
+
     tasks = [asyncio.ensure_future(reaper())]
+    if ssd is not None:
+        tasks.append(asyncio.ensure_future(store.writeback_loop()))
+        tasks.append(asyncio.ensure_future(reader_check(cfg.ssd.reader_check_interval_s)))
     interval = sdnotify.watchdog_interval_s()
     if interval and cfg.server.watchdog:
         tasks.append(asyncio.ensure_future(watchdog(interval)))
@@ -162,7 +190,10 @@ async def serve(cfg: Config) -> int:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    await store.drain()
     copy.close()
+    if ssd is not None:
+        ssd.close()  # commits writes already queued
     arena.close()
     with contextlib.suppress(FileNotFoundError):
         sock_path.unlink()

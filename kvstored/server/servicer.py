@@ -20,7 +20,8 @@ from kvstored_client.namespace import Namespace
 from kvstored_client.version import __version__
 
 log = logging.getLogger("kvstored.server")
-_TIER_PB = {Tier.DRAM: pb.TIER_DRAM}
+_TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD}
+_TIER_FROM_PB = {pb.TIER_UNSPECIFIED: None, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
 
 
 def _keys(msg: pb.BlockKeys) -> KeyRequest:
@@ -91,7 +92,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @mapped
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        r = self._store.lookup(request.namespace_id, _keys(request.keys), request.lease, request.session_id)
+        r = await self._store.lookup(request.namespace_id, _keys(request.keys), request.lease,
+                                     request.session_id)
         return pb.LookupResponse(hit_blocks=r.blocks, tiers=[_TIER_PB[t] for t in r.tiers], offsets=r.offsets,
                                  lease_id=r.lease_id, lease_ttl_ms=int(r.lease_ttl_s * 1000),
                                  block_bytes=r.block_bytes, block_size=r.block_size)
@@ -142,12 +144,29 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.LoadBlocksResponse(loaded_blocks=len(tiers), tiers=[_TIER_PB[t] for t in tiers])
 
     @mapped
+    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
+        hit, promoting = self._store.prefetch(request.namespace_id, _keys(request.keys))
+        return pb.PrefetchResponse(hit_blocks=hit, promoting_blocks=promoting)
+
+    @mapped
+    async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
+        if request.tier not in _TIER_FROM_PB:
+            raise InvalidArgument(f"unknown tier {request.tier}")
+        return pb.EvictResponse(blocks=self._store.evict(request.model, _TIER_FROM_PB[request.tier]))
+
+    @mapped
+    async def Flush(self, request: pb.FlushRequest, context: grpc.aio.ServicerContext) -> pb.FlushResponse:
+        return pb.FlushResponse(blocks=await self._store.flush(request.model))
+
+    @mapped
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         s = self._store.stats()
         return pb.StatsResponse(
             version=__version__, uptime_s=s.uptime_s,
             tiers=[pb.TierStats(name=t.name, capacity_bytes=t.capacity_bytes, used_bytes=t.used_bytes,
-                                blocks=t.blocks, evictions=t.evictions) for t in s.tiers],
+                                blocks=t.blocks, evictions=t.evictions, write_errors=t.write_errors,
+                                read_errors=t.read_errors) for t in s.tiers],
             lookups=s.lookups, lookup_blocks=s.lookup_blocks, hit_blocks=s.hit_blocks,
             hit_tokens=s.hit_tokens, saved_blocks=s.saved_blocks, active_leases=s.active_leases,
-            clients=s.clients, namespaces=s.namespaces, index_blocks=s.index_blocks)
+            clients=s.clients, namespaces=s.namespaces, index_blocks=s.index_blocks,
+            promotions=s.promotions, demotions=s.demotions, dropped_blocks=s.dropped_blocks)

@@ -127,8 +127,11 @@ def test_torch_shared_buffers_register(client) -> None:  # type: ignore[no-untyp
     assert torch.equal(other.torch()[:, 0], t[:, 5])
 
 
-def test_lru_eviction_under_pressure(client) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("ssd", [False, True])
+def test_lru_eviction_under_pressure(daemon_factory, ssd: bool) -> None:  # type: ignore[no-untyped-def]
     # the test daemon has a 64 MiB arena in 1 MiB pages; blocks of 256 KiB -> 256 slots
+    d = daemon_factory("--set", f"ssd.enabled={str(ssd).lower()}")
+    client = kvstored.Client(d.socket)
     width = 256 << 10
     kept = np.arange(16 * 16)
     client.save(kept, rows(16, width))
@@ -138,7 +141,13 @@ def test_lru_eviction_under_pressure(client) -> None:  # type: ignore[no-untyped
     st = client.stats()
     assert int(st["tiers"][0]["evictions"]) > 0
     assert int(st["tiers"][0]["used_bytes"]) <= int(st["tiers"][0]["capacity_bytes"])
-    assert client.lookup(np.arange(16 * 16) + 100_000).blocks == 0  # the oldest went first
+    oldest = client.lookup(np.arange(16 * 16) + 100_000)
+    if ssd:  # the oldest went down to the SSD tier, and is still served from there
+        assert oldest.per_tier == {"ssd": 16}
+        assert np.array_equal(client.load(np.arange(16 * 16) + 100_000).data, rows(16, width, seed=0))
+    else:  # the oldest went first
+        assert oldest.blocks == 0
+    client.close()
 
 
 def test_dead_client_leases_are_released(daemon) -> None:  # type: ignore[no-untyped-def]

@@ -29,7 +29,8 @@ def test_stats_table_and_json(daemon) -> None:  # type: ignore[no-untyped-def]
             assert needle in out.stdout, (needle, out.stdout)
         data = json.loads(kvctl(daemon.socket, "stats", "--json").stdout)
     assert data["tiers"][0] == {"name": "dram", "capacity_bytes": 64 << 20, "used_bytes": 4 * 2048,
-                                "blocks": 4, "evictions": 0}
+                                "blocks": 4, "evictions": 0, "write_errors": 0, "read_errors": 0}
+    assert data["tiers"][1]["name"] == "ssd" and data["tiers"][1]["capacity_bytes"] == 256 << 20
     assert data["hit_tokens"] == 64 and data["lookups"] == 1 and data["saved_blocks"] == 4
     assert data["clients"] == 1  # the SDK client above; kvctl itself opens no session
 

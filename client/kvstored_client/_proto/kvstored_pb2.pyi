@@ -11,8 +11,10 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_UNSPECIFIED: _ClassVar[Tier]
     TIER_DRAM: _ClassVar[Tier]
+    TIER_SSD: _ClassVar[Tier]
 TIER_UNSPECIFIED: Tier
 TIER_DRAM: Tier
+TIER_SSD: Tier
 
 class NamespaceSpec(_message.Message):
     __slots__ = ("model", "revision", "kv_dtype", "block_size", "layout", "tp_rank", "tp_size", "hash_algo", "hash_seed", "block_bytes")
@@ -272,26 +274,72 @@ class LoadBlocksResponse(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     def __init__(self, loaded_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("namespace_id", "keys")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: int
+    keys: BlockKeys
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("hit_blocks", "promoting_blocks")
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTING_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    hit_blocks: int
+    promoting_blocks: int
+    def __init__(self, hit_blocks: _Optional[int] = ..., promoting_blocks: _Optional[int] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("model", "tier")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tier: Tier
+    def __init__(self, model: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "evictions")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "evictions", "write_errors", "read_errors")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    READ_ERRORS_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     used_bytes: int
     blocks: int
     evictions: int
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    write_errors: int
+    read_errors: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., write_errors: _Optional[int] = ..., read_errors: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "saved_blocks", "active_leases", "clients", "namespaces", "index_blocks")
+    __slots__ = ("version", "uptime_s", "tiers", "lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "saved_blocks", "active_leases", "clients", "namespaces", "index_blocks", "promotions", "demotions", "dropped_blocks")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +352,9 @@ class StatsResponse(_message.Message):
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -316,4 +367,7 @@ class StatsResponse(_message.Message):
     clients: int
     namespaces: int
     index_blocks: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., saved_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., clients: _Optional[int] = ..., namespaces: _Optional[int] = ..., index_blocks: _Optional[int] = ...) -> None: ...
+    promotions: int
+    demotions: int
+    dropped_blocks: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., saved_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., clients: _Optional[int] = ..., namespaces: _Optional[int] = ..., index_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., dropped_blocks: _Optional[int] = ...) -> None: ...

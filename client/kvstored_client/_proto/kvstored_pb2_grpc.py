@@ -89,10 +89,25 @@ class KVStoreStub:
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksRequest.SerializeToString,
                 response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvstored.v1.KVStore/Prefetch',
+                request_serializer=kvstored_dot_v1_dot_kvstored__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/kvstored.v1.KVStore/Stats',
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.StatsResponse.FromString,
+                _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/kvstored.v1.KVStore/Evict',
+                request_serializer=kvstored_dot_v1_dot_kvstored__pb2.EvictRequest.SerializeToString,
+                response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.EvictResponse.FromString,
+                _registered_method=True)
+        self.Flush = channel.unary_unary(
+                '/kvstored.v1.KVStore/Flush',
+                request_serializer=kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.SerializeToString,
+                response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.FlushResponse.FromString,
                 _registered_method=True)
 
 
@@ -170,8 +185,29 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Start promoting a prompt's slower-tier blocks to DRAM ahead of a load; returns at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Evict(self, request, context):
+        """Drop cached blocks of one namespace (by model) or all, from one tier or all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Flush(self, request, context):
+        """Write every DRAM block without an SSD copy to SSD now (before a planned restart).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -234,10 +270,25 @@ def add_KVStoreServicer_to_server(servicer, server):
                     request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksRequest.FromString,
                     response_serializer=kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksResponse.SerializeToString,
             ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvstored_dot_v1_dot_kvstored__pb2.PrefetchResponse.SerializeToString,
+            ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
                     request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.StatsRequest.FromString,
                     response_serializer=kvstored_dot_v1_dot_kvstored__pb2.StatsResponse.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.EvictRequest.FromString,
+                    response_serializer=kvstored_dot_v1_dot_kvstored__pb2.EvictResponse.SerializeToString,
+            ),
+            'Flush': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flush,
+                    request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.FromString,
+                    response_serializer=kvstored_dot_v1_dot_kvstored__pb2.FlushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -548,6 +599,33 @@ class KVStore:
             _registered_method=True)
 
     @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstored.v1.KVStore/Prefetch',
+            kvstored_dot_v1_dot_kvstored__pb2.PrefetchRequest.SerializeToString,
+            kvstored_dot_v1_dot_kvstored__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Stats(request,
             target,
             options=(),
@@ -564,6 +642,60 @@ class KVStore:
             '/kvstored.v1.KVStore/Stats',
             kvstored_dot_v1_dot_kvstored__pb2.StatsRequest.SerializeToString,
             kvstored_dot_v1_dot_kvstored__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstored.v1.KVStore/Evict',
+            kvstored_dot_v1_dot_kvstored__pb2.EvictRequest.SerializeToString,
+            kvstored_dot_v1_dot_kvstored__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstored.v1.KVStore/Flush',
+            kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.SerializeToString,
+            kvstored_dot_v1_dot_kvstored__pb2.FlushResponse.FromString,
             options,
             channel_credentials,
             insecure,

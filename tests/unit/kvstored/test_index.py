@@ -6,7 +6,7 @@ import tracemalloc
 
 import pytest
 
-from kvstored.index import BlockState, PrefixIndex
+from kvstored.index import SEALED, PrefixIndex
 from kvstored.policy.eviction import LRUOrder
 from kvstored.tiers.dram import SlotAllocator, slot_size
 
@@ -16,7 +16,7 @@ def _chain(index: PrefixIndex, keys: list[bytes], parent=None, seal: bool = True
     for i, k in enumerate(keys):
         parent = index.insert(k, parent, offset=i * 64)
         if seal:
-            parent.state = BlockState.SEALED
+            parent.flags = SEALED
             parent.pins = 0
         out.append(parent)
     return out
@@ -27,8 +27,11 @@ def test_match_longest_sealed_prefix() -> None:
     blocks = _chain(idx, [b"a", b"b", b"c"])
     assert idx.match([b"a", b"b", b"x", b"c"]) == blocks[:2]
     assert idx.match([b"z"]) == []
-    blocks[2].state = BlockState.RESERVED
+    blocks[2].flags = 0
     assert idx.match([b"a", b"b", b"c"]) == blocks[:2]  # reserved blocks are invisible
+    blocks[2].flags = SEALED
+    blocks[2].offset = -1
+    assert idx.match([b"a", b"b", b"c"]) == blocks[:2]  # so are hollow ones (bytes lost)
 
 
 def test_remove_interior_block_is_refused() -> None:
@@ -86,7 +89,7 @@ def test_index_memory_per_block() -> None:
     parent = None
     for i, k in enumerate(keys):
         parent = idx.insert(k, parent if i % 64 else None, offset=i * 2_097_152)
-        parent.state = BlockState.SEALED
+        parent.flags = SEALED
         lru.touch(parent)
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()

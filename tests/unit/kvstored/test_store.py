@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,6 +42,10 @@ def env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
     arena.close()
 
 
+def lookup(store: BlockStore, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+    return asyncio.run(store.lookup(*args, **kwargs))  # type: ignore[arg-type]
+
+
 def chain(n: int, start: int = 0) -> list[bytes]:
     return block_hashes(list(range(start, start + 16 * n)))
 
@@ -57,9 +62,9 @@ def test_blocks_visible_only_after_seal(env: tuple[BlockStore, Clock]) -> None:
     keys = chain(3)
     r = store.reserve(s.session_id, ns, KeyRequest(hashes=keys), BLOCK)
     assert r.present == 0 and len(r.offsets) == 3
-    assert store.lookup(ns, KeyRequest(hashes=keys)).blocks == 0
+    assert lookup(store, ns, KeyRequest(hashes=keys)).blocks == 0
     assert store.seal(s.session_id, r.reservation_id) == 3
-    assert store.lookup(ns, KeyRequest(hashes=keys)).blocks == 3
+    assert lookup(store, ns, KeyRequest(hashes=keys)).blocks == 3
     # a longer prompt with the same prefix reserves only the new tail
     r2 = store.reserve(s.session_id, ns, KeyRequest(hashes=chain(5)), BLOCK)
     assert r2.present == 3 and len(r2.offsets) == 2
@@ -70,7 +75,7 @@ def test_token_ids_and_hashes_name_the_same_blocks(env: tuple[BlockStore, Clock]
     s = store.open_session("t", 1)
     ns = store.open_namespace(Namespace()).namespace_id
     save(store, s.session_id, ns, chain(2))
-    assert store.lookup(ns, KeyRequest(token_ids=list(range(40)))).blocks == 2  # tail of 8 ignored
+    assert lookup(store, ns, KeyRequest(token_ids=list(range(40)))).blocks == 2  # tail of 8 ignored
 
 
 def test_wrong_payload_size_changes_nothing(env: tuple[BlockStore, Clock]) -> None:
@@ -89,7 +94,7 @@ def test_read_lease_expires_and_release_says_so(env: tuple[BlockStore, Clock]) -
     s = store.open_session("t", 1)
     ns = store.open_namespace(Namespace()).namespace_id
     save(store, s.session_id, ns, chain(2))
-    r = store.lookup(ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s.session_id)
+    r = lookup(store, ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s.session_id)
     assert store.stats().active_leases == 1
     clock.now += 11
     assert store.reap() == 1
@@ -119,12 +124,12 @@ def test_leased_blocks_are_never_evicted(env: tuple[BlockStore, Clock]) -> None:
     a, b = chain(4, 0), chain(4, 10_000)
     save(store, s.session_id, ns, a)
     save(store, s.session_id, ns, b)  # the arena (8 blocks) is full
-    store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=s.session_id)
+    lookup(store, ns, KeyRequest(hashes=a), lease=True, session_id=s.session_id)
     c = chain(4, 20_000)
     assert save(store, s.session_id, ns, c) == 4  # evicts b, the unleased one
-    assert store.lookup(ns, KeyRequest(hashes=a)).blocks == 4
-    assert store.lookup(ns, KeyRequest(hashes=b)).blocks == 0
-    store.lookup(ns, KeyRequest(hashes=c), lease=True, session_id=s.session_id)
+    assert lookup(store, ns, KeyRequest(hashes=a)).blocks == 4
+    assert lookup(store, ns, KeyRequest(hashes=b)).blocks == 0
+    lookup(store, ns, KeyRequest(hashes=c), lease=True, session_id=s.session_id)
     with pytest.raises(ResourceExhausted, match="full"):
         store.reserve(s.session_id, ns, KeyRequest(hashes=chain(1, 30_000)), BLOCK)
     assert store.stats().tiers[0].evictions == 4
@@ -135,13 +140,13 @@ def test_session_close_releases_everything(env: tuple[BlockStore, Clock]) -> Non
     s = store.open_session("t", 1)
     ns = store.open_namespace(Namespace()).namespace_id
     save(store, s.session_id, ns, chain(2))
-    store.lookup(ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s.session_id)
+    lookup(store, ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s.session_id)
     store.reserve(s.session_id, ns, KeyRequest(hashes=chain(4)), BLOCK)
     store.close_session(s.session_id)
     st = store.stats()
     assert st.active_leases == 0 and st.clients == 0 and st.index_blocks == 2
     with pytest.raises(FailedPrecondition, match="unknown session"):
-        store.lookup(ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s.session_id)
+        lookup(store, ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s.session_id)
 
 
 def test_concurrent_writers_of_one_chain(env: tuple[BlockStore, Clock]) -> None:
@@ -153,7 +158,7 @@ def test_concurrent_writers_of_one_chain(env: tuple[BlockStore, Clock]) -> None:
     assert len(r1.offsets) == 2 and r2.present == 0 and r2.offsets == []  # s1 is writing block 0
     store.seal(s1.session_id, r1.reservation_id)
     store.seal(s2.session_id, r2.reservation_id)
-    assert store.lookup(ns, KeyRequest(hashes=chain(3))).blocks == 2
+    assert lookup(store, ns, KeyRequest(hashes=chain(3))).blocks == 2
 
 
 def test_churn_never_orphans_and_respects_capacity(env: tuple[BlockStore, Clock]) -> None:
@@ -184,20 +189,20 @@ def test_block_sizes_share_the_arena_by_pages(env: tuple[BlockStore, Clock]) -> 
     r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4)), BLOCK)
     assert len(r.offsets) == 4  # fits in the free page
     store.seal(s.session_id, r.reservation_id)
-    assert store.lookup(small, KeyRequest(hashes=chain(8))).blocks == 8
+    assert lookup(store, small, KeyRequest(hashes=chain(8))).blocks == 8
     # No free page: a size class evicts its own least recent blocks first...
     r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4, 5000)), BLOCK)
     store.seal(s.session_id, r.reservation_id)
     assert len(r.offsets) == 4
-    assert store.lookup(big, KeyRequest(hashes=chain(4))).blocks == 0
-    assert store.lookup(small, KeyRequest(hashes=chain(8))).blocks == 8
+    assert lookup(store, big, KeyRequest(hashes=chain(4))).blocks == 0
+    assert lookup(store, small, KeyRequest(hashes=chain(8))).blocks == 8
     # ...and only when all of its own are leased does it reclaim another size's page.
-    store.lookup(big, KeyRequest(hashes=chain(4, 5000)), lease=True, session_id=s.session_id)
+    lookup(store, big, KeyRequest(hashes=chain(4, 5000)), lease=True, session_id=s.session_id)
     r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4, 9000)), BLOCK)
     store.seal(s.session_id, r.reservation_id)
     assert len(r.offsets) == 4
-    assert store.lookup(small, KeyRequest(hashes=chain(8))).blocks == 0
-    assert store.lookup(big, KeyRequest(hashes=chain(4, 5000))).blocks == 4
+    assert lookup(store, small, KeyRequest(hashes=chain(8))).blocks == 0
+    assert lookup(store, big, KeyRequest(hashes=chain(4, 5000))).blocks == 4
 
 
 def test_namespace_validation(env: tuple[BlockStore, Clock]) -> None:
@@ -209,7 +214,7 @@ def test_namespace_validation(env: tuple[BlockStore, Clock]) -> None:
     with pytest.raises(InvalidArgument, match="page_bytes"):
         store.open_namespace(Namespace(model="huge", block_bytes=1 << 30))
     with pytest.raises(NotFound, match="unknown namespace"):
-        store.lookup(12345, KeyRequest(hashes=chain(1)))
+        lookup(store, 12345, KeyRequest(hashes=chain(1)))
     a = store.open_namespace(Namespace(model="m", kv_dtype="float16")).namespace_id
     b = store.open_namespace(Namespace(model="m", kv_dtype="bfloat16")).namespace_id
     c = store.open_namespace(Namespace(model="m", kv_dtype="float16", tp_rank=1, tp_size=2)).namespace_id
@@ -220,8 +225,8 @@ def test_batch_limit_and_hash_length(env: tuple[BlockStore, Clock]) -> None:
     store, _ = env
     ns = store.open_namespace(Namespace()).namespace_id
     with pytest.raises(InvalidArgument, match="max_batch_blocks"):
-        store.lookup(ns, KeyRequest(hashes=[b"\0" * 32] * 16385))
+        lookup(store, ns, KeyRequest(hashes=[b"\0" * 32] * 16385))
     with pytest.raises(InvalidArgument, match="hashes\\[1\\] has 5 bytes"):
-        store.lookup(ns, KeyRequest(hashes=[b"\0" * 32, b"short"]))
+        lookup(store, ns, KeyRequest(hashes=[b"\0" * 32, b"short"]))
     with pytest.raises(InvalidArgument, match="not both"):
-        store.lookup(ns, KeyRequest(hashes=chain(1), token_ids=list(range(16))))
+        lookup(store, ns, KeyRequest(hashes=chain(1), token_ids=list(range(16))))

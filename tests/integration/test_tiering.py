@@ -1,0 +1,270 @@
+"""DRAM <-> SSD with a real daemon and real LMDB: demotion, promotion, prefetch, restart,
+kill -9, disk full, corruption, churn, kvctl evict/flush."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvstored
+from conftest import start_daemon
+
+WIDTH = 256 << 10  # bytes per block: the 64 MiB test arena holds 256
+
+
+def content(tokens: np.ndarray, width: int = WIDTH) -> np.ndarray:
+    """Block rows that are a function of each block's key, so any block read back can be checked."""
+    keys = kvstored.block_hashes(tokens)
+    return np.stack([np.random.default_rng(int.from_bytes(k[:8], "little")).integers(
+        0, 255, size=width, dtype=np.uint8) for k in keys])
+
+
+def prompt(i: int, blocks: int = 16) -> np.ndarray:
+    return np.arange(16 * blocks) + 1_000_000 * (i + 1)
+
+
+def wait_for(cond, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_overflow_goes_to_ssd_and_loads_back(daemon) -> None:  # type: ignore[no-untyped-def]
+    with kvstored.Client(daemon.socket) as c:
+        for i in range(40):  # 640 blocks of 256 KiB through a 256-block arena
+            c.save(prompt(i), content(prompt(i)))
+        st = c.stats()
+        dram, ssd = st["tiers"]
+        assert dram["used_bytes"] <= dram["capacity_bytes"] and st["demotions"] > 0
+        assert ssd["blocks"] > 0 and ssd["used_bytes"] <= ssd["capacity_bytes"]
+        first = c.lookup(prompt(0))
+        assert first.blocks == 16 and first.per_tier.get("ssd", 0) > 0
+        res = c.load(prompt(0))  # no prefetch needed
+        assert res.blocks == 16 and np.array_equal(res.data, content(prompt(0)))
+        assert c.lookup(prompt(0)).per_tier == {"dram": 16}  # promoted
+        assert c.stats()["promotions"] >= first.per_tier["ssd"]
+
+
+def test_prefetch_promotes_ahead_of_load(daemon) -> None:  # type: ignore[no-untyped-def]
+    with kvstored.Client(daemon.socket) as c:
+        for i in range(40):
+            c.save(prompt(i), content(prompt(i)))
+        assert c.evict(tier="dram") > 0
+        started = c.prefetch(prompt(5))
+        assert started.blocks == 16 and started.per_tier == {"promoting": 16}
+        assert wait_for(lambda: c.lookup(prompt(5)).per_tier == {"dram": 16})
+        assert np.array_equal(c.load(prompt(5)).data, content(prompt(5)))
+        # a plain lookup that hits SSD starts the promotion by itself
+        c.evict(tier="dram")
+        assert c.lookup(prompt(6)).per_tier == {"ssd": 16}
+        assert wait_for(lambda: c.lookup(prompt(6)).per_tier == {"dram": 16})
+
+
+def test_admission_never_keeps_ssd_empty(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--set", "ssd.admission=never")
+    with kvstored.Client(d.socket) as c:
+        for i in range(24):
+            c.save(prompt(i), content(prompt(i)))
+        st = c.stats()
+        assert st["demotions"] == 0 and st["tiers"][1]["blocks"] == 0 and st["dropped_blocks"] > 0
+        assert c.lookup(prompt(0)).blocks == 0
+
+
+def test_hit_before_admission_writes_only_reused_blocks(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--set", "ssd.admission=hit_before")
+    with kvstored.Client(d.socket) as c:
+        c.save(prompt(0), content(prompt(0)))
+        c.lookup(prompt(0))  # reused once: worth keeping
+        for i in range(1, 24):
+            c.save(prompt(i), content(prompt(i)))
+        assert c.lookup(prompt(0)).blocks == 16
+        assert c.lookup(prompt(1)).blocks == 0  # used once, dropped rather than written down
+        assert np.array_equal(c.load(prompt(0)).data, content(prompt(0)))
+
+
+def test_clean_restart_serves_ssd_blocks(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)
+    with kvstored.Client(d.socket) as c:
+        for i in range(6):
+            c.save(prompt(i), content(prompt(i)))
+        assert c.flush() == 6 * 16
+    assert d.stop() == 0
+    again = start_daemon(tmp_path)
+    try:
+        assert "restored 96 block(s)" in again.log()
+        with kvstored.Client(again.socket) as c:
+            for i in range(6):
+                assert c.lookup(prompt(i)).per_tier == {"ssd": 16}
+                assert np.array_equal(c.load(prompt(i)).data, content(prompt(i)))
+            # a longer prompt over a restored prefix stores only its tail
+            longer = np.concatenate([prompt(0), np.arange(32) + 5])
+            assert c.save(longer, content(longer)).stored == 2
+    finally:
+        again.stop()
+
+
+WRITER = """
+import sys, numpy as np, kvstored
+sys.path.insert(0, {tests!r})
+from integration.test_tiering import content, prompt
+c = kvstored.Client({socket!r})
+i = {start}
+while True:
+    p = prompt(i, 4)
+    c.save(p, content(p))
+    print(i, flush=True)
+    i += 1
+"""
+
+
+def test_kill_9_during_sustained_writes(tmp_path: Path) -> None:
+    """Killed at random moments while writing: every block found afterwards is exactly what was
+    written, and nothing half-written is visible."""
+    rng = random.Random(1234)
+    tests_dir = str(Path(__file__).resolve().parent.parent)
+    written = 0
+    # A tiny write-back watermark keeps the writer thread committing all the time.
+    extra = ("--set", "dram.writeback_watermark=0.05")
+    for round_ in range(3):
+        d = start_daemon(tmp_path, *extra)
+        code = WRITER.format(tests=tests_dir, socket=d.socket, start=written)
+        writer = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            assert writer.stdout is not None
+            deadline = time.monotonic() + rng.uniform(1.0, 3.0)
+            last = written
+            while time.monotonic() < deadline:
+                line = writer.stdout.readline()
+                if not line:
+                    break
+                last = int(line)
+            d.stop(signal.SIGKILL)
+        finally:
+            writer.kill()
+            writer.wait(10)
+        written = last + 1
+        assert written > 0, f"round {round_}: nothing was written"
+    d = start_daemon(tmp_path)
+    try:
+        with kvstored.Client(d.socket) as c:
+            found = 0
+            for i in range(written + 5):
+                p = prompt(i, 4)
+                res = c.load(p)
+                assert np.array_equal(res.data, content(p)[: res.blocks]), f"prompt {i} corrupt"
+                found += res.blocks
+            assert found > 0
+            assert c.stats()["tiers"][1]["read_errors"] == 0
+    finally:
+        d.stop()
+
+
+def test_corrupted_value_is_a_miss_and_dropped(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path)
+    marker = np.full(WIDTH, 0x5A, dtype=np.uint8)
+    marker[:16] = np.frombuffer(b"CORRUPT-ME-BLOCK", dtype=np.uint8)
+    p = prompt(0, 3)
+    rows = content(p)
+    rows[1] = marker  # block 1 carries a pattern we can find on disk
+    with kvstored.Client(d.socket) as c:
+        c.save(p, rows)
+        assert c.flush() == 3
+    assert d.stop() == 0
+    data = Path(tmp_path) / "kv-ssd" / "data.mdb"
+    blob = bytearray(data.read_bytes())
+    at = blob.find(b"CORRUPT-ME-BLOCK")
+    assert at >= 0
+    blob[at + 5000] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    again = start_daemon(tmp_path)
+    try:
+        with kvstored.Client(again.socket) as c:
+            res = c.load(p)
+            assert res.blocks == 1 and np.array_equal(res.data[0], rows[0])  # a miss from block 1 on
+            st = c.stats()
+            assert st["tiers"][1]["read_errors"] == 1 and st["dropped_blocks"] >= 1
+            assert c.lookup(p).blocks == 1  # the block is gone, not served again
+            c.save(p, rows)  # and can be stored again
+            again_loaded = c.load(p)
+            assert again_loaded.blocks == 3 and np.array_equal(again_loaded.data, rows)
+    finally:
+        again.stop()
+
+
+def test_churn_of_3x_capacity_stays_under_capacity(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--ssd-capacity", "32MiB", "--set", "dram.writeback_watermark=0.1")
+    with kvstored.Client(d.socket) as c:
+        for i in range(60):  # 60 x 16 x 256 KiB = 240 MiB through 64 MiB DRAM + 32 MiB SSD
+            c.save(prompt(i), content(prompt(i)))
+            ssd = c.stats()["tiers"][1]
+            assert ssd["used_bytes"] <= ssd["capacity_bytes"]
+        st = c.stats()
+        assert st["tiers"][1]["evictions"] > 0
+        assert c.lookup(prompt(59)).blocks == 16
+    mdb = Path(d.socket).parent / "kv-ssd" / "data.mdb"
+    assert mdb.stat().st_size <= int(32 * 1.5 * (1 << 20))  # within the map: free pages reused
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_disk_full_keeps_serving_and_recovers(tmp_path: Path) -> None:
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("mount -t tmpfs is not permitted here")
+    try:
+        filler = mnt / "filler"
+        d = start_daemon(tmp_path / "d", "--ssd-path", str(mnt / "ssd"), "--ssd-capacity", "64MiB",
+                         "--set", "dram.writeback_watermark=0.05")
+        with open(filler, "wb") as fh:  # leave almost nothing free
+            fh.write(b"\0" * (22 << 20))
+        try:
+            with kvstored.Client(d.socket) as c:
+                for i in range(12):
+                    c.save(prompt(i), content(prompt(i)))
+                assert wait_for(lambda: c.stats()["tiers"][1]["write_errors"] > 0)
+                assert d.proc.poll() is None
+                assert np.array_equal(c.load(prompt(11)).data, content(prompt(11)))  # DRAM still serves
+                filler.unlink()  # space returns
+                before = c.stats()["demotions"]
+                for i in range(12, 20):
+                    c.save(prompt(i), content(prompt(i)))
+                assert wait_for(lambda: c.stats()["demotions"] > before), "writes did not resume:\n" + d.log()
+        finally:
+            d.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_kvctl_evict_and_flush(daemon) -> None:  # type: ignore[no-untyped-def]
+    with kvstored.Client(daemon.socket) as c:
+        for i in range(3):
+            c.save(prompt(i), content(prompt(i)), namespace=kvstored.Namespace(model="a"))
+        c.save(prompt(9), content(prompt(9)), namespace=kvstored.Namespace(model="b"))
+    env = {**os.environ, "KVSTORED_SOCKET": daemon.socket}
+
+    def kvctl(*args: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "kvstored.kvctl", *args], capture_output=True, text=True,
+                             timeout=60, env=env)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    assert "flushed 48 block(s)" in kvctl("flush", "--model", "a")
+    assert "evicted 48 block(s) of a from dram" in kvctl("evict", "--model", "a", "--tier", "dram")
+    with kvstored.Client(daemon.socket) as c:
+        assert c.lookup(prompt(0), namespace=kvstored.Namespace(model="a")).per_tier == {"ssd": 16}
+        assert c.lookup(prompt(9), namespace=kvstored.Namespace(model="b")).per_tier == {"dram": 16}
+    assert "evicted 64 block(s) from all" in kvctl("evict")
+    with kvstored.Client(daemon.socket) as c:
+        assert c.lookup(prompt(0), namespace=kvstored.Namespace(model="a")).blocks == 0
+    assert "stats" not in kvctl("stats")  # and stats still renders
