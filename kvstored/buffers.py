@@ -1,7 +1,9 @@
-"""Engine KV buffers registered with the daemon (CPU twin: tensors in shared-memory files).
+"""Engine KV buffers registered with the daemon.
 
-Registration maps each tensor's file and builds a strided byte view of it; ``block(b)`` gives the
-views that make up block ``b``. The GPU path (CUDA IPC) plugs in behind the same interface.
+Registration turns each tensor descriptor into a :class:`~kvstored_client.layout.BlockRegion` (where
+block ``b`` lives, as rows of bytes) over memory the daemon can reach: a shared-memory file here
+(the CPU twin), device memory opened from a CUDA IPC handle on a GPU host (``kvstored.cuda``).
+Everything above the copy primitive is the same for both.
 """
 
 from __future__ import annotations
@@ -15,91 +17,127 @@ from pathlib import Path
 import numpy as np
 
 from kvstored.errors import InvalidArgument
-from kvstored_client.layout import TensorLayout, layout_signature
-
-_UINT_BY_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+from kvstored_client.layout import BlockRegion, TensorLayout, layout_signature
 
 
 @dataclass(frozen=True, slots=True)
 class TensorSource:
-    """Where one registered tensor lives: a file name in the shm directory and a byte offset."""
+    """Where one registered tensor lives: a shm file name and byte offset, or (CUDA) an IPC handle
+    of the allocation, the device's UUID and the tensor's byte offset inside the allocation."""
 
     shm_name: str
     offset: int
     layout: TensorLayout
+    cuda_ipc_handle: bytes = b""
+    device_uuid: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMemory:
+    """One registered tensor as the copy primitives see it."""
+
+    region: BlockRegion
+    part_offset: int          # where its rows start inside a block's payload
+    host: np.ndarray | None   # CPU twin: the mapped file as bytes
+    base: int                 # byte offset of element 0 in ``host``, or its device address
 
 
 class RegisteredBuffers:
-    """A set of mapped engine tensors; all must have the same number of blocks."""
+    """A set of engine tensors with the same number of blocks, mapped for copying."""
 
     def __init__(self, buffers_id: int, shm_dir: str, sources: Sequence[TensorSource]) -> None:
         if not sources:
             raise InvalidArgument("register_buffers: no tensors given")
         self.buffers_id = buffers_id
-        self._maps: list[mmap.mmap] = []
-        self._views: list[np.ndarray] = []
         self.layouts = [s.layout for s in sources]
-        try:
-            for i, src in enumerate(sources):
-                self._views.append(self._map(i, shm_dir, src))
-        except BaseException:
-            self.close()
-            raise
+        self.device = "cpu"
+        self.busy = 0                 # copies in flight; unregistering waits for zero
+        self._maps: list[mmap.mmap] = []
+        self._cuda: object | None = None
+        self.tensors: list[TensorMemory] = []
+        for i, src in enumerate(sources):
+            try:
+                src.layout.validate()
+                region = src.layout.region()
+            except ValueError as exc:
+                self.close()
+                raise InvalidArgument(f"tensors[{i}]: {exc}") from None
+            part = sum(lay.block_bytes for lay in self.layouts[:i])
+            if src.cuda_ipc_handle:
+                self.tensors.append(self._open_cuda(i, src, region, part))
+            else:
+                self.tensors.append(self._map(i, shm_dir, src, region, part))
         counts = {lay.num_blocks for lay in self.layouts}
         if len(counts) != 1:
+            self.close()
             raise InvalidArgument(f"register_buffers: tensors disagree on the number of blocks: {sorted(counts)}")
         self.num_blocks = counts.pop()
         self.block_bytes = sum(lay.block_bytes for lay in self.layouts)
         self.signature = layout_signature(self.layouts)
-        # Where each tensor's part of a block starts inside the block payload.
-        self._parts: list[int] = []
-        pos = 0
-        for lay in self.layouts:
-            self._parts.append(pos)
-            pos += lay.block_bytes
 
-    def _map(self, i: int, shm_dir: str, src: TensorSource) -> np.ndarray:
+    def _map(self, i: int, shm_dir: str, src: TensorSource, region: BlockRegion, part: int) -> TensorMemory:
         where = f"tensors[{i}]"
         name = src.shm_name
         if not name or "/" in name or name.startswith("."):
+            self.close()
             raise InvalidArgument(f"{where}.shm_name: expected a plain file name, got {name!r}")
         try:
-            src.layout.validate()
-        except ValueError as exc:
-            raise InvalidArgument(f"{where}: {exc}") from None
-        path = Path(shm_dir) / name
-        try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(Path(shm_dir) / name, os.O_RDWR)
         except OSError as exc:
+            self.close()
             raise InvalidArgument(f"{where}.shm_name: cannot open {name!r}: {exc.strerror}") from None
         try:
             size = os.fstat(fd).st_size
             end = src.offset + src.layout.extent_bytes
             if end > size:
+                self.close()
                 raise InvalidArgument(f"{where}: tensor extends to byte {end} but {name!r} has {size}")
             # Populate the page tables now: a copy into a page not yet mapped here costs far more.
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         self._maps.append(mm)
-        lay = src.layout
-        item = lay.itemsize
-        return np.ndarray(lay.shape, dtype=_UINT_BY_SIZE[item], buffer=mm, offset=src.offset,
-                          strides=tuple(s * item for s in lay.strides))
+        return TensorMemory(region, part, np.frombuffer(mm, dtype=np.uint8), src.offset)
 
-    def parts(self, block_id: int) -> list[tuple[int, np.ndarray]]:
-        """For block ``block_id``: (byte offset inside the payload, strided view) per tensor."""
-        out = []
-        for pos, lay, view in zip(self._parts, self.layouts, self._views):
-            index = (slice(None),) * lay.block_dim + (block_id,)
-            out.append((pos, view[index]))
-        return out
+    def _open_cuda(self, i: int, src: TensorSource, region: BlockRegion, part: int) -> TensorMemory:
+        try:
+            from kvstored import cuda
+        except ImportError as exc:  # pragma: no cover - only on hosts without cupy
+            self.close()
+            raise InvalidArgument(f"tensors[{i}]: CUDA buffers need cupy on the daemon host ({exc})") from None
+        if self._cuda is None:
+            try:
+                self._cuda = cuda.DeviceMappings(src.device_uuid)
+            except cuda.CudaUnavailable as exc:
+                self.close()
+                raise InvalidArgument(f"tensors[{i}]: {exc}") from None
+            self.device = f"cuda:{src.device_uuid}"
+        mappings = self._cuda
+        assert isinstance(mappings, cuda.DeviceMappings)
+        if src.device_uuid != mappings.device_uuid:
+            self.close()
+            raise InvalidArgument(f"tensors[{i}]: all tensors of one registration must be on one device")
+        try:
+            address = mappings.open(src.cuda_ipc_handle) + src.offset
+        except cuda.CudaUnavailable as exc:
+            self.close()
+            raise InvalidArgument(f"tensors[{i}]: {exc}") from None
+        return TensorMemory(region, part, None, address)
+
+    @property
+    def cuda(self) -> object | None:
+        """The device mappings (``kvstored.cuda.DeviceMappings``) of a CUDA registration."""
+        return self._cuda
 
     def close(self) -> None:
-        self._views.clear()
+        """Unmap everything (the caller has drained copies first)."""
+        self.tensors = []
         for mm in self._maps:
             try:
                 mm.close()
             except BufferError:
                 pass  # a copy still holds a view; the mapping goes when it does
         self._maps.clear()
+        if self._cuda is not None:
+            self._cuda.close()  # type: ignore[attr-defined]
+            self._cuda = None

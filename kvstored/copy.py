@@ -1,39 +1,65 @@
 """The copy engine: moves block bytes between engine buffers and arena slots off the event loop.
 
-The primitive is ``numpy.copyto`` (CPU twin; numpy releases the GIL for it); a CUDA engine would
-replace only ``_copy_in``/``_copy_out``. Decisions (which blocks, where) are made by the caller.
+Copies go tensor by tensor (layer by layer), each block of a tensor one 2-D region; after each
+tensor a callback fires, so a load can tell the engine that layer N is in place while layer N+1
+is still copying. The primitive is a strided numpy copy for shared-memory buffers (the CPU twin)
+and ``cudaMemcpy2DAsync`` on the daemon's own stream for device buffers (``kvstored.cuda``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
-from kvstored.buffers import RegisteredBuffers
+from kvstored.buffers import RegisteredBuffers, TensorMemory
 from kvstored.tiers.dram import Arena
 
+TensorDone = Callable[[int], None]
 
-def _copy_in(buffers: RegisteredBuffers, arena: Arena, block_ids: Sequence[int],
-             offsets: Sequence[int]) -> None:
+
+def _engine_rows(t: TensorMemory, block_id: int) -> np.ndarray:
+    assert t.host is not None, "host copy of a device tensor"
+    r = t.region
+    start = t.base + block_id * r.block_stride
+    return as_strided(t.host[start:], shape=(r.height, r.width), strides=(r.pitch, 1), writeable=True)
+
+
+def _arena_rows(arena: Arena, t: TensorMemory, offset: int) -> np.ndarray:
+    r = t.region
+    start = offset + t.part_offset
+    return arena.buf[start: start + r.width * r.height].reshape(r.height, r.width)
+
+
+def _host_copy(arena: Arena, t: TensorMemory, block_ids: Sequence[int], offsets: Sequence[int],
+               to_arena: bool) -> None:
     for block_id, offset in zip(block_ids, offsets):
-        for pos, src in buffers.parts(block_id):
-            dst = arena.buf[offset + pos: offset + pos + src.nbytes].view(src.dtype).reshape(src.shape)
-            np.copyto(dst, src, casting="no")
+        engine, slot = _engine_rows(t, block_id), _arena_rows(arena, t, offset)
+        if to_arena:
+            np.copyto(slot, engine)
+        else:
+            np.copyto(engine, slot)
 
 
-def _copy_out(buffers: RegisteredBuffers, arena: Arena, block_ids: Sequence[int],
-              offsets: Sequence[int]) -> None:
-    for block_id, offset in zip(block_ids, offsets):
-        for pos, dst in buffers.parts(block_id):
-            src = arena.buf[offset + pos: offset + pos + dst.nbytes].view(dst.dtype).reshape(dst.shape)
-            np.copyto(dst, src, casting="no")
+def _run(arena: Arena, buffers: RegisteredBuffers, block_ids: Sequence[int], offsets: Sequence[int],
+         to_arena: bool, tensor_done: TensorDone | None) -> None:
+    device = buffers.cuda
+    for index, t in enumerate(buffers.tensors):
+        if device is None:
+            _host_copy(arena, t, block_ids, offsets, to_arena)
+        else:
+            device.copy(arena, t, block_ids, offsets, to_arena)  # type: ignore[attr-defined]
+        if tensor_done is not None:
+            tensor_done(index)
+    if device is not None:
+        device.synchronize()  # type: ignore[attr-defined]
 
 
 class CopyEngine:
-    """Runs batches of block copies on worker threads; one batch per call."""
+    """Runs batches of block copies on a worker thread; one batch per call."""
 
     def __init__(self, arena: Arena, workers: int = 2) -> None:
         self._arena = arena
@@ -42,18 +68,34 @@ class CopyEngine:
     async def to_arena(self, buffers: RegisteredBuffers, block_ids: Sequence[int],
                        offsets: Sequence[int]) -> None:
         """Copy engine blocks ``block_ids`` into arena slots ``offsets`` (same order)."""
-        await self._run(_copy_in, buffers, block_ids, offsets)
+        await self._submit(buffers, block_ids, offsets, True, None)
 
-    async def from_arena(self, buffers: RegisteredBuffers, block_ids: Sequence[int],
-                         offsets: Sequence[int]) -> None:
-        """Copy arena slots ``offsets`` into engine blocks ``block_ids`` (same order)."""
-        await self._run(_copy_out, buffers, block_ids, offsets)
-
-    async def _run(self, fn, buffers, block_ids, offsets) -> None:  # type: ignore[no-untyped-def]
-        if not block_ids:
-            return
+    async def from_arena(self, buffers: RegisteredBuffers, block_ids: Sequence[int], offsets: Sequence[int],
+                         tensor_done: TensorDone | None = None) -> None:
+        """Copy arena slots ``offsets`` into engine blocks ``block_ids``; ``tensor_done(i)`` is
+        called on the event loop once tensor ``i`` is complete for every block."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._pool, fn, buffers, self._arena, block_ids, offsets)
+        notify: TensorDone | None = None
+        if tensor_done is not None:
+            callback = tensor_done
+
+            def notify(index: int) -> None:
+                loop.call_soon_threadsafe(callback, index)
+        await self._submit(buffers, block_ids, offsets, False, notify)
+
+    async def _submit(self, buffers: RegisteredBuffers, block_ids: Sequence[int], offsets: Sequence[int],
+                      to_arena: bool, notify: TensorDone | None) -> None:
+        if not block_ids:
+            if notify is not None:
+                for i in range(len(buffers.tensors)):
+                    notify(i)
+            return
+        buffers.busy += 1
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._pool, _run, self._arena, buffers, list(block_ids), list(offsets), to_arena, notify)
+        finally:
+            buffers.busy -= 1
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -802,16 +802,27 @@ class BlockStore:
         session.buffers.add(buffers.buffers_id)
         return buffers
 
-    def unregister_buffers(self, session_id: str, buffers_id: int) -> None:
+    async def unregister_buffers(self, session_id: str, buffers_id: int) -> None:
+        """Stop using an engine's buffers. Returns once no copy touches them and they are unmapped
+        (CUDA handles closed): only then may the engine free the memory."""
         session = self._session(session_id)
-        self._owned_buffers(session_id, buffers_id)
+        buffers = self._owned_buffers(session_id, buffers_id)
         session.buffers.discard(buffers_id)
-        self._drop_buffers(buffers_id)
+        del self._buffers[buffers_id]
+        await self._close_when_idle(buffers)
 
     def _drop_buffers(self, buffers_id: int) -> None:
         entry = self._buffers.pop(buffers_id, None)
         if entry is not None:
-            entry[2].close()
+            if entry[2].busy:
+                self._spawn(self._close_when_idle(entry[2]))
+            else:
+                entry[2].close()
+
+    async def _close_when_idle(self, buffers: RegisteredBuffers) -> None:
+        while buffers.busy:
+            await asyncio.sleep(0.001)
+        buffers.close()
 
     def _owned_buffers(self, session_id: str, buffers_id: int, namespace_id: int | None = None
                        ) -> RegisteredBuffers:
@@ -858,20 +869,31 @@ class BlockStore:
         return present, stored
 
     async def load_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
-                          keys: KeyRequest, block_ids: Sequence[int]) -> list[Tier]:
-        """Copy the longest cached prefix of a chain into engine buffers; returns its tiers."""
+                          keys: KeyRequest, block_ids: Sequence[int],
+                          started: Callable[[list[Tier]], None] | None = None,
+                          tensor_done: Callable[[int], None] | None = None) -> list[Tier]:
+        """Copy the longest cached prefix of a chain into engine buffers; returns its tiers.
+
+        ``started`` learns the tiers of the blocks about to be copied, ``tensor_done(i)`` when
+        registered tensor ``i`` (a layer) is in place for all of them.
+        """
         session = self._session(session_id)
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id)
         _, chain = self.resolve_keys(namespace_id, keys)
         self._check_block_ids(buffers, chain, block_ids)
         result = await self.lookup(namespace_id, KeyRequest(hashes=chain), lease=True, session_id=session_id)
+        if started is not None:
+            started(result.tiers)
         if not result.blocks:
+            if tensor_done is not None:
+                for i in range(len(buffers.tensors)):
+                    tensor_done(i)
             return []
         lease = self._leases.get(result.lease_id)
         assert lease is not None, "a fresh lease vanished"
         try:
             await self._copying(lease, self._copy.from_arena(
-                buffers, block_ids[: result.blocks], result.offsets))
+                buffers, block_ids[: result.blocks], result.offsets, tensor_done))
         finally:
             doomed = lease.lease_id in self._doomed
             self._finish_doomed(lease)

@@ -7,6 +7,7 @@ bytes move by memory copies into and out of that arena, never inside protobuf me
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import threading
@@ -19,7 +20,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from kvstored_client import shm
+from kvstored_client import cuda_export, shm
 from kvstored_client._proto import kvstored_pb2 as pb
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import (
@@ -30,6 +31,7 @@ from kvstored_client.errors import (
     from_rpc_error,
 )
 from kvstored_client.hashing import block_hashes
+from kvstored_client.layout import TensorLayout, layout_signature
 from kvstored_client.namespace import Namespace
 from kvstored_client.paths import discover_socket_path
 
@@ -300,24 +302,42 @@ class Client:
         A block's payload is each tensor indexed at the block along ``block_dim``, in order. The
         daemon maps them and copies blocks itself in ``save_blocks``/``load_blocks``.
         """
-        ns_id, _ = self._ns(namespace)
         dims = [block_dim] * len(tensors) if isinstance(block_dim, int) else list(block_dim)
         if len(dims) != len(tensors):
             raise InvalidArgument("one block_dim per tensor")
-        descs = []
-        for t, dim in zip(tensors, dims):
+        descs, layouts = [], []
+        for i, (t, dim) in enumerate(zip(tensors, dims)):
             try:
-                place = shm.describe(t, dim)
+                if cuda_export.is_cuda(t):
+                    dev = cuda_export.export(t)
+                    layout = TensorLayout(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."),
+                                          dim)
+                    layout.validate()
+                    desc = pb.TensorDesc(offset=dev.offset, cuda_ipc_handle=dev.handle,
+                                         device_uuid=dev.device_uuid)
+                else:
+                    place = shm.describe(t, dim)
+                    layout = place.layout
+                    desc = pb.TensorDesc(shm_name=place.shm_name, offset=place.offset)
             except (ValueError, TypeError) as exc:
-                raise InvalidArgument(str(exc)) from None
-            descs.append(pb.TensorDesc(shm_name=place.shm_name, offset=place.offset,
-                                       shape=place.layout.shape, strides=place.layout.strides,
-                                       dtype=place.layout.dtype, block_dim=dim))
+                raise InvalidArgument(f"tensors[{i}]: {exc}") from None
+            desc.shape.extend(layout.shape)
+            desc.strides.extend(layout.strides)
+            desc.dtype, desc.block_dim = layout.dtype, dim
+            descs.append(desc)
+            layouts.append(layout)
+        # The layout signature enters the namespace: blocks saved under one layout are never
+        # loaded into another.
+        ns = namespace or self.namespace
+        signature = layout_signature(layouts)
+        if ns.layout and ns.layout != signature:
+            raise InvalidArgument(f"buffers have layout {signature!r} but the namespace says {ns.layout!r}")
+        ns = dataclasses.replace(ns, layout=signature)
+        ns_id, _ = self._ns(ns)
         resp = self._call(self._stub.RegisterBuffers, pb.RegisterBuffersRequest(
             session_id=self._session(), namespace_id=ns_id, tensors=descs))
-        self._namespace_ids.pop(namespace or self.namespace, None)
-        return Buffers(resp.buffers_id, resp.num_blocks, resp.block_bytes, resp.layout,
-                       namespace or self.namespace)
+        self._namespace_ids.pop(ns, None)
+        return Buffers(resp.buffers_id, resp.num_blocks, resp.block_bytes, resp.layout, ns)
 
     def unregister_buffers(self, buffers: Buffers) -> None:
         """After this returns the daemon no longer touches the tensors; the engine may free them."""
@@ -335,15 +355,22 @@ class Client:
         return SaveResult(resp.present_blocks, resp.stored_blocks, spec.block_size)
 
     def load_blocks(self, buffers: Buffers, block_ids: Sequence[int], tokens: Any = None, *,
-                    hashes: Sequence[bytes] | None = None, cache_salt: str | None = None) -> LookupResult:
-        """Copy the cached prefix of the prompt into blocks ``block_ids``; returns what was loaded."""
+                    hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
+                    wait: bool = True) -> Any:
+        """Copy the cached prefix of the prompt into blocks ``block_ids``.
+
+        Returns a LookupResult of what was loaded; with ``wait=False`` returns a
+        :class:`LoadHandle` at once, whose ``wait_layer(i)`` returns when registered tensor ``i``
+        is in place (compute layer i while later layers arrive) and ``wait()`` when all are.
+        """
         ns_id, spec = self._ns(buffers.namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
-        resp = self._call(self._stub.LoadBlocks, pb.LoadBlocksRequest(
-            session_id=self._session(), namespace_id=ns_id, buffers_id=buffers.buffers_id,
-            keys=keys, block_ids=list(block_ids)))
-        return LookupResult(resp.loaded_blocks * spec.block_size, resp.loaded_blocks,
-                            {"dram": resp.loaded_blocks} if resp.loaded_blocks else {})
+        request = pb.LoadBlocksRequest(session_id=self._session(), namespace_id=ns_id,
+                                       buffers_id=buffers.buffers_id, keys=keys, block_ids=list(block_ids))
+        if not wait:
+            return LoadHandle(self._stub.LoadBlocksStream(request, timeout=self._timeout), spec.block_size)
+        resp = self._call(self._stub.LoadBlocks, request)
+        return _loaded(resp, spec.block_size)
 
     def prefetch(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
                  namespace: Namespace | None = None, cache_salt: str | None = None) -> LookupResult:
@@ -404,6 +431,73 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _loaded(resp: pb.LoadBlocksResponse, block_size: int) -> LookupResult:
+    per_tier: dict[str, int] = {}
+    for tier in resp.tiers:
+        name = TIER_NAMES.get(tier, str(tier))
+        per_tier[name] = per_tier.get(name, 0) + 1
+    return LookupResult(resp.loaded_blocks * block_size, resp.loaded_blocks, per_tier)
+
+
+class LoadHandle:
+    """A load in progress (``load_blocks(wait=False)``): the daemon reports each tensor (layer) as
+    it completes. Raises the load's error from ``wait``/``wait_layer``/``result``."""
+
+    def __init__(self, stream: Any, block_size: int) -> None:
+        self._stream = stream
+        self._block_size = block_size
+        self._cond = threading.Condition()
+        self._layers: set[int] = set()
+        self._result: LookupResult | None = None
+        self._done = False
+        self._error: KVStoreError | None = None
+        threading.Thread(target=self._consume, daemon=True, name="kvstored-load").start()
+
+    def _consume(self) -> None:
+        try:
+            for event in self._stream:
+                kind = event.WhichOneof("event")
+                with self._cond:
+                    if kind == "started":
+                        self._result = _loaded(event.started, self._block_size)
+                    elif kind == "tensor_done":
+                        self._layers.add(event.tensor_done)
+                    elif kind == "done":
+                        self._done = True
+                    self._cond.notify_all()
+        except grpc.RpcError as exc:
+            with self._cond:
+                self._error = from_rpc_error(exc)
+                self._cond.notify_all()
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    def _wait_for(self, ready: Callable[[], bool], timeout: float | None) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: ready() or self._error is not None or self._done, timeout):
+                raise TimeoutError("load still in progress")
+            if self._error is not None:
+                raise self._error
+            if not ready():
+                raise KVStoreError("the load ended early")
+
+    def wait_layer(self, index: int, timeout: float | None = None) -> None:
+        """Block until registered tensor ``index`` holds every loaded block."""
+        self._wait_for(lambda: index in self._layers, timeout)
+
+    def wait(self, timeout: float | None = None) -> LookupResult:
+        """Block until every copy is done; returns what was loaded."""
+        self._wait_for(lambda: self._done, timeout)
+        return self.result()
+
+    def result(self) -> LookupResult:
+        """What is being loaded (known as soon as the daemon started copying)."""
+        self._wait_for(lambda: self._result is not None, None)
+        assert self._result is not None, "no result after waiting for it"
+        return self._result
 
 
 def _spec_pb(ns: Namespace) -> pb.NamespaceSpec:

@@ -6,6 +6,7 @@ block dimension, in C order. Shared by the SDK (to describe buffers) and the dae
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +64,42 @@ class TensorLayout:
 
     def signature(self) -> str:
         return f"{self.dtype}{list(self.block_shape)}"
+
+    def region(self) -> BlockRegion:
+        """Where block ``b`` lives as a 2-D byte region (see :class:`BlockRegion`).
+
+        Raises ValueError unless the dimensions after the block dimension are C-contiguous and
+        those before it collapse into one stride: true of vLLM's, SGLang's and block-first
+        layouts, and what lets a GPU move a block with one 2-D copy per tensor.
+        """
+        item = self.itemsize
+        d = self.block_dim
+        expected = 1
+        for size, stride in zip(reversed(self.shape[d + 1:]), reversed(self.strides[d + 1:])):
+            if size > 1 and stride != expected:
+                raise ValueError(f"dimensions after block_dim must be contiguous (strides {self.strides})")
+            expected *= size
+        width = expected * item
+        lead = [(s, t) for s, t in zip(self.shape[:d], self.strides[:d]) if s > 1]
+        height = math.prod(s for s, _ in lead) if lead else 1
+        pitch = lead[-1][1] * item if lead else width
+        for (_, outer_stride), (inner, inner_stride) in itertools.pairwise(lead):
+            if outer_stride != inner_stride * inner:
+                raise ValueError(f"dimensions before block_dim must collapse into one stride ({self.strides})")
+        if height > 1 and pitch < width:
+            raise ValueError("rows of a block overlap")
+        return BlockRegion(width, height, pitch, self.strides[d] * item)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRegion:
+    """Block ``b`` of a tensor: ``height`` rows of ``width`` bytes, ``pitch`` bytes apart, the first
+    at byte ``b * block_stride``. Its payload part is the rows back to back (``width * height``)."""
+
+    width: int
+    height: int
+    pitch: int
+    block_stride: int
 
 
 def layout_signature(tensors: Sequence[TensorLayout]) -> str:

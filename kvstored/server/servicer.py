@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
 from kvstored.buffers import TensorSource
-from kvstored.errors import InvalidArgument
+from kvstored.errors import InvalidArgument, KVError
 from kvstored.index import Tier
-from kvstored.server.status import mapped
+from kvstored.server.status import code_for, mapped
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored_client._proto import kvstored_pb2 as pb
@@ -46,7 +47,8 @@ def _tensor(i: int, msg: pb.TensorDesc) -> TensorSource:
     if len(msg.shape) != len(msg.strides):
         raise InvalidArgument(f"tensors[{i}]: shape and strides differ in length")
     return TensorSource(msg.shm_name, msg.offset,
-                        TensorLayout(tuple(msg.shape), tuple(msg.strides), msg.dtype, msg.block_dim))
+                        TensorLayout(tuple(msg.shape), tuple(msg.strides), msg.dtype, msg.block_dim),
+                        msg.cuda_ipc_handle, msg.device_uuid)
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
@@ -125,7 +127,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @mapped
     async def UnregisterBuffers(self, request: pb.UnregisterBuffersRequest,
                                 context: grpc.aio.ServicerContext) -> pb.UnregisterBuffersResponse:
-        self._store.unregister_buffers(request.session_id, request.buffers_id)
+        await self._store.unregister_buffers(request.session_id, request.buffers_id)
         return pb.UnregisterBuffersResponse()
 
     @mapped
@@ -142,6 +144,38 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         tiers = await self._store.load_blocks(request.session_id, request.namespace_id,
                                               request.buffers_id, _keys(request.keys), request.block_ids)
         return pb.LoadBlocksResponse(loaded_blocks=len(tiers), tiers=[_TIER_PB[t] for t in tiers])
+
+    async def LoadBlocksStream(self, request: pb.LoadBlocksRequest,
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LoadEvent]:
+        events: asyncio.Queue[pb.LoadEvent] = asyncio.Queue()
+
+        def started(tiers: list[Tier]) -> None:
+            events.put_nowait(pb.LoadEvent(started=pb.LoadBlocksResponse(
+                loaded_blocks=len(tiers), tiers=[_TIER_PB[t] for t in tiers])))
+
+        async def run() -> None:
+            try:
+                await self._store.load_blocks(
+                    request.session_id, request.namespace_id, request.buffers_id, _keys(request.keys),
+                    request.block_ids, started=started,
+                    tensor_done=lambda i: events.put_nowait(pb.LoadEvent(tensor_done=i)))
+            finally:
+                events.put_nowait(pb.LoadEvent(done=True))
+
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                event = await events.get()
+                if event.WhichOneof("event") == "done":
+                    break
+                yield event
+            await task  # raises the domain error, if any
+        except KVError as exc:
+            await context.abort(code_for(exc), str(exc))
+        finally:
+            if not task.done():
+                task.cancel()
+        yield pb.LoadEvent(done=True)
 
     @mapped
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:

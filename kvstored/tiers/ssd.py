@@ -129,6 +129,22 @@ class SSDTier:
         return fut
 
     def _write_loop(self) -> None:
+        try:
+            self._write_forever()
+        except BaseException:  # never die silently: queued callers would wait forever
+            log.exception("SSD writer thread failed")
+            self._fail_pending(SSDError("the SSD writer stopped"))
+
+    def _fail_pending(self, exc: Exception) -> None:
+        while True:
+            try:
+                op = self._ops.get_nowait()
+            except queue.Empty:
+                return
+            if op is not None:
+                _settle(op.done, exc)
+
+    def _write_forever(self) -> None:
         while True:
             op = self._ops.get()
             if op is None:
@@ -171,16 +187,16 @@ class SSDTier:
                     self._commit([op])
                 return
             self.write_errors += 1
-            batch[0].done.set_exception(MapFull("LMDB map full"))
+            _settle(batch[0].done, MapFull("LMDB map full"))
             return
         except lmdb.Error as exc:
             self.write_errors += len(batch)
             log.warning("SSD write of %d op(s) failed: %s", len(batch), exc)
             for op in batch:
-                op.done.set_exception(SSDError(str(exc)))
+                _settle(op.done, SSDError(str(exc)))
             return
         for op in batch:
-            op.done.set_result(None)
+            _settle(op.done, None)
 
     # -- reads -------------------------------------------------------------------------------
     def read_into(self, namespace_id: int, key: bytes, dst: np.ndarray) -> Future[None]:
@@ -239,6 +255,15 @@ class SSDTier:
         self._writer.join()
         self._readers.shutdown(wait=True)
         self._env.close()
+
+
+def _settle(fut: Future[None], exc: Exception | None) -> None:
+    """Complete a caller's future unless the caller gave up on it (cancelled)."""
+    if fut.set_running_or_notify_cancel():
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
 
 
 def _size(op: _Op) -> int:

@@ -106,11 +106,49 @@ def test_registered_buffers_save_and_load_blocks(client, layout: str) -> None:  
             assert np.array_equal(a[(*take, i)], b[(*take, j)])
         untouched = [k for k in range(nblocks) if k not in (0, 1, 2, 3)]
         assert not b[(*take, untouched)].any()
-    # bytes saved through buffers are readable as rows through the direct path, and vice versa
-    assert client.load(tokens, namespace=ns).blocks == 4
+    # the layout signature is part of the buffers' namespace: rows are readable there, not elsewhere
+    assert b_src.namespace.layout == b_src.layout and client.load(tokens, namespace=b_src.namespace).blocks == 4
+    assert client.load(tokens, namespace=ns).blocks == 0
     client.unregister_buffers(b_src)
     with pytest.raises(kvstored.NotFound):
         client.save_blocks(b_src, [0], np.arange(16))
+
+
+def test_blocks_never_cross_layouts(client) -> None:  # type: ignore[no-untyped-def]
+    ns = Namespace(model="two-layouts", kv_dtype="float16")
+    flash = kvstored.shm.empty((2, 4, 16, 2, 8), "float16")  # (K/V, blocks, tokens, heads, dim)
+    first = kvstored.shm.empty((4, 16, 2, 2, 8), "float16")  # (blocks, tokens, K/V, heads, dim)
+    same = kvstored.shm.empty((4, 2, 16, 2, 8), "float16")   # (blocks, K/V, tokens, heads, dim)
+    flash.numpy()[...] = 1
+    a = client.register_buffers([flash.numpy()], 1, namespace=ns)
+    b = client.register_buffers([first.numpy()], 0, namespace=ns)
+    c = client.register_buffers([same.numpy()], 0, namespace=ns)
+    assert c.layout == a.layout  # a block's payload is its sub-tensor in C order: these agree
+    assert a.block_bytes == b.block_bytes and a.layout != b.layout
+    client.save_blocks(a, [0], list(range(16)))
+    assert client.load_blocks(b, [0], list(range(16))).blocks == 0  # same bytes, other layout: a miss
+    assert not first.numpy().any()
+    assert client.load_blocks(c, [3], list(range(16))).blocks == 1 and (same.numpy()[3] == 1).all()
+    with pytest.raises(kvstored.InvalidArgument, match="layout"):
+        client.register_buffers([first.numpy()], 0, namespace=Namespace(model="x", layout=a.layout))
+
+
+def test_load_blocks_reports_each_layer(client) -> None:  # type: ignore[no-untyped-def]
+    layers = [kvstored.shm.empty((2, 8, 16, 2, 8), "float16") for _ in range(4)]
+    for i, t in enumerate(layers):
+        t.numpy()[...] = i + 1
+    ns = Namespace(model="overlap", kv_dtype="float16")
+    src = client.register_buffers([t.numpy() for t in layers], 1, namespace=ns)
+    client.save_blocks(src, [0, 1, 2], list(range(48)))
+    dst_layers = [kvstored.shm.empty((2, 8, 16, 2, 8), "float16") for _ in range(4)]
+    dst = client.register_buffers([t.numpy() for t in dst_layers], 1, namespace=ns)
+    handle = client.load_blocks(dst, [5, 6, 7], list(range(48)), wait=False)
+    for i, t in enumerate(dst_layers):
+        handle.wait_layer(i, timeout=30)
+        assert (t.numpy()[:, 5:8] == i + 1).all()  # layer i is complete when reported
+    assert handle.wait(timeout=30).blocks == 3 and handle.result().per_tier == {"dram": 3}
+    missing = client.load_blocks(dst, [0], list(range(900, 916)), wait=False)
+    assert missing.wait(timeout=30).blocks == 0
 
 
 def test_torch_shared_buffers_register(client) -> None:  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -36,7 +37,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, int(round(q / 100 * len(ordered) + 0.5)) - 1))
+    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
     return ordered[rank]
 
 
@@ -77,7 +78,7 @@ class Procs:
         self._procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, argv: Sequence[str], log: Path | None = None, **kw: Any) -> subprocess.Popen:
-        out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+        out = open(log, "ab") if log is not None else subprocess.DEVNULL
         try:
             proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, **kw)
@@ -178,7 +179,9 @@ def worker_output(path: str) -> Iterator[dict[str, Any]]:
 def python_env() -> dict[str, str]:
     """The environment for workers: the repo root importable, threads bounded on a small machine."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    # This checkout's daemon and SDK, whatever the venv's install points at.
+    paths = (str(REPO_ROOT), str(REPO_ROOT / "client"), env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -109,14 +109,25 @@ class Mooncake(Impl):
         return sum(1 for g in got if g == bb)
 
     def drop(self, keys: list[bytes]) -> None:
-        try:
-            self.store.batch_remove([k.hex() for k in keys])
-        except Exception:  # noqa: BLE001 - a key read lately is leased; eviction will take it
-            pass
+        """Remove old keys; a key read lately is leased, so what fails is retried on the next call."""
+        self._pending = getattr(self, "_pending", []) + [k.hex() for k in keys]
+        left = []
+        for key in self._pending:
+            try:
+                if self.store.remove(key) != 0:
+                    left.append(key)
+            except Exception:
+                left.append(key)
+        self._pending = left
 
     def finish(self) -> None:
         for arr in (self.src, self.dst):
             self.store.unregister_buffer(arr.ctypes.data)
+        time.sleep(0.6)  # past the master's read lease (--default_kv_lease_ttl=500)
+        self.drop([])
+        if self._pending:
+            self.store.remove_all()
+            self._pending = []
         super().finish()
 
     def close(self) -> None:

@@ -181,20 +181,24 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TensorDesc(_message.Message):
-    __slots__ = ("shm_name", "offset", "shape", "strides", "dtype", "block_dim")
+    __slots__ = ("shm_name", "offset", "shape", "strides", "dtype", "block_dim", "cuda_ipc_handle", "device_uuid")
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     STRIDES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_DIM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     shm_name: str
     offset: int
     shape: _containers.RepeatedScalarFieldContainer[int]
     strides: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     block_dim: int
-    def __init__(self, shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_dim: _Optional[int] = ...) -> None: ...
+    cuda_ipc_handle: bytes
+    device_uuid: str
+    def __init__(self, shm_name: _Optional[str] = ..., offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., strides: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., block_dim: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class RegisterBuffersRequest(_message.Message):
     __slots__ = ("session_id", "namespace_id", "tensors")
@@ -315,6 +319,16 @@ class FlushResponse(_message.Message):
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     def __init__(self, blocks: _Optional[int] = ...) -> None: ...
+
+class LoadEvent(_message.Message):
+    __slots__ = ("started", "tensor_done", "done")
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_DONE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    started: LoadBlocksResponse
+    tensor_done: int
+    done: bool
+    def __init__(self, started: _Optional[_Union[LoadBlocksResponse, _Mapping]] = ..., tensor_done: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

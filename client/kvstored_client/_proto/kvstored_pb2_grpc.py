@@ -89,6 +89,11 @@ class KVStoreStub:
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksRequest.SerializeToString,
                 response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksResponse.FromString,
                 _registered_method=True)
+        self.LoadBlocksStream = channel.unary_stream(
+                '/kvstored.v1.KVStore/LoadBlocksStream',
+                request_serializer=kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksRequest.SerializeToString,
+                response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.LoadEvent.FromString,
+                _registered_method=True)
         self.Prefetch = channel.unary_unary(
                 '/kvstored.v1.KVStore/Prefetch',
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.PrefetchRequest.SerializeToString,
@@ -185,6 +190,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadBlocksStream(self, request, context):
+        """LoadBlocks that reports progress: first how many blocks will be loaded, then each tensor
+        (layer) as soon as all its blocks are in place, so the engine can start on layer 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Prefetch(self, request, context):
         """Start promoting a prompt's slower-tier blocks to DRAM ahead of a load; returns at once.
         """
@@ -269,6 +282,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.LoadBlocks,
                     request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksRequest.FromString,
                     response_serializer=kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksResponse.SerializeToString,
+            ),
+            'LoadBlocksStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.LoadBlocksStream,
+                    request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksRequest.FromString,
+                    response_serializer=kvstored_dot_v1_dot_kvstored__pb2.LoadEvent.SerializeToString,
             ),
             'Prefetch': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefetch,
@@ -588,6 +606,33 @@ class KVStore:
             '/kvstored.v1.KVStore/LoadBlocks',
             kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksRequest.SerializeToString,
             kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadBlocksStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstored.v1.KVStore/LoadBlocksStream',
+            kvstored_dot_v1_dot_kvstored__pb2.LoadBlocksRequest.SerializeToString,
+            kvstored_dot_v1_dot_kvstored__pb2.LoadEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,46 @@
+"""Export CUDA tensors to the daemon as IPC handles (torch or cupy; both optional)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceExport:
+    """An allocation's IPC handle, the tensor's byte offset inside it and its device's UUID."""
+
+    handle: bytes
+    offset: int
+    device_uuid: str
+
+
+def is_cuda(tensor: Any) -> bool:
+    device = getattr(tensor, "device", None)
+    if getattr(device, "type", None) == "cuda":  # torch
+        return True
+    return type(tensor).__module__.startswith("cupy")
+
+
+def export(tensor: Any) -> DeviceExport:
+    """Describe a CUDA tensor for registration; raises ValueError for anything else."""
+    if getattr(getattr(tensor, "device", None), "type", None) == "cuda":
+        import torch
+
+        storage = tensor.untyped_storage()
+        # (device, handle, size, offset of the storage in its allocation, ...)
+        shared = storage._share_cuda_()
+        handle, storage_offset = bytes(shared[1]), int(shared[3])
+        offset = storage_offset + tensor.storage_offset() * tensor.element_size()
+        uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
+        return DeviceExport(handle, offset, uuid)
+    if type(tensor).__module__.startswith("cupy"):
+        import cupy
+        from cupy.cuda import runtime
+
+        ptr = int(tensor.data.ptr)
+        base = int(tensor.data.mem.ptr)  # start of the cupy allocation
+        handle = bytes(runtime.ipcGetMemHandle(base))
+        uuid = runtime.getDeviceProperties(cupy.cuda.Device().id)["uuid"]
+        return DeviceExport(handle, ptr - base, bytes(uuid).hex())
+    raise ValueError("not a CUDA tensor")

@@ -1,0 +1,234 @@
+"""Workloads 2-4 against a running kvstored (product venv): prefix reuse, trace replay, small calls.
+
+``python -m tools.bench.reuse prefix|trace|smallcall --socket S --out result.json ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tools.bench.common import percentile, summary, worker_output
+
+BLOCK = 16
+
+
+def _lat_stats(samples_by_run: list[list[float]]) -> dict[str, Any]:
+    """Per-run p50 and p99 in microseconds, summarised over runs."""
+    p50 = [percentile(s, 50) * 1e6 for s in samples_by_run if s]
+    p99 = [percentile(s, 99) * 1e6 for s in samples_by_run if s]
+    return {"p50_us": summary(p50), "p99_us": summary(p99), "samples": sum(len(s) for s in samples_by_run)}
+
+
+# -- workload 2: prefix reuse ------------------------------------------------------------------
+def prefix(a: argparse.Namespace) -> dict[str, Any]:
+    import kvstored
+
+    c = kvstored.Client(a.socket)
+    try:
+        prompt_blocks = a.prompt_tokens // BLOCK
+        suffix_tokens = a.suffix_tokens
+        system_tokens = a.prompt_tokens - suffix_tokens
+        kv = np.zeros((prompt_blocks, a.payload), dtype=np.uint8)
+        cold: list[list[float]] = []
+        warm: list[list[float]] = []
+        by_hash: list[list[float]] = []
+        hashing: list[list[float]] = []
+        served = total = 0
+        for run in range(a.runs + 1):  # run 0 warms up
+            rng = np.random.default_rng(1000 + run)
+            ns = kvstored.Namespace(model=f"bench-prefix-{run}")
+            system = rng.integers(0, 128_000, system_tokens, dtype=np.uint32)
+            c_run, w_run, h_run, hash_run = [], [], [], []
+            tokens = system
+            for _ in range(a.requests):
+                tokens = np.concatenate([system, rng.integers(0, 128_000, suffix_tokens, dtype=np.uint32)])
+                t0 = time.perf_counter()
+                hit = c.lookup(tokens, namespace=ns)
+                c_run.append(time.perf_counter() - t0)
+                if run:
+                    served += hit.tokens
+                    total += len(tokens)
+                c.save(tokens, kv, namespace=ns)
+            hashes = kvstored.block_hashes(tokens)
+            for _ in range(a.samples):
+                t0 = time.perf_counter()
+                r = c.lookup(tokens, namespace=ns)
+                w_run.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                c.lookup(hashes=hashes, namespace=ns)
+                h_run.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                kvstored.block_hashes(tokens)
+                hash_run.append(time.perf_counter() - t0)
+            if r.blocks != prompt_blocks:
+                raise AssertionError(f"warm lookup hit {r.blocks} of {prompt_blocks} blocks")
+            if run:
+                cold.append(c_run)
+                warm.append(w_run)
+                by_hash.append(h_run)
+                hashing.append(hash_run)
+        return {"prompt_tokens": a.prompt_tokens, "prompt_blocks": prompt_blocks,
+                "system_tokens": system_tokens, "requests_per_run": a.requests, "runs": a.runs,
+                "cold": _lat_stats(cold), "warm": _lat_stats(warm), "by_hash": _lat_stats(by_hash),
+                "hash_only": _lat_stats(hashing), "served_tokens": served, "total_tokens": total}
+    finally:
+        c.close()
+
+
+# -- workload 3: trace replay ------------------------------------------------------------------
+def read_window(path: Path, window_s: float, max_requests: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    first = None
+    with open(path) as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            req = json.loads(line)
+            first = req["timestamp"] if first is None else first
+            if req["timestamp"] - first > window_s * 1000 or len(out) >= max_requests:
+                break
+            out.append(req)
+    return out
+
+
+def ideal_hits(requests: list[dict[str, Any]], id_tokens: int) -> int:
+    """Tokens an infinite cache with ``BLOCK``-token blocks serves (prefix reuse only)."""
+    seen: set[int] = set()
+    hits = 0
+    for req in requests:
+        n = 0
+        for h in req["hash_ids"]:
+            if h not in seen:
+                break
+            n += 1
+        hits += min(n * id_tokens, req["input_length"]) // BLOCK * BLOCK
+        seen.update(req["hash_ids"])
+    return hits
+
+
+def trace(a: argparse.Namespace) -> dict[str, Any]:
+    import kvstored
+
+    requests = read_window(Path(a.trace), a.window_s, a.max_requests)
+    if not requests:
+        raise ValueError(f"no requests in the first {a.window_s:g} s of {a.trace}")
+    id_tokens = 512
+    cache: dict[int, np.ndarray] = {}
+
+    def tokens_of(req: dict[str, Any]) -> np.ndarray:
+        parts = []
+        for h in req["hash_ids"]:
+            t = cache.get(h)
+            if t is None:
+                t = cache[h] = np.random.default_rng(h).integers(0, 128_000, id_tokens, dtype=np.uint32)
+            parts.append(t)
+        return np.concatenate(parts)[: req["input_length"]]
+
+    prompts = [tokens_of(r) for r in requests]  # token generation is not what we measure
+    max_blocks = max(len(p) // BLOCK for p in prompts)
+    kv = np.zeros((max_blocks, a.payload), dtype=np.uint8)
+    c = kvstored.Client(a.socket)
+    runs: dict[str, list[float]] = {"req_per_s": [], "blocks_stored_per_s": [], "stored_mb_per_s": [],
+                                    "lookup_p50_us": [], "save_p50_us": []}
+    hit_tokens = stored_blocks = 0
+    try:
+        for run in range(a.runs):
+            ns = kvstored.Namespace(model=f"bench-trace-{run}-{time.time_ns()}")
+            hit_tokens = stored_blocks = 0
+            look, save = [], []
+            t_start = time.perf_counter()
+            for toks in prompts:
+                t0 = time.perf_counter()
+                hashes = kvstored.block_hashes(toks)
+                r = c.lookup(hashes=hashes, namespace=ns)
+                t1 = time.perf_counter()
+                s = c.save(None, kv[: len(hashes)], hashes=hashes, namespace=ns)
+                t2 = time.perf_counter()
+                look.append(t1 - t0)
+                save.append(t2 - t1)
+                hit_tokens += r.tokens
+                stored_blocks += s.stored
+            elapsed = time.perf_counter() - t_start
+            runs["req_per_s"].append(len(prompts) / elapsed)
+            runs["blocks_stored_per_s"].append(stored_blocks / elapsed)
+            runs["stored_mb_per_s"].append(stored_blocks * a.payload / elapsed / 1e6)
+            runs["lookup_p50_us"].append(percentile(look, 50) * 1e6)
+            runs["save_p50_us"].append(percentile(save, 50) * 1e6)
+    finally:
+        c.close()
+    input_tokens = sum(r["input_length"] for r in requests)
+    span = (requests[-1]["timestamp"] - requests[0]["timestamp"]) / 1000
+    return {"trace": str(a.trace), "window_s": span, "requests": len(requests), "input_tokens": input_tokens,
+            "hit_tokens": hit_tokens, "ideal_hit_tokens": ideal_hits(requests, id_tokens),
+            "stored_blocks": stored_blocks, "payload_bytes": a.payload, "runs": a.runs,
+            **{k: summary(v) for k, v in runs.items()}}
+
+
+# -- workload 4: small calls -------------------------------------------------------------------
+def smallcall(a: argparse.Namespace) -> dict[str, Any]:
+    import kvstored
+    from tools.bench import baregrpc
+
+    c = kvstored.Client(a.socket)
+    tokens = np.arange(BLOCK, dtype=np.uint32)
+    c.save(tokens, np.zeros((1, 64), dtype=np.uint8))
+    one = kvstored.block_hashes(tokens)
+    calls = {
+        "kvstored lookup(hashes=[1 block])": lambda: c.lookup(hashes=one),
+        "kvstored lookup(16 tokens)": lambda: c.lookup(tokens),
+        "kvstored stats()": c.stats,
+    }
+    out: dict[str, Any] = {}
+    try:
+        with baregrpc.Server() as server:
+            bare = baregrpc.Client(server.path)
+            calls["bare gRPC unary (Unix socket, grpc.aio server)"] = lambda: bare.call(b"x" * 40)
+            try:
+                for name, fn in calls.items():
+                    for _ in range(50):
+                        fn()
+                    per_run: list[list[float]] = []
+                    for _ in range(a.runs):
+                        samples = []
+                        for _ in range(a.calls):
+                            t0 = time.perf_counter()
+                            fn()
+                            samples.append(time.perf_counter() - t0)
+                        per_run.append(samples)
+                    out[name] = _lat_stats(per_run)
+            finally:
+                bare.close()
+    finally:
+        c.close()
+    return {"calls": out, "calls_per_run": a.calls, "runs": a.runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["prefix", "trace", "smallcall"])
+    p.add_argument("--socket", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--prompt-tokens", type=int, default=32768)
+    p.add_argument("--suffix-tokens", type=int, default=2048)
+    p.add_argument("--requests", type=int, default=20)
+    p.add_argument("--samples", type=int, default=100)
+    p.add_argument("--payload", type=int, default=256)
+    p.add_argument("--trace", default="")
+    p.add_argument("--window-s", type=float, default=600)
+    p.add_argument("--max-requests", type=int, default=3000)
+    p.add_argument("--calls", type=int, default=500)
+    a = p.parse_args(argv)
+    with worker_output(a.out) as result:
+        result.update({"prefix": prefix, "trace": trace, "smallcall": smallcall}[a.what](a))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
