@@ -97,6 +97,15 @@ def _prepare_socket(path: Path) -> None:
                 raise StartupError(f"another kvstored is already listening on {path}")
 
 
+def _pin_for_cuda(arena: Arena) -> bool:
+    """Page-lock the arena when cupy and a GPU are present; the daemon runs fine without either."""
+    try:
+        from kvstored import cuda
+    except ImportError:
+        return False
+    return cuda.pin_host(arena)
+
+
 async def serve(cfg: Config) -> int:
     """Run until SIGTERM/SIGINT; returns the exit code."""
     loop = asyncio.get_running_loop()
@@ -137,6 +146,8 @@ async def serve(cfg: Config) -> int:
         except (OSError, lmdb.Error) as exc:
             arena.close()
             raise StartupError(f"cannot open the SSD tier in {cfg.ssd_path}: {exc}") from None
+    if _pin_for_cuda(arena):
+        log.info("DRAM arena pinned for CUDA copies (cudaHostRegister)")
     copy = CopyEngine(arena)
     store = BlockStore(cfg, arena, copy, ssd)
     report = store.restore()

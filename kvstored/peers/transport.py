@@ -1,0 +1,913 @@
+"""The peer block channel: blocks by key over TCP (optionally TLS), one frame per block, in order.
+
+Control traffic between daemons goes over gRPC; this channel carries only block bytes, because a
+2 MiB payload inside a protobuf message costs copies and framing that plain TCP does not.
+
+Wire format (all integers big-endian; one connection carries any number of requests, one at a time):
+
+* ``HELLO`` client -> server: ``magic "KVPB", version, flags, token length`` then the token (may be
+  empty). ``WELCOME`` server -> client: ``magic, version, status, message length`` then a UTF-8
+  message; any status but OK is followed by the server closing the connection.
+* ``REQUEST`` client -> server: ``op, 0, 0, key count, namespace id, key bytes`` then each key as
+  ``u8 length ‖ key``.
+* ``FRAME`` either way: ``kind, key length, 0, index, length, xxh3-64 checksum`` then the key, then
+  ``length`` payload bytes. Kinds: BLOCK (payload = the block), MISSING (the sender does not have
+  ``keys[index]``; the transfer ends), END (all blocks sent), ERROR (payload = a UTF-8 message; the
+  transfer ends), ACK (push: ``index`` = blocks the receiver stored).
+
+Contract:
+
+* Blocks arrive in request order. A transfer stops at the first missing block: a chain is only
+  useful up to its first gap.
+* Every payload is verified against its checksum before it is handed over; a block that fails is
+  never delivered, and the transfer ends there.
+* The receiver reads each payload straight into its destination (a reused scratch buffer, or the
+  caller's own buffer via ``into``); the sender writes the served memoryview without copying it.
+* A fetch never hangs: it returns within ``deadline_s`` with a :class:`FetchResult` saying how many
+  blocks were delivered and why it stopped. Credentials that the peer refuses, or a peer whose
+  credentials we refuse, raise :class:`PeerAuthError`.
+* Authentication is mutual TLS (:class:`TLSFiles`), a shared token (compared in constant time), or
+  both. A listener on a non-loopback address refuses to start without either unless
+  ``PeerAuth.insecure`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hmac
+import inspect
+import ipaddress
+import logging
+import socket
+import ssl
+import struct
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import xxhash
+
+log = logging.getLogger("kvstored.peers")
+
+MAGIC = b"KVPB"
+VERSION = 1
+
+_HELLO = struct.Struct(">4sBBH")     # magic, version, flags, token length; then the token
+_WELCOME = struct.Struct(">4sBBH")   # magic, version, status, message length; then the message
+_REQUEST = struct.Struct(">BBHIQI")  # op, 0, 0, key count, namespace id, key bytes; then the keys
+_FRAME = struct.Struct(">BBHIQQ")    # kind, key length, 0, index, length, checksum; then key, payload
+
+OP_FETCH = 1
+OP_PUSH = 2
+
+BLOCK = 1
+MISSING = 2
+END = 3
+ERROR = 4
+ACK = 5
+
+WELCOME_OK = 0
+WELCOME_AUTH_REQUIRED = 1
+WELCOME_AUTH_REJECTED = 2
+WELCOME_BAD_VERSION = 3
+
+_SPILL_BYTES = 256 << 10   # received ahead of the reader before reading pauses
+
+ServeBlock = Callable[[int, bytes], Awaitable[memoryview | None]]
+ReleaseBlock = Callable[[int, bytes], None]
+StoreBlock = Callable[[int, bytes, int, memoryview], "bool | Awaitable[bool]"]
+OnBlock = Callable[[int, memoryview], "Awaitable[None] | None"]
+Into = Callable[[int, int], memoryview]
+
+
+# -- errors and results ---------------------------------------------------------------------------
+class PeerError(Exception):
+    """Base of the channel's expected failures."""
+
+
+class PeerConfigError(PeerError, ValueError):
+    """The channel's configuration is unusable (unsafe listener, unreadable certificate, ...)."""
+
+
+class PeerAuthError(PeerError):
+    """The peer refused our credentials, or we refused the peer's; the message says which and why."""
+
+
+class Stop(enum.Enum):
+    """Why a transfer ended."""
+
+    COMPLETE = "complete"        # every requested block was delivered
+    MISSING = "missing"          # the peer does not have the next block
+    CORRUPT = "corrupt"          # the next block failed its checksum and was dropped
+    PEER_CLOSED = "peer_closed"  # the connection ended mid-transfer (peer died or reset)
+    TIMEOUT = "timeout"          # the deadline passed
+    UNREACHABLE = "unreachable"  # no connection could be made
+    PEER_ERROR = "peer_error"    # the peer reported an error, or sent something malformed
+    REFUSED = "refused"          # push: the receiver declined to store a block
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """``delivered`` blocks (a prefix of the request) were handed to ``on_block``, then ``stop``."""
+
+    delivered: int
+    requested: int
+    stop: Stop
+    detail: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.stop is Stop.COMPLETE
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    """The receiver stored ``stored`` blocks (a prefix of those sent), then ``stop``."""
+
+    stored: int
+    sent: int
+    stop: Stop
+    detail: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return self.stop is Stop.COMPLETE
+
+
+# -- configuration --------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """PEM files for mutual TLS. A server needs all three; a client without ``cert_file`` presents
+    no certificate (and a server requiring one refuses it). ``server_name``: the name to verify in
+    the server's certificate; "" = the host we connect to."""
+
+    ca_file: str
+    cert_file: str = ""
+    key_file: str = ""
+    server_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAuth:
+    """How peers prove who they are: mutual TLS, a shared token, both, or (loopback or explicitly
+    ``insecure``) neither."""
+
+    tls: TLSFiles | None = None
+    token: str = ""
+    insecure: bool = False
+
+    @property
+    def authenticated(self) -> bool:
+        return self.tls is not None or bool(self.token)
+
+    def server_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        if not (self.tls.cert_file and self.tls.key_file and self.tls.ca_file):
+            raise PeerConfigError("peer TLS on a listener needs ca_file, cert_file and key_file")
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        _load(ctx, self.tls)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+    def client_context(self) -> ssl.SSLContext | None:
+        if self.tls is None:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        _load(ctx, self.tls)
+        return ctx
+
+
+def _load(ctx: ssl.SSLContext, files: TLSFiles) -> None:
+    try:
+        ctx.load_verify_locations(cafile=files.ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise PeerConfigError(f"cannot load the peer CA file {files.ca_file!r}: {exc}") from None
+    if files.cert_file or files.key_file:
+        try:
+            ctx.load_cert_chain(files.cert_file, files.key_file or None)
+        except (OSError, ssl.SSLError) as exc:
+            raise PeerConfigError(f"cannot load the peer certificate {files.cert_file!r} / key "
+                                  f"{files.key_file!r}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what a peer may ask for or send; anything beyond is a protocol error."""
+
+    max_keys: int = 1 << 16
+    max_key_bytes: int = 255
+    max_block_bytes: int = 1 << 30
+    handshake_timeout_s: float = 10.0
+    socket_buffer_bytes: int = 0    # SO_SNDBUF/SO_RCVBUF; 0 = leave the kernel's autotuning on
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals; "" and wildcard addresses are not loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def listener_allowed(host: str, auth: PeerAuth) -> bool:
+    """A listener may serve peers on ``host`` if it authenticates them, listens only on loopback,
+    or the configuration explicitly says ``insecure``."""
+    return auth.authenticated or auth.insecure or is_loopback(host)
+
+
+def parse_address(addr: str | tuple[str, int]) -> tuple[str, int]:
+    """``"host:port"``, ``"[v6]:port"`` or ``(host, port)`` -> ``(host, port)``."""
+    if isinstance(addr, tuple):
+        return addr
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected host:port, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
+def checksum(data: memoryview | bytes) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _as_bytes_view(buf: memoryview) -> memoryview:
+    view = memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+# -- a byte stream whose reads land in the reader's own buffer ------------------------------------
+class _Closed(Exception):
+    """The connection ended before the bytes asked for arrived."""
+
+
+class _Stream(asyncio.BufferedProtocol):
+    """Reads go straight into the buffer the reader passes (``read_into``); bytes that arrive
+    before a reader asks wait in a small spill area (reading pauses when it is full). Writes go
+    to the transport; ``drain`` returns once the transport has handed everything to the kernel, so
+    a written memoryview is no longer referenced after it."""
+
+    def __init__(self, limits: Limits, on_connect: Callable[[_Stream], None] | None = None) -> None:
+        self._limits = limits
+        self._on_connect = on_connect
+        self.transport: asyncio.Transport | None = None
+        self._spill = bytearray(_SPILL_BYTES)
+        self._pending = bytearray()
+        self._target: memoryview | None = None
+        self._filled = 0
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._write_waiter: asyncio.Future[None] | None = None
+        self._write_paused = False
+        self._read_paused = False
+        self._eof = False
+        self._error: BaseException | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # protocol callbacks -------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)   # uvloop's transports are not subclasses
+        self.transport.set_write_buffer_limits(high=0, low=0)   # pause as soon as anything is queued
+        sock = transport.get_extra_info("socket")
+        if sock is not None and self._limits.socket_buffer_bytes:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._limits.socket_buffer_bytes)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._limits.socket_buffer_bytes)
+        if self._on_connect is not None:
+            self._on_connect(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._target is not None:
+            return self._target[self._filled:]
+        return memoryview(self._spill)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._target is not None:
+            self._filled += nbytes
+            if self._filled == len(self._target):
+                self._target = None
+                _wake(self._read_waiter)
+            return
+        self._pending += memoryview(self._spill)[:nbytes]
+        if len(self._pending) >= _SPILL_BYTES and not self._read_paused and self.transport is not None:
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        self._eof = True
+        _wake(self._read_waiter)
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = True
+        self._error = exc
+        _wake(self._read_waiter)
+        _wake(self._write_waiter)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        _wake(self._write_waiter)
+
+    # the stream API -----------------------------------------------------------------------------
+    def _raise_closed(self, what: str) -> None:
+        if self._error is not None:
+            raise _Closed(f"connection lost while {what}: {self._error}") from self._error
+        raise _Closed(f"connection closed by the peer while {what}")
+
+    async def read_into(self, view: memoryview, what: str = "reading") -> None:
+        """Fill ``view`` completely or raise :class:`_Closed`."""
+        n = len(view)
+        got = 0
+        if self._pending:
+            got = min(n, len(self._pending))
+            view[:got] = self._pending[:got]
+            del self._pending[:got]
+        if got == n:
+            return
+        if self._eof:
+            self._raise_closed(what)
+        self._target = view
+        self._filled = got
+        self._read_waiter = asyncio.get_running_loop().create_future()
+        if self._read_paused and self.transport is not None:
+            self._read_paused = False
+            self.transport.resume_reading()
+        try:
+            await self._read_waiter
+        finally:
+            self._read_waiter = None
+            self._target = None
+        if self._filled != n:
+            self._raise_closed(what)
+
+    async def read_exact(self, n: int, what: str = "reading") -> bytes:
+        buf = bytearray(n)
+        if n:
+            await self.read_into(memoryview(buf), what)
+        return bytes(buf)
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self.transport is None or self.transport.is_closing():
+            self._raise_closed("writing")
+        assert self.transport is not None
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait until the transport holds nothing (every byte written is in the kernel)."""
+        while self._write_paused:
+            if self.transport is None or self.transport.is_closing() or self.closed.done():
+                self._raise_closed("writing")
+            self._write_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._write_waiter
+            finally:
+                self._write_waiter = None
+        if self.closed.done():
+            self._raise_closed("writing")
+
+    def close(self, abort: bool = False) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            if abort:
+                self.transport.abort()
+            else:
+                self.transport.close()
+
+
+def _wake(fut: asyncio.Future[None] | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
+
+
+def _frame(kind: int, key: bytes = b"", index: int = 0, length: int = 0, check: int = 0) -> bytes:
+    return _FRAME.pack(kind, len(key), 0, index, length, check) + key
+
+
+def _encode_request(op: int, namespace_id: int, keys: Sequence[bytes], limits: Limits) -> bytes:
+    if len(keys) > limits.max_keys:
+        raise ValueError(f"{len(keys)} keys in one request; at most {limits.max_keys}")
+    body = bytearray()
+    for key in keys:
+        if not 0 < len(key) <= limits.max_key_bytes:
+            raise ValueError(f"a key must be 1..{limits.max_key_bytes} bytes, got {len(key)}")
+        body.append(len(key))
+        body += key
+    return _REQUEST.pack(op, 0, 0, len(keys), namespace_id, len(body)) + bytes(body)
+
+
+def _decode_keys(body: bytes, count: int) -> list[bytes]:
+    keys, pos = [], 0
+    for _ in range(count):
+        if pos >= len(body):
+            raise ValueError("key list shorter than its count")
+        n = body[pos]
+        key = body[pos + 1:pos + 1 + n]
+        if n == 0 or len(key) != n:
+            raise ValueError("malformed key list")
+        keys.append(key)
+        pos += 1 + n
+    if pos != len(body):
+        raise ValueError("key list longer than its count")
+    return keys
+
+
+# -- server ---------------------------------------------------------------------------------------
+class BlockServer:
+    """Serves blocks by key to authenticated peers, and optionally stores pushed blocks.
+
+    ``serve_block(namespace_id, key)`` returns the block's bytes, or None if this node does not
+    have it. The view must stay valid and unchanged until ``release_block(namespace_id, key)`` is
+    called for it: exactly once per non-None view, once its bytes are in the kernel or the transfer
+    was abandoned. While block ``i`` is being written, ``serve_block`` for ``i + 1`` already runs,
+    so a slow tier (SSD) overlaps with the network.
+
+    ``store_block(namespace_id, key, index, payload)`` (optional) takes a pushed block whose
+    checksum was verified; ``payload`` is valid only until it returns (or its awaitable is done).
+    It returns False to refuse the block, which ends the push.
+    """
+
+    def __init__(self, host: str, port: int, auth: PeerAuth, serve_block: ServeBlock, *,
+                 release_block: ReleaseBlock | None = None, store_block: StoreBlock | None = None,
+                 limits: Limits | None = None) -> None:
+        self._host = host
+        self._port = port
+        self._auth = auth
+        self._serve_block = serve_block
+        self._release_block = release_block
+        self._store_block = store_block
+        self._limits = limits or Limits()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._streams: set[_Stream] = set()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The bound address (the real port when constructed with port 0)."""
+        if self._server is None or not self._server.sockets:
+            raise RuntimeError("BlockServer is not started")
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return host, port
+
+    async def start(self) -> None:
+        """Listen. Raises :class:`PeerConfigError` for an unauthenticated non-loopback listener or
+        unusable TLS files, OSError if the address cannot be bound."""
+        if not listener_allowed(self._host, self._auth):
+            raise PeerConfigError(
+                f"refusing to serve peers unauthenticated on {self._host or '*'}:{self._port}: configure "
+                "mutual TLS or a shared token, or set insecure = true to allow it explicitly")
+        ctx = self._auth.server_context()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._make_protocol, self._host or None, self._port, ssl=ctx, reuse_address=True,
+            ssl_handshake_timeout=self._limits.handshake_timeout_s if ctx is not None else None)
+
+    async def close(self) -> None:
+        """Stop listening and end every connection (in-flight transfers see the peer close)."""
+        if self._server is not None:
+            self._server.close()
+        for stream in list(self._streams):
+            stream.close(abort=True)
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    async def __aenter__(self) -> BlockServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _make_protocol(self) -> _Stream:
+        return _Stream(self._limits, self._connected)
+
+    def _connected(self, stream: _Stream) -> None:
+        """Called once the connection (and its TLS handshake, if any) is up."""
+        self._streams.add(stream)
+        task = asyncio.ensure_future(self._serve_connection(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve_connection(self, stream: _Stream) -> None:
+        try:
+            async with asyncio.timeout(self._limits.handshake_timeout_s):
+                if not await self._hello(stream):
+                    return
+            while True:
+                try:
+                    head = await stream.read_exact(_REQUEST.size, "waiting for a request")
+                except _Closed:
+                    return   # the client is done
+                op, _, _, count, namespace_id, key_bytes = _REQUEST.unpack(head)
+                if count > self._limits.max_keys or key_bytes > count * (1 + self._limits.max_key_bytes):
+                    await self._error(stream, f"request too large: {count} keys, {key_bytes} key bytes")
+                    return
+                try:
+                    keys = _decode_keys(await stream.read_exact(key_bytes, "reading keys"), count)
+                except ValueError as exc:
+                    await self._error(stream, str(exc))
+                    return
+                if op == OP_FETCH:
+                    if not await self._send_blocks(stream, namespace_id, keys):
+                        return
+                elif op == OP_PUSH and self._store_block is not None:
+                    if not await self._receive_blocks(stream, namespace_id, keys):
+                        return
+                else:
+                    await self._error(stream, f"operation {op} not supported by this peer")
+                    return
+        except (_Closed, ConnectionError, TimeoutError, ssl.SSLError) as exc:
+            log.debug("peer connection ended: %s", exc)
+        finally:
+            stream.close()
+            self._streams.discard(stream)
+
+    async def _hello(self, stream: _Stream) -> bool:
+        magic, version, _flags, token_len = _HELLO.unpack(await stream.read_exact(_HELLO.size, "reading hello"))
+        token = await stream.read_exact(token_len, "reading hello")
+        if magic != MAGIC or version != VERSION:
+            return await self._refuse(stream, WELCOME_BAD_VERSION, f"unsupported peer protocol {magic!r} v{version}")
+        if self._auth.token:
+            if not token:
+                return await self._refuse(stream, WELCOME_AUTH_REQUIRED, "this peer requires a shared token")
+            if not hmac.compare_digest(token, self._auth.token.encode()):
+                log.warning("peer from %s presented a wrong token", _peername(stream))
+                return await self._refuse(stream, WELCOME_AUTH_REJECTED, "shared token rejected")
+        stream.write(_WELCOME.pack(MAGIC, VERSION, WELCOME_OK, 0))
+        await stream.drain()
+        return True
+
+    async def _refuse(self, stream: _Stream, status: int, message: str) -> bool:
+        raw = message.encode()
+        stream.write(_WELCOME.pack(MAGIC, VERSION, status, len(raw)) + raw)
+        with contextlib.suppress(_Closed):
+            await stream.drain()
+        return False
+
+    async def _error(self, stream: _Stream, message: str) -> None:
+        raw = message.encode()[:4096]
+        stream.write(_frame(ERROR, b"", 0, len(raw)) + raw)
+        with contextlib.suppress(_Closed):
+            await stream.drain()
+
+    async def _send_blocks(self, stream: _Stream, namespace_id: int, keys: list[bytes]) -> bool:
+        """Stream ``keys`` in order; True if the connection can take another request."""
+        upcoming: tuple[bytes, asyncio.Future[memoryview | None]] | None = None
+        if keys:
+            upcoming = (keys[0], asyncio.ensure_future(self._serve_block(namespace_id, keys[0])))
+        try:
+            for i, key in enumerate(keys):
+                assert upcoming is not None
+                current, upcoming = upcoming[1], None
+                try:
+                    raw = await current
+                except Exception as exc:
+                    log.warning("serving block %s failed: %r", key.hex()[:16], exc)
+                    await self._error(stream, f"serving block {i} failed: {exc}")
+                    return True
+                if raw is None:
+                    stream.write(_frame(MISSING, key, i))
+                    await stream.drain()
+                    return True
+                try:
+                    if i + 1 < len(keys):
+                        upcoming = (keys[i + 1], asyncio.ensure_future(self._serve_block(namespace_id, keys[i + 1])))
+                    view = _as_bytes_view(raw)
+                    stream.write(_frame(BLOCK, key, i, view.nbytes, checksum(view)))
+                    stream.write(view)
+                    await stream.drain()
+                finally:
+                    self._release(namespace_id, key)
+            stream.write(_frame(END))
+            await stream.drain()
+            return True
+        finally:
+            if upcoming is not None:
+                await self._abandon(namespace_id, *upcoming)
+
+    async def _abandon(self, namespace_id: int, key: bytes, fut: asyncio.Future[memoryview | None]) -> None:
+        """A block served ahead but never sent: cancel it, or release it if it already came back."""
+        if not fut.done():
+            fut.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            if await fut is not None:
+                self._release(namespace_id, key)
+
+    def _release(self, namespace_id: int, key: bytes) -> None:
+        if self._release_block is not None:
+            try:
+                self._release_block(namespace_id, key)
+            except Exception:
+                log.exception("release_block failed")
+
+    async def _receive_blocks(self, stream: _Stream, namespace_id: int, keys: list[bytes]) -> bool:
+        assert self._store_block is not None
+        scratch = bytearray()
+        stored = 0
+        for i, key in enumerate(keys):
+            kind, klen, _, index, length, check = _FRAME.unpack(await stream.read_exact(_FRAME.size, "reading a block"))
+            fkey = await stream.read_exact(klen, "reading a block")
+            if kind == END:
+                break
+            if kind != BLOCK or index != i or fkey != key or length > self._limits.max_block_bytes:
+                await self._ack(stream, stored, ERROR, f"malformed block frame at {i}")
+                return False
+            if len(scratch) < length:
+                scratch = bytearray(length)
+            view = memoryview(scratch)[:length]
+            await stream.read_into(view, "reading a block")
+            if checksum(view) != check:
+                log.warning("pushed block %d (%s) failed its checksum: dropped", i, key.hex()[:16])
+                await self._ack(stream, stored, ERROR, f"block {i} failed its checksum: dropped")
+                return False
+            ok = self._store_block(namespace_id, key, i, view)
+            if inspect.isawaitable(ok):
+                ok = await ok
+            if not ok:
+                await self._ack(stream, stored, ERROR, f"block {i} refused by the receiver")
+                return False
+            stored += 1
+        else:
+            kind, klen, *_ = _FRAME.unpack(await stream.read_exact(_FRAME.size, "reading the end"))
+            await stream.read_exact(klen, "reading the end")
+            if kind != END:
+                await self._ack(stream, stored, ERROR, "expected the end of the push")
+                return False
+        await self._ack(stream, stored, ACK, "")
+        return True
+
+    async def _ack(self, stream: _Stream, stored: int, kind: int, message: str) -> None:
+        raw = message.encode()
+        stream.write(_frame(kind, b"", stored, len(raw)) + raw)
+        with contextlib.suppress(_Closed):
+            await stream.drain()
+
+
+def _peername(stream: _Stream) -> str:
+    if stream.transport is None:
+        return "?"
+    return str(stream.transport.get_extra_info("peername"))
+
+
+# -- client ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class _Progress:
+    done: int = 0
+
+
+class PeerConnection:
+    """One authenticated connection to a peer's :class:`BlockServer`; requests run one at a time.
+
+    A transfer that ends with COMPLETE or MISSING (or an ERROR the peer reported) leaves the
+    connection usable; any other outcome closes it (``usable`` turns False)."""
+
+    def __init__(self, stream: _Stream, addr: tuple[str, int], limits: Limits) -> None:
+        self._stream = stream
+        self._addr = addr
+        self._limits = limits
+        self._scratch = bytearray()
+        self._busy = asyncio.Lock()
+        self._broken = False
+
+    @property
+    def usable(self) -> bool:
+        return not self._broken and not self._stream.closed.done()
+
+    @classmethod
+    async def open(cls, addr: str | tuple[str, int], auth: PeerAuth, limits: Limits | None = None) -> PeerConnection:
+        """Connect and authenticate. Raises :class:`PeerAuthError` when either side refuses the
+        other's credentials, OSError when no connection can be made. Bound it with a timeout."""
+        limits = limits or Limits()
+        host, port = parse_address(addr)
+        ctx = auth.client_context()
+        server_name = (auth.tls.server_name or host) if auth.tls is not None else None
+        loop = asyncio.get_running_loop()
+        try:
+            _, stream = await loop.create_connection(
+                lambda: _Stream(limits), host, port, ssl=ctx, server_hostname=server_name,
+                ssl_handshake_timeout=limits.handshake_timeout_s if ctx is not None else None)
+        except ssl.SSLCertVerificationError as exc:
+            raise PeerAuthError(f"peer {host}:{port}: its TLS certificate is not trusted: "
+                                f"{exc.verify_message or exc}") from None
+        except ssl.SSLError as exc:
+            raise PeerAuthError(f"peer {host}:{port}: TLS handshake failed: {exc.reason or exc}") from None
+        conn = cls(stream, (host, port), limits)
+        try:
+            await conn._hello(auth)
+        except BaseException:
+            stream.close(abort=True)
+            raise
+        return conn
+
+    async def _hello(self, auth: PeerAuth) -> None:
+        token = auth.token.encode()
+        s = self._stream
+        where = f"peer {self._addr[0]}:{self._addr[1]}"
+        try:
+            s.write(_HELLO.pack(MAGIC, VERSION, 0, len(token)) + token)
+            magic, _version, status, mlen = _WELCOME.unpack(await s.read_exact(_WELCOME.size, "authenticating"))
+            message = (await s.read_exact(mlen, "authenticating")).decode(errors="replace")
+        except (_Closed, ConnectionError, ssl.SSLError) as exc:
+            cause = exc.__cause__ or exc
+            if isinstance(cause, ssl.SSLError):
+                raise PeerAuthError(f"{where} refused our TLS certificate: {cause.reason or cause}") from None
+            if auth.tls is not None:
+                raise PeerAuthError(f"{where} closed the connection during authentication: it most likely refused "
+                                    "our TLS certificate (missing, expired, or not signed by a CA it trusts)") from None
+            raise PeerAuthError(f"{where} closed the connection during authentication (does it require TLS?): "
+                                f"{exc}") from None
+        if magic != MAGIC:
+            hint = "" if auth.tls is not None else " (or it expects TLS)"
+            raise PeerAuthError(f"{where} does not speak the kvstored peer protocol{hint}")
+        if status != WELCOME_OK:
+            raise PeerAuthError(f"{where} refused the connection: {message}")
+
+    def close(self) -> None:
+        self._stream.close()
+
+    async def wait_closed(self) -> None:
+        await self._stream.closed
+
+    def _break(self) -> None:
+        self._broken = True
+        self._stream.close(abort=True)
+
+    async def fetch(self, namespace_id: int, keys: Sequence[bytes], on_block: OnBlock, deadline_s: float, *,
+                    into: Into | None = None) -> FetchResult:
+        """Request ``keys`` and hand each verified block to ``on_block(index, payload)`` in order.
+
+        ``payload`` is valid until ``on_block`` returns (or its awaitable is done): copy what you keep.
+        With ``into(index, length)`` the payload is received straight into the writable memoryview
+        it returns (exactly ``length`` bytes); if the result's ``delivered`` is ``i``, the buffer for
+        block ``i`` (if one was asked for) holds unverified bytes and must be discarded.
+        The deadline covers the whole transfer, ``on_block`` included."""
+        progress = _Progress()
+        try:
+            async with asyncio.timeout(deadline_s):
+                return await self._fetch(namespace_id, list(keys), on_block, into, progress)
+        except TimeoutError:
+            self._break()
+            return FetchResult(progress.done, len(keys), Stop.TIMEOUT,
+                               f"deadline of {deadline_s:g}s passed after {progress.done} block(s)")
+
+    async def _fetch(self, namespace_id: int, keys: list[bytes], on_block: OnBlock, into: Into | None,
+                     progress: _Progress) -> FetchResult:
+        request = _encode_request(OP_FETCH, namespace_id, keys, self._limits)   # bad input: ValueError
+        if not self.usable:
+            return FetchResult(0, len(keys), Stop.PEER_CLOSED, "connection is closed")
+        async with self._busy:
+            s = self._stream
+            n = len(keys)
+            try:
+                s.write(request)
+                await s.drain()
+                for i in range(n + 1):
+                    kind, klen, _, index, length, check = _FRAME.unpack(
+                        await s.read_exact(_FRAME.size, f"waiting for block {i}"))
+                    key = await s.read_exact(klen, f"reading block {i}")
+                    if kind == END and i == n:
+                        return FetchResult(n, n, Stop.COMPLETE)
+                    if kind == MISSING and index == i:
+                        return FetchResult(i, n, Stop.MISSING, f"peer does not have block {i}")
+                    if kind == ERROR:
+                        message = (await s.read_exact(min(length, 4096), "reading an error")).decode(errors="replace")
+                        if length > 4096:
+                            self._break()
+                        return FetchResult(i, n, Stop.PEER_ERROR, f"peer: {message}")
+                    if kind != BLOCK or i == n or index != i or key != keys[i]:
+                        self._break()
+                        return FetchResult(i, n, Stop.PEER_ERROR, f"unexpected frame (kind {kind}, index {index}) "
+                                                                  f"at block {i}")
+                    if length > self._limits.max_block_bytes:
+                        self._break()
+                        return FetchResult(i, n, Stop.PEER_ERROR, f"block {i} of {length} bytes exceeds the limit")
+                    dest = self._destination(i, length, into)
+                    await s.read_into(dest, f"reading block {i}")
+                    if checksum(dest) != check:
+                        self._break()
+                        log.warning("block %d (%s) from %s:%d failed its checksum: dropped", i, keys[i].hex()[:16],
+                                    *self._addr)
+                        return FetchResult(i, n, Stop.CORRUPT, f"block {i} failed its checksum and was dropped")
+                    res = on_block(i, dest)
+                    if inspect.isawaitable(res):
+                        await res
+                    progress.done = i + 1
+            except (_Closed, ConnectionError, ssl.SSLError) as exc:
+                self._break()
+                return FetchResult(progress.done, n, Stop.PEER_CLOSED, str(exc))
+            except BaseException:
+                self._break()
+                raise
+            raise AssertionError("unreachable")
+
+    def _destination(self, index: int, length: int, into: Into | None) -> memoryview:
+        if into is not None:
+            dest = _as_bytes_view(into(index, length))
+            if dest.readonly or dest.nbytes != length:
+                raise ValueError(f"into({index}, {length}) must return a writable buffer of exactly {length} bytes")
+            return dest
+        if len(self._scratch) < length:
+            self._scratch = bytearray(length)
+        return memoryview(self._scratch)[:length]
+
+    async def push(self, namespace_id: int, blocks: Sequence[tuple[bytes, memoryview | bytes]],
+                   deadline_s: float) -> PushResult:
+        """Send ``(key, payload)`` blocks in order for the peer to store; it verifies each one and
+        stops at the first bad or refused block. The payloads are not copied: keep them unchanged
+        until this returns."""
+        n = len(blocks)
+        try:
+            async with asyncio.timeout(deadline_s):
+                return await self._push(namespace_id, blocks)
+        except TimeoutError:
+            self._break()
+            return PushResult(0, n, Stop.TIMEOUT, f"deadline of {deadline_s:g}s passed")
+
+    async def _push(self, namespace_id: int, blocks: Sequence[tuple[bytes, memoryview | bytes]]) -> PushResult:
+        n = len(blocks)
+        request = _encode_request(OP_PUSH, namespace_id, [k for k, _ in blocks], self._limits)
+        if not self.usable:
+            return PushResult(0, n, Stop.PEER_CLOSED, "connection is closed")
+        async with self._busy:
+            s = self._stream
+            sent = 0
+            try:
+                s.write(request)
+                for i, (key, payload) in enumerate(blocks):
+                    view = _as_bytes_view(memoryview(payload))
+                    s.write(_frame(BLOCK, key, i, view.nbytes, checksum(view)))
+                    s.write(view)
+                    await s.drain()
+                    sent = i + 1
+                s.write(_frame(END))
+                await s.drain()
+            except (_Closed, ConnectionError, ssl.SSLError):
+                pass   # the receiver may have stopped early: its answer says why
+            try:
+                kind, _, _, stored, length, _ = _FRAME.unpack(await s.read_exact(_FRAME.size, "waiting for the ack"))
+                message = (await s.read_exact(min(length, 4096), "reading the ack")).decode(errors="replace")
+            except (_Closed, ConnectionError, ssl.SSLError) as exc:
+                self._break()
+                return PushResult(0, sent, Stop.PEER_CLOSED, str(exc))
+            if kind == ACK and stored == n:
+                return PushResult(n, n, Stop.COMPLETE)
+            self._break()
+            stop = Stop.CORRUPT if "checksum" in message else Stop.REFUSED if "refused" in message else Stop.PEER_ERROR
+            return PushResult(stored, sent, stop, f"peer: {message}")
+
+
+async def fetch(addr: str | tuple[str, int], auth: PeerAuth, namespace_id: int, keys: Sequence[bytes],
+                on_block: OnBlock, deadline_s: float, *, into: Into | None = None,
+                limits: Limits | None = None) -> FetchResult:
+    """Connect to ``addr``, fetch ``keys`` (see :meth:`PeerConnection.fetch`) and close.
+
+    Never hangs: connecting, authenticating and the transfer all count against ``deadline_s``.
+    A peer that cannot be reached gives ``Stop.UNREACHABLE``; refused credentials raise
+    :class:`PeerAuthError`."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        async with asyncio.timeout(deadline_s):
+            conn = await PeerConnection.open(addr, auth, limits)
+    except TimeoutError:
+        return FetchResult(0, len(keys), Stop.TIMEOUT, f"no connection within the deadline of {deadline_s:g}s")
+    except OSError as exc:
+        return FetchResult(0, len(keys), Stop.UNREACHABLE, f"cannot connect to {addr}: {exc}")
+    try:
+        return await conn.fetch(namespace_id, keys, on_block, max(0.0, deadline_s - (loop.time() - start)), into=into)
+    finally:
+        conn.close()
+
+
+async def push(addr: str | tuple[str, int], auth: PeerAuth, namespace_id: int,
+               blocks: Sequence[tuple[bytes, memoryview | bytes]], deadline_s: float, *,
+               limits: Limits | None = None) -> PushResult:
+    """Connect to ``addr``, push ``blocks`` (see :meth:`PeerConnection.push`) and close."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        async with asyncio.timeout(deadline_s):
+            conn = await PeerConnection.open(addr, auth, limits)
+    except TimeoutError:
+        return PushResult(0, 0, Stop.TIMEOUT, f"no connection within the deadline of {deadline_s:g}s")
+    except OSError as exc:
+        return PushResult(0, 0, Stop.UNREACHABLE, f"cannot connect to {addr}: {exc}")
+    try:
+        return await conn.push(namespace_id, blocks, max(0.0, deadline_s - (loop.time() - start)))
+    finally:
+        conn.close()
