@@ -17,6 +17,7 @@ SEALED = 1      # bytes complete; visible to lookups
 ON_SSD = 2      # a verified copy is in the SSD tier
 HIT = 4         # matched by a lookup since it was stored
 DEMOTING = 8    # being written to the SSD tier
+REF = 16        # referenced since the eviction scan last passed it (CLOCK's second chance)
 NO_SLOT = -1    # Block.offset when the block has no DRAM slot
 
 
@@ -96,7 +97,8 @@ class PrefixIndex:
         blocks = self._blocks
         for key in keys:
             block = blocks.get(key)
-            if block is None or not block.readable:
+            # inline Block.readable: this loop runs once per block of every lookup
+            if block is None or not block.flags & SEALED or (block.offset == NO_SLOT and not block.flags & ON_SSD):
                 break
             out.append(block)
         return out

@@ -25,7 +25,7 @@ from kvstored.buffers import RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
 from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstored.index import DEMOTING, HIT, NO_SLOT, ON_SSD, SEALED, Block, PrefixIndex, Tier
+from kvstored.index import DEMOTING, HIT, NO_SLOT, ON_SSD, REF, SEALED, Block, PrefixIndex, Tier
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
 from kvstored.policy.admission import admit
 from kvstored.policy.eviction import LRUOrder
@@ -275,10 +275,9 @@ class BlockStore:
         session = self._session(session_id) if lease else None
         state, chain = self.resolve_keys(namespace_id, keys)
         hits = state.index.match(chain)
-        self._touch(hits)
         for block in hits:
-            block.flags |= HIT
-        tiers = [b.tier for b in hits]
+            block.flags |= HIT | REF
+        tiers = [Tier.DRAM if b.offset != NO_SLOT else Tier.SSD for b in hits]
         lease_id = 0
         ttl = self._config.leases.ttl_s
         if session is not None and hits:
@@ -309,7 +308,8 @@ class BlockStore:
         """Start promoting the cached prefix's slower-tier blocks; returns (hit, promoting)."""
         state, chain = self.resolve_keys(namespace_id, keys)
         hits = state.index.match(chain)
-        self._touch(hits)
+        for block in hits:
+            block.flags |= REF
         slow = sum(1 for b in hits if not b.in_dram and b not in self._promoting)
         if slow:
             self._prefetch_in_background(hits)
@@ -394,8 +394,11 @@ class BlockStore:
         self._n.promotions += 1
         done.set_result(True)
 
-    def _touch(self, blocks: Sequence[Block]) -> None:
-        # Deepest first, so each parent ends up more recent than its children (leaf-first LRU).
+    def _append(self, blocks: Sequence[Block]) -> None:
+        """Put blocks at the recent end of their tier's list, deepest first, so each parent is
+        more recent than its children and eviction meets leaves first. A later hit only sets REF
+        (CLOCK): the eviction scan moves referenced blocks back to the recent end, so a lookup
+        costs no list updates however long the prompt."""
         for block in reversed(blocks):
             if block in self._promoting:
                 continue
@@ -458,7 +461,8 @@ class BlockStore:
         present = state.index.match(chain)
         ttl = self._config.leases.reservation_ttl_s
         lease = self._pin(session, LeaseKind.RESERVATION, state.namespace_id, present, ttl)
-        self._touch(present)
+        for block in present:
+            block.flags |= REF
         parent = present[-1] if present else None
         sb = state.index.slot_bytes
         blocked = False
@@ -508,6 +512,10 @@ class BlockStore:
             if lru is None:
                 continue
             for block in lru.oldest():
+                if block.flags & REF:  # second chance
+                    block.flags &= ~REF
+                    lru.touch(block)
+                    continue
                 if block.pins or block.flags & (SEALED | DEMOTING) != SEALED:
                     continue
                 if block.on_ssd:
@@ -595,7 +603,7 @@ class BlockStore:
             block.pins -= 1
             block.flags |= SEALED
             self._dirty_bytes += block.index.slot_bytes
-        self._touch(lease.new)
+        self._append(lease.new)
         self._n.saved_blocks += len(lease.new)
         if self._dirty_bytes > self._config.dram.writeback_watermark * self._allocator.capacity:
             self._writeback_wanted.set()
@@ -687,6 +695,10 @@ class BlockStore:
         for block in self._ssd_lru.oldest():
             if self._ssd_used <= target:
                 break
+            if block.flags & REF:  # second chance
+                block.flags &= ~REF
+                self._ssd_lru.touch(block)
+                continue
             if block.evictable and not block.in_dram:
                 self._remove(block)
                 self._n.ssd_evictions += 1

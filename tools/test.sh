@@ -7,4 +7,6 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # torch==2.13.0 in the dev extra is the CPU wheel; a plain "torch" would pull a CUDA build.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+# Test services: etcd for the membership tests (skipped, with the reason, if it cannot be installed).
+bash tools/ci/install-etcd.sh || echo "tools/test.sh: etcd could not be installed; membership tests will skip"
 exec .venv/bin/python -m pytest "$@"

@@ -12,6 +12,7 @@ import mmap
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -30,14 +31,14 @@ from kvstored_client.errors import (
     LeaseExpired,
     from_rpc_error,
 )
-from kvstored_client.hashing import block_hashes
+from kvstored_client.hashing import ChainHasher
 from kvstored_client.layout import TensorLayout, layout_signature
 from kvstored_client.namespace import Namespace
 from kvstored_client.paths import discover_socket_path
 
 MAX_MESSAGE_BYTES = 64 << 20
 T = TypeVar("T")
-TIER_NAMES = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd"}
+TIER_NAMES: dict[int, str] = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +125,7 @@ class Client:
         self._arena_map: mmap.mmap | None = None
         self._namespace_ids: dict[Namespace, tuple[int, Namespace]] = {}
         self._pending_releases: list[grpc.Future] = []
+        self._hashers: dict[tuple[int, str, str], ChainHasher] = {}
         self.namespace = namespace or Namespace()
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -201,9 +203,15 @@ class Client:
             return pb.BlockKeys(hashes=list(hashes)), len(hashes)
         if tokens is None:
             raise InvalidArgument("give tokens or hashes")
+        hasher_key = (spec.block_size, spec.hash_seed, spec.hash_algo)
+        hasher = self._hashers.get(hasher_key)
+        if hasher is None:
+            try:
+                hasher = self._hashers[hasher_key] = ChainHasher(*hasher_key)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
         try:
-            chain = block_hashes(_token_array(tokens), spec.block_size, spec.hash_seed, spec.hash_algo,
-                                 cache_salt=salt or None)
+            chain = hasher.hashes(_token_array(tokens), cache_salt=salt or None)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         return pb.BlockKeys(hashes=chain), len(chain)
@@ -220,11 +228,7 @@ class Client:
         ns_id, spec = self._ns(namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
         resp = self._call(self._stub.Lookup, pb.LookupRequest(namespace_id=ns_id, keys=keys))
-        per_tier: dict[str, int] = {}
-        for tier in resp.tiers:
-            name = TIER_NAMES.get(tier, str(tier))
-            per_tier[name] = per_tier.get(name, 0) + 1
-        return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, per_tier)
+        return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, _per_tier(resp.tiers))
 
     def save(self, tokens: Any, kv: Any, *, hashes: Sequence[bytes] | None = None,
              namespace: Namespace | None = None, cache_salt: str | None = None) -> SaveResult:
@@ -433,12 +437,12 @@ class Client:
         self.close()
 
 
+def _per_tier(tiers: Sequence[int]) -> dict[str, int]:
+    return {TIER_NAMES.get(tier, str(tier)): n for tier, n in Counter(tiers).items()}
+
+
 def _loaded(resp: pb.LoadBlocksResponse, block_size: int) -> LookupResult:
-    per_tier: dict[str, int] = {}
-    for tier in resp.tiers:
-        name = TIER_NAMES.get(tier, str(tier))
-        per_tier[name] = per_tier.get(name, 0) + 1
-    return LookupResult(resp.loaded_blocks * block_size, resp.loaded_blocks, per_tier)
+    return LookupResult(resp.loaded_blocks * block_size, resp.loaded_blocks, _per_tier(resp.tiers))
 
 
 class LoadHandle:

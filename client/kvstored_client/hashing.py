@@ -45,27 +45,21 @@ _CBOR_UINT_HEAD = np.array([0, 0, 0x18, 0x19, 0, 0x1A], dtype=np.uint32)
 
 
 def _encode_uints(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
-    """CBOR-encode each token as an unsigned int; returns the bytes and each token's end offset."""
-    t = tokens.astype(np.uint64, copy=False)
-    if t.size and int(t.max()) >= 1 << 32:
-        raise ValueError("token ids must be below 2**32")
-    t32 = t.astype(np.uint32)
-    width = np.ones(t32.size, dtype=np.int64)
-    width += t32 >= 24
-    width += t32 >= 256
-    width += 2 * (t32 >= 65536)
-    # Each token as 5 candidate bytes: the CBOR head, then its big-endian value; a mask keeps the
-    # first `width` of them, which is the minimal (canonical) encoding.
-    be = t32.astype(">u4").view(np.uint8).reshape(-1, 4)
-    rows = np.zeros((t32.size, 5), dtype=np.uint8)
-    rows[:, 0] = np.where(width == 1, t32, _CBOR_UINT_HEAD[width])
-    rows[:, 1:5] = be
-    two = width == 2
-    rows[two, 1] = be[two, 3]
-    three = width == 3
-    rows[three, 1:3] = be[three, 2:4]
-    keep = np.arange(5) < width[:, None]
-    return rows[keep].tobytes(), np.cumsum(width)
+    """CBOR-encode each token as an unsigned int (canonical: the shortest form); returns the bytes
+    and each token's end offset."""
+    t = tokens.astype(np.uint32)
+    width = np.where(t < 24, 1, np.where(t < 256, 2, np.where(t < 65536, 3, 5)))
+    ends = np.cumsum(width)
+    starts = ends - width
+    out = np.empty(int(ends[-1]) if t.size else 0, dtype=np.uint8)
+    out[starts] = np.where(width == 1, t, _CBOR_UINT_HEAD[width]).astype(np.uint8)
+    for w in (2, 3, 5):  # the value's big-endian bytes after the head byte
+        sel = width == w
+        if sel.any():
+            at, v = starts[sel], t[sel]
+            for k in range(1, w):
+                out[at + k] = ((v >> np.uint32(8 * (w - 1 - k))) & np.uint32(0xFF)).astype(np.uint8)
+    return out.tobytes(), ends
 
 
 def _array_header(n: int) -> bytes:
@@ -101,32 +95,74 @@ def block_hashes(
     extras first and ``cache_salt`` joins block 0's last, as vLLM orders them. Raises ValueError
     for an unknown algorithm, a non-positive block size or a token id outside uint32.
     """
-    if block_size <= 0:
-        raise ValueError("block_size must be positive")
-    digest = _digest_fn(algo)
-    tokens = np.asarray(token_ids)
-    if tokens.ndim != 1:
-        raise ValueError("token_ids must be one-dimensional")
-    if tokens.size and (tokens.dtype.kind not in "iu" or int(tokens.min()) < 0):
-        raise ValueError("token ids must be non-negative integers")
-    n_blocks = tokens.size // block_size
-    if n_blocks == 0:
-        return []
-    encoded, ends = _encode_uints(tokens[: n_blocks * block_size])
-    block_ends = ends[block_size - 1 :: block_size].tolist()
-    prefix = b"\x83" + (b"\x58\x20" if algo == "sha256_cbor" else b"\x50")  # array(3), bytes(32|16)
-    tok_header = _array_header(block_size)
-    tails = [_extras_tail(i, extras, lora_name, cache_salt) for i in range(n_blocks)] \
-        if (extras is not None or lora_name is not None or cache_salt is not None) else None
-    parent = none_hash(seed, algo)
-    out: list[bytes] = []
-    begin = 0
-    for i, end in enumerate(block_ends):
-        tail = tails[i] if tails is not None else b"\xf6"  # CBOR null: no extras
-        parent = digest(b"".join((prefix, parent, tok_header, encoded[begin:end], tail)))
-        out.append(parent)
-        begin = end
-    return out
+    return ChainHasher(block_size, seed, algo, memo_blocks=0).hashes(
+        token_ids, extras, cache_salt=cache_salt, lora_name=lora_name)
+
+
+class ChainHasher:
+    """:func:`block_hashes` with a bounded memo of recent blocks, for a client that sees the same
+    prefixes again and again: a block already hashed under the same parent costs a dict lookup
+    instead of its encoding and hash. Results are identical with or without the memo."""
+
+    def __init__(self, block_size: int = 16, seed: str = DEFAULT_SEED, algo: str = DEFAULT_ALGO,
+                 memo_blocks: int = 1 << 17) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self._digest = _digest_fn(algo)
+        self._block_size = block_size
+        self._root = none_hash(seed, algo)
+        self._prefix = b"\x83" + (b"\x58\x20" if algo == "sha256_cbor" else b"\x50")  # array(3), bytes
+        self._tok_header = _array_header(block_size)
+        self._memo: dict[bytes, bytes] = {}
+        self._memo_blocks = memo_blocks
+
+    def hashes(self, token_ids: Sequence[int] | np.ndarray, extras: Sequence[Extras] | None = None, *,
+               cache_salt: str | None = None, lora_name: str | None = None) -> list[bytes]:
+        """The chain of keys of every whole block of ``token_ids`` (see :func:`block_hashes`)."""
+        bs = self._block_size
+        tokens = np.asarray(token_ids)
+        if tokens.ndim != 1:
+            raise ValueError("token_ids must be one-dimensional")
+        if tokens.size and (tokens.dtype.kind not in "iu" or int(tokens.min()) < 0):
+            raise ValueError("token ids must be non-negative integers")
+        if tokens.size and int(tokens.max()) >= 1 << 32:
+            raise ValueError("token ids must be below 2**32")
+        n_blocks = tokens.size // bs
+        if n_blocks == 0:
+            return []
+        tails = [_extras_tail(i, extras, lora_name, cache_salt) for i in range(n_blocks)] \
+            if (extras is not None or lora_name is not None or cache_salt is not None) else None
+        out: list[bytes] = []
+        parent = self._root
+        memo = self._memo
+        raw = b""
+        if self._memo_blocks:
+            raw = tokens[: n_blocks * bs].astype("<u4").tobytes()
+            step = 4 * bs
+            for i in range(n_blocks):
+                known = memo.get(parent + raw[i * step:(i + 1) * step] + (tails[i] if tails else b""))
+                if known is None:
+                    break
+                out.append(known)
+                parent = known
+        first = len(out)
+        if first == n_blocks:
+            return out
+        encoded, ends = _encode_uints(tokens[first * bs: n_blocks * bs])
+        block_ends = ends[bs - 1:: bs].tolist()
+        digest, prefix, header = self._digest, self._prefix, self._tok_header
+        begin = 0
+        for i, end in enumerate(block_ends, start=first):
+            tail = tails[i] if tails is not None else b"\xf6"  # CBOR null: no extras
+            h = digest(b"".join((prefix, parent, header, encoded[begin:end], tail)))
+            if self._memo_blocks:
+                if len(memo) >= self._memo_blocks:
+                    memo.clear()  # bounded; a cold start costs one prompt's hashing, nothing else
+                memo[parent + raw[i * 4 * bs:(i + 1) * 4 * bs] + (tails[i] if tails else b"")] = h
+            out.append(h)
+            parent = h
+            begin = end
+        return out
 
 
 def reference_block_hashes(

@@ -539,9 +539,9 @@ class BlockServer:
 
     async def _hello(self, stream: _Stream) -> bool:
         magic, version, _flags, token_len = _HELLO.unpack(await stream.read_exact(_HELLO.size, "reading hello"))
-        token = await stream.read_exact(token_len, "reading hello")
-        if magic != MAGIC or version != VERSION:
+        if magic != MAGIC or version != VERSION:   # e.g. a TLS client on a plain listener: answer at once
             return await self._refuse(stream, WELCOME_BAD_VERSION, f"unsupported peer protocol {magic!r} v{version}")
+        token = await stream.read_exact(token_len, "reading hello")
         if self._auth.token:
             if not token:
                 return await self._refuse(stream, WELCOME_AUTH_REQUIRED, "this peer requires a shared token")

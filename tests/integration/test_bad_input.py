@@ -120,14 +120,23 @@ def test_invalid_buffer_descriptors(raw: Raw, tensor: dict[str, Any], needle: st
 def test_block_ids_out_of_range_and_count_mismatch(raw: Raw) -> None:
     buf = kvstored.shm.empty((4, 256), "float16")
     b = raw.client.register_buffers([buf.numpy()], block_dim=0)
+    ns = raw.client._ns(b.namespace)[0]
     raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "out of range", raw.stub.SaveBlocks,
-               pb.SaveBlocksRequest(session_id=raw.session, namespace_id=raw.ns, buffers_id=b.buffers_id,
+               pb.SaveBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
                                     keys=keys(2), block_ids=[0, 9]))
     raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "1 block ids for 2 blocks", raw.stub.LoadBlocks,
-               pb.LoadBlocksRequest(session_id=raw.session, namespace_id=raw.ns, buffers_id=b.buffers_id,
+               pb.LoadBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
                                     keys=keys(2), block_ids=[0]))
     raw.expect(grpc.StatusCode.NOT_FOUND, "unknown buffers", raw.stub.SaveBlocks,
-               pb.SaveBlocksRequest(session_id=raw.session, namespace_id=raw.ns, buffers_id=999,
+               pb.SaveBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=999,
+                                    keys=keys(1), block_ids=[0]))
+
+
+def test_buffers_used_in_another_namespace(raw: Raw) -> None:
+    buf = kvstored.shm.empty((4, 256), "float16")
+    b = raw.client.register_buffers([buf.numpy()], block_dim=0)
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "another namespace", raw.stub.SaveBlocks,
+               pb.SaveBlocksRequest(session_id=raw.session, namespace_id=raw.ns, buffers_id=b.buffers_id,
                                     keys=keys(1), block_ids=[0]))
 
 

@@ -71,3 +71,15 @@ def test_bad_algo_and_block_size() -> None:
         block_hashes(list(range(16)), algo="md5")
     with pytest.raises(ValueError, match="block_size"):
         block_hashes(list(range(16)), block_size=0)
+
+
+def test_memo_gives_identical_chains() -> None:
+    from kvstored_client.hashing import ChainHasher
+
+    hasher = ChainHasher(memo_blocks=64)
+    rng = np.random.default_rng(5)
+    system = rng.integers(0, 150_000, size=16 * 10)
+    for _ in range(20):  # shared prefixes, new suffixes, a memo that fills and clears
+        toks = np.concatenate([system, rng.integers(0, 150_000, size=int(rng.integers(0, 100)))])
+        assert hasher.hashes(toks) == block_hashes(toks)
+        assert hasher.hashes(toks, cache_salt="t") == block_hashes(toks, cache_salt="t")

@@ -1,0 +1,603 @@
+"""The peer block channel on loopback: order, checksums, missing keys, dead and partitioned peers,
+and authentication (mutual TLS with generated certificates, shared tokens, listener safety).
+
+Faults are injected by a small TCP proxy between client and server that flips a byte, cuts the
+connection, or stops forwarding at a chosen offset of the stream; a real peer process is also
+killed with SIGKILL mid-transfer. Throughput is measured by tools/bench_peers.py, not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+
+from kvstored.peers import transport as T
+from kvstored.peers.transport import (
+    BlockServer,
+    FetchResult,
+    PeerAuth,
+    PeerAuthError,
+    PeerConfigError,
+    PeerConnection,
+    Stop,
+    TLSFiles,
+    fetch,
+    push,
+)
+
+try:   # the TLS tests generate their certificates; the rest runs without the package
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+except ImportError:  # pragma: no cover
+    x509 = None  # type: ignore[assignment]
+
+NS = 42
+ROOT = Path(__file__).resolve().parents[4]
+
+
+def run(coro: Coroutine[Any, Any, Any], use_uvloop: bool = False) -> Any:
+    return uvloop.run(coro) if use_uvloop else asyncio.run(coro)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 8
+
+
+def payload(i: int, n: int = 256 << 10) -> bytes:
+    return (bytes([i % 251]) + os.urandom(15)) * (n // 16)
+
+
+class Blocks:
+    """An in-memory ``serve_block`` that records calls and releases."""
+
+    def __init__(self, blocks: dict[bytes, bytes], stall_from: int | None = None) -> None:
+        self.blocks = blocks
+        self.served: list[bytes] = []
+        self.released: list[bytes] = []
+        self.stall_from = stall_from
+
+    async def serve(self, namespace_id: int, k: bytes) -> memoryview | None:
+        assert namespace_id == NS
+        if self.stall_from is not None and len(self.served) >= self.stall_from:
+            await asyncio.Event().wait()
+        self.served.append(k)
+        b = self.blocks.get(k)
+        return memoryview(b) if b is not None else None
+
+    def release(self, namespace_id: int, k: bytes) -> None:
+        self.released.append(k)
+
+
+def chain(n: int, size: int = 256 << 10) -> tuple[list[bytes], dict[bytes, bytes]]:
+    keys = [key(i) for i in range(n)]
+    return keys, {k: payload(i, size) for i, k in enumerate(keys)}
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.got: list[tuple[int, bytes]] = []
+
+    def __call__(self, index: int, view: memoryview) -> None:
+        self.got.append((index, bytes(view)))
+
+
+# -- a fault-injecting proxy ----------------------------------------------------------------------
+@dataclass
+class Fault:
+    """At byte ``offset`` of one direction: "flip" one byte, "cut" (reset both sides), or "stall"
+    (stop forwarding, keep the connections open)."""
+
+    action: str
+    offset: int
+    upstream: bool = False    # True: client -> server direction; False: server -> client
+
+
+class Proxy:
+    def __init__(self, target: tuple[str, int], fault: Fault | None) -> None:
+        self.target = target
+        self.fault = fault
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> Proxy:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return self
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[:2]
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for w in self.writers:
+            w.transport.abort()
+        for t in list(self.tasks):
+            t.cancel()
+        for t in list(self.tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.server.wait_closed()
+
+    async def _handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection(*self.target)
+        self.writers += [cw, sw]
+        for args in ((cr, sw, True), (sr, cw, False)):
+            task = asyncio.ensure_future(self._pump(*args, peers=(cw, sw)))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, upstream: bool,
+                    peers: tuple[asyncio.StreamWriter, asyncio.StreamWriter]) -> None:
+        fault = self.fault if self.fault is not None and self.fault.upstream == upstream else None
+        pos = 0
+        while True:
+            data = await reader.read(1 << 16)
+            if not data:
+                writer.close()
+                return
+            if fault is not None and pos <= fault.offset < pos + len(data):
+                cut = fault.offset - pos
+                if fault.action == "flip":
+                    buf = bytearray(data)
+                    buf[cut] ^= 0xFF
+                    data = bytes(buf)
+                else:
+                    writer.write(data[:cut])
+                    await writer.drain()
+                    if fault.action == "cut":
+                        for w in peers:
+                            w.transport.abort()
+                        return
+                    await asyncio.Event().wait()   # stall forever (until the proxy closes)
+            writer.write(data)
+            await writer.drain()
+            pos += len(data)
+
+
+def block_offset(sizes: list[int], index: int, keylen: int = 32) -> int:
+    """Offset in the server -> client stream where block ``index``'s payload starts."""
+    pos = T._WELCOME.size
+    for i in range(index):
+        pos += T._FRAME.size + keylen + sizes[i]
+    return pos + T._FRAME.size + keylen
+
+
+# -- transfers --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_blocks_arrive_in_order_and_intact(use_uvloop: bool) -> None:
+    sizes = [256 << 10, 2 << 20, 1, 64 << 10, 3 << 20, 100_000]
+    keys = [key(i) for i in range(len(sizes))]
+    data = {k: payload(i, n) if n >= 16 else b"z" for i, (k, n) in enumerate(zip(keys, sizes))}
+    blocks = Blocks(data)
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), blocks.serve, release_block=blocks.release) as srv:
+            order: list[int] = []
+
+            async def on_block(i: int, view: memoryview) -> None:
+                order.append(i)
+                assert bytes(view) == data[keys[i]]
+                await asyncio.sleep(0.01)   # a slow consumer does not reorder or lose anything
+
+            res = await fetch(srv.address, PeerAuth(), NS, keys, on_block, 10)
+            assert res == FetchResult(len(keys), len(keys), Stop.COMPLETE)
+            assert order == list(range(len(keys)))
+            # straight into the caller's buffers
+            dest = {i: bytearray(n) for i, n in enumerate(sizes)}
+            res = await fetch(srv.address, PeerAuth(), NS, keys, lambda i, v: None, 10,
+                              into=lambda i, n: memoryview(dest[i]))
+            assert res.complete
+            assert all(bytes(dest[i]) == data[k] for i, k in enumerate(keys))
+        assert sorted(blocks.released) == sorted(keys * 2)   # every served view released exactly once
+
+    run(main(), use_uvloop)
+
+
+def test_missing_block_stops_the_chain_and_connection_stays_usable() -> None:
+    keys, data = chain(6)
+    del data[keys[3]]
+    blocks = Blocks(data)
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), blocks.serve, release_block=blocks.release) as srv:
+            conn = await PeerConnection.open(srv.address, PeerAuth())
+            got = Collector()
+            res = await conn.fetch(NS, keys, got, 10)
+            assert (res.delivered, res.stop) == (3, Stop.MISSING)
+            assert [i for i, _ in got.got] == [0, 1, 2]
+            assert blocks.served == keys[:4]            # nothing asked after the gap
+            assert sorted(blocks.released) == sorted(keys[:3])
+            assert conn.usable
+            res = await conn.fetch(NS, keys[:2], got, 10)
+            assert res.complete
+            res = await conn.fetch(NS, [], got, 10)
+            assert res == FetchResult(0, 0, Stop.COMPLETE)
+            conn.close()
+
+    run(main())
+
+
+def test_corrupt_block_is_dropped_and_ends_the_transfer() -> None:
+    keys, data = chain(5)
+    sizes = [len(data[k]) for k in keys]
+
+    async def main() -> None:
+        blocks = Blocks(data)
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), blocks.serve, release_block=blocks.release) as srv, \
+                Proxy(srv.address, Fault("flip", block_offset(sizes, 2) + 1000)) as proxy:
+            got = Collector()
+            res = await fetch(proxy.address, PeerAuth(), NS, keys, got, 10)
+            assert (res.delivered, res.stop) == (2, Stop.CORRUPT)
+            assert "checksum" in res.detail
+            assert [i for i, _ in got.got] == [0, 1]      # block 2 never reached the consumer
+            assert all(b == data[keys[i]] for i, b in got.got)
+            # "into": the caller learns block 2 is bad from delivered == 2
+            dest = {i: bytearray(n) for i, n in enumerate(sizes)}
+            res = await fetch(proxy.address, PeerAuth(), NS, keys, lambda i, v: None, 10,
+                              into=lambda i, n: memoryview(dest[i]))
+            assert (res.delivered, res.stop) == (2, Stop.CORRUPT)
+
+    run(main())
+
+
+def test_peer_connection_cut_mid_block_keeps_complete_blocks() -> None:
+    keys, data = chain(6)
+    sizes = [len(data[k]) for k in keys]
+
+    async def main() -> None:
+        blocks = Blocks(data)
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), blocks.serve, release_block=blocks.release) as srv, \
+                Proxy(srv.address, Fault("cut", block_offset(sizes, 3) + sizes[3] // 2)) as proxy:
+            got = Collector()
+            t0 = time.monotonic()
+            res = await fetch(proxy.address, PeerAuth(), NS, keys, got, 30)
+            assert (res.delivered, res.stop) == (3, Stop.PEER_CLOSED)
+            assert time.monotonic() - t0 < 5
+            assert [i for i, _ in got.got] == [0, 1, 2]
+            for _ in range(100):   # the server notices the reset and releases what it held
+                if len(blocks.released) == len(blocks.served):
+                    break
+                await asyncio.sleep(0.02)
+            assert sorted(blocks.released) == sorted(blocks.served)
+
+    run(main())
+
+
+_PEER_PROCESS = """
+import asyncio, sys
+from kvstored.peers.transport import BlockServer, PeerAuth
+N = int(sys.argv[1])
+async def serve(ns, k):
+    i = int.from_bytes(k[:4], "big")
+    if i >= N:
+        await asyncio.Event().wait()   # hangs: the test kills us here
+    return memoryview(bytes([i]) * (512 << 10))
+async def main():
+    srv = BlockServer("127.0.0.1", 0, PeerAuth(), serve)
+    await srv.start()
+    print(srv.address[1], flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+def test_peer_process_killed_mid_transfer_gives_a_short_result() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _PEER_PROCESS, "3"], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+
+        async def main() -> FetchResult:
+            got: list[int] = []
+
+            def on_block(i: int, view: memoryview) -> None:
+                assert view[0] == i and len(view) == 512 << 10
+                got.append(i)
+                if i == 2:   # the peer now hangs serving block 3: kill it
+                    os.kill(proc.pid, signal.SIGKILL)
+
+            res = await fetch(("127.0.0.1", port), PeerAuth(), NS, [key(i) for i in range(6)], on_block, 30)
+            assert got == [0, 1, 2]
+            return res
+
+        t0 = time.monotonic()
+        res = run(main())
+        assert (res.delivered, res.stop) == (3, Stop.PEER_CLOSED), res
+        assert time.monotonic() - t0 < 10
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_partitioned_peer_times_out_within_the_deadline() -> None:
+    keys, data = chain(6)
+    sizes = [len(data[k]) for k in keys]
+
+    async def main() -> None:
+        blocks = Blocks(data)
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), blocks.serve, release_block=blocks.release) as srv:
+            # the link stops carrying anything in the middle of block 2
+            async with Proxy(srv.address, Fault("stall", block_offset(sizes, 2) + 5000)) as proxy:
+                got = Collector()
+                t0 = time.monotonic()
+                res = await fetch(proxy.address, PeerAuth(), NS, keys, got, 1.0)
+                elapsed = time.monotonic() - t0
+                assert (res.delivered, res.stop) == (2, Stop.TIMEOUT)
+                assert 0.9 <= elapsed < 1.8
+            # a peer that accepts but never answers the hello
+            async with Proxy(srv.address, Fault("stall", 0, upstream=True)) as proxy:
+                t0 = time.monotonic()
+                res = await fetch(proxy.address, PeerAuth(), NS, keys, Collector(), 0.5)
+                assert (res.delivered, res.stop) == (0, Stop.TIMEOUT)
+                assert time.monotonic() - t0 < 1.3
+        # a server that stalls serving a block (its disk hangs) is the same to the client
+        stalled = Blocks(data, stall_from=1)
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), stalled.serve) as srv:
+            res = await fetch(srv.address, PeerAuth(), NS, keys, Collector(), 0.5)
+            assert (res.delivered, res.stop) == (1, Stop.TIMEOUT)
+
+    run(main())
+
+
+def test_unreachable_peer() -> None:
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve) as srv:
+            addr = srv.address
+        res = await fetch(addr, PeerAuth(), NS, [key(0)], Collector(), 2)   # closed: nothing listens
+        assert (res.delivered, res.stop) == (0, Stop.UNREACHABLE)
+
+    run(main())
+
+
+def test_peer_error_and_bad_requests() -> None:
+    async def broken(namespace_id: int, k: bytes) -> memoryview | None:
+        raise OSError("disk on fire")
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), broken) as srv:
+            conn = await PeerConnection.open(srv.address, PeerAuth())
+            res = await conn.fetch(NS, [key(0), key(1)], Collector(), 5)
+            assert res.stop is Stop.PEER_ERROR and "disk on fire" in res.detail
+            with pytest.raises(ValueError, match="key"):
+                await conn.fetch(NS, [b""], Collector(), 5)
+            with pytest.raises(ValueError, match="keys"):
+                await conn.fetch(NS, [key(0)] * (T.Limits().max_keys + 1), Collector(), 5)
+            conn.close()
+
+    run(main())
+
+
+def test_push_stores_verified_blocks_and_drops_a_corrupt_one() -> None:
+    keys, data = chain(4)
+    stored: dict[bytes, bytes] = {}
+
+    async def store(namespace_id: int, k: bytes, index: int, view: memoryview) -> bool:
+        stored[k] = bytes(view)
+        return True
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve, store_block=store) as srv:
+            res = await push(srv.address, PeerAuth(), NS, [(k, data[k]) for k in keys], 10)
+            assert res.complete and res.stored == 4
+            assert stored == data
+            stored.clear()
+            # flip a byte inside block 1's payload on its way to the receiver
+            request = T._REQUEST.size + sum(1 + len(k) for k in keys)
+            offset = T._HELLO.size + request + T._FRAME.size + 32 + len(data[keys[0]]) + T._FRAME.size + 32 + 7
+            async with Proxy(srv.address, Fault("flip", offset, upstream=True)) as proxy:
+                res = await push(proxy.address, PeerAuth(), NS, [(k, data[k]) for k in keys], 10)
+            assert (res.stored, res.stop) == (1, Stop.CORRUPT)
+            assert list(stored) == [keys[0]]
+
+    run(main())
+
+
+# -- authentication ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PKI:
+    ca: str
+    other_ca: str
+    server: tuple[str, str]
+    client: tuple[str, str]
+    expired_server: tuple[str, str]
+    expired_client: tuple[str, str]
+    foreign_client: tuple[str, str]   # signed by other_ca
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> str:
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    return str(path)
+
+
+def _cert(subject: str, issuer: tuple[Any, ec.EllipticCurvePrivateKey] | None, key: ec.EllipticCurvePrivateKey,
+          *, ca: bool = False, days: tuple[int, int] = (-1, 30), server: bool = False) -> Any:
+    now = datetime.datetime.now(datetime.UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    issuer_name, signer = (issuer[0].subject, issuer[1]) if issuer else (name, key)
+    b = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name).public_key(key.public_key())
+         .serial_number(x509.random_serial_number())
+         .not_valid_before(now + datetime.timedelta(days=days[0]))
+         .not_valid_after(now + datetime.timedelta(days=days[1]))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if ca:
+        b = b.add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                          content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                          key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        b = b.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+    else:
+        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                            critical=False)
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        if issuer:
+            b = b.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer[1].public_key()),
+                                critical=False)
+    return b.sign(signer, hashes.SHA256())
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    if x509 is None:
+        pytest.skip("the cryptography package is needed to generate test certificates (pip install cryptography)")
+    d = tmp_path_factory.mktemp("pki")
+
+    def pem(name: str, cert: Any) -> str:
+        (d / name).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        return str(d / name)
+
+    ca_key, other_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = _cert("kvstored test CA", None, ca_key, ca=True)
+    other = _cert("some other CA", None, other_key, ca=True)
+
+    def leaf(name: str, issuer: tuple[Any, ec.EllipticCurvePrivateKey], server: bool,
+             days: tuple[int, int] = (-1, 30)) -> tuple[str, str]:
+        k = ec.generate_private_key(ec.SECP256R1())
+        return pem(f"{name}.pem", _cert(name, issuer, k, server=server, days=days)), _write_key(d / f"{name}.key", k)
+
+    return PKI(ca=pem("ca.pem", ca), other_ca=pem("other-ca.pem", other),
+               server=leaf("server", (ca, ca_key), True), client=leaf("client", (ca, ca_key), False),
+               expired_server=leaf("expired-server", (ca, ca_key), True, (-30, -1)),
+               expired_client=leaf("expired-client", (ca, ca_key), False, (-30, -1)),
+               foreign_client=leaf("foreign-client", (other, other_key), False))
+
+
+def tls(ca: str, pair: tuple[str, str] | None) -> PeerAuth:
+    return PeerAuth(tls=TLSFiles(ca_file=ca, cert_file=pair[0] if pair else "", key_file=pair[1] if pair else ""))
+
+
+def _with_server(server_auth: PeerAuth, client: Callable[[tuple[str, int]], Awaitable[None]],
+                 use_uvloop: bool = False) -> None:
+    _keys, data = chain(3, 64 << 10)
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, server_auth, Blocks(data).serve) as srv:
+            await client(srv.address)
+
+    run(main(), use_uvloop)
+
+
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_mutual_tls_transfer(pki: PKI, use_uvloop: bool) -> None:
+    async def client(addr: tuple[str, int]) -> None:
+        got = Collector()
+        res = await fetch(addr, tls(pki.ca, pki.client), NS, [key(0), key(1), key(2)], got, 10)
+        assert res.complete and len(got.got) == 3
+    _with_server(tls(pki.ca, pki.server), client, use_uvloop)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("wrong_ca", "not trusted"),
+    ("expired_server", "expired"),
+    ("expired_client", "our TLS certificate"),
+    ("missing_client_cert", "our TLS certificate"),
+    ("foreign_client", "our TLS certificate"),
+    ("plain_client", "closed the connection during authentication"),
+    ("tls_client_plain_server", "TLS handshake failed"),
+])
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_bad_tls_credentials_are_refused(pki: PKI, case: str, match: str, use_uvloop: bool) -> None:
+    server = tls(pki.ca, pki.expired_server if case == "expired_server" else pki.server)
+    if case == "tls_client_plain_server":
+        server = PeerAuth(token="t")
+    client_auth = {
+        "wrong_ca": tls(pki.other_ca, pki.client),
+        "expired_server": tls(pki.ca, pki.client),
+        "expired_client": tls(pki.ca, pki.expired_client),
+        "missing_client_cert": tls(pki.ca, None),
+        "foreign_client": tls(pki.ca, pki.foreign_client),
+        "plain_client": PeerAuth(),
+        "tls_client_plain_server": tls(pki.ca, pki.client),
+    }[case]
+
+    async def client(addr: tuple[str, int]) -> None:
+        t0 = time.monotonic()
+        with pytest.raises(PeerAuthError, match=match):
+            await fetch(addr, client_auth, NS, [key(0)], Collector(), 10)
+        assert time.monotonic() - t0 < 5   # refused promptly, not by a timeout
+
+    _with_server(server, client, use_uvloop)
+
+
+def test_unreadable_tls_files_are_a_config_error(pki: PKI, tmp_path: Path) -> None:
+    with pytest.raises(PeerConfigError, match="certificate"):
+        tls(pki.ca, (str(tmp_path / "nope.pem"), str(tmp_path / "nope.key"))).server_context()
+    with pytest.raises(PeerConfigError, match="CA file"):
+        tls(str(tmp_path / "nope-ca.pem"), pki.client).client_context()
+    with pytest.raises(PeerConfigError, match="needs"):
+        tls(pki.ca, None).server_context()
+
+
+@pytest.mark.parametrize("presented, match", [
+    ("s3cret-token", None),
+    ("wrong-token", "token rejected"),
+    ("", "requires a shared token"),
+])
+def test_shared_token(presented: str, match: str | None) -> None:
+    async def client(addr: tuple[str, int]) -> None:
+        auth = PeerAuth(token=presented)
+        if match is None:
+            res = await fetch(addr, auth, NS, [key(0)], Collector(), 10)
+            assert res.complete
+        else:
+            with pytest.raises(PeerAuthError, match=match):
+                await fetch(addr, auth, NS, [key(0)], Collector(), 10)
+
+    _with_server(PeerAuth(token="s3cret-token"), client)
+
+
+def test_token_over_tls(pki: PKI) -> None:
+    server = PeerAuth(tls=tls(pki.ca, pki.server).tls, token="t0ken")
+
+    async def client(addr: tuple[str, int]) -> None:
+        good = PeerAuth(tls=tls(pki.ca, pki.client).tls, token="t0ken")
+        assert (await fetch(addr, good, NS, [key(0)], Collector(), 10)).complete
+        with pytest.raises(PeerAuthError, match="token"):
+            await fetch(addr, PeerAuth(tls=good.tls), NS, [key(0)], Collector(), 10)
+
+    _with_server(server, client)
+
+
+def test_listener_safety() -> None:
+    # No bind happens for a refused listener, so no test listens beyond loopback.
+    async def main() -> None:
+        for host in ("0.0.0.0", "::", "", "10.1.2.3", "peer.example"):
+            with pytest.raises(PeerConfigError, match="insecure = true"):
+                await BlockServer(host, 0, PeerAuth(), Blocks({}).serve).start()
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve):
+            pass   # loopback needs no credentials
+
+    run(main())
+    assert T.listener_allowed("0.0.0.0", PeerAuth(insecure=True))
+    assert T.listener_allowed("0.0.0.0", PeerAuth(token="x"))
+    assert not T.listener_allowed("0.0.0.0", PeerAuth())
+    assert T.listener_allowed("::1", PeerAuth()) and T.listener_allowed("localhost", PeerAuth())
+
+
+def test_address_parsing() -> None:
+    assert T.parse_address("10.0.0.1:7070") == ("10.0.0.1", 7070)
+    assert T.parse_address("[::1]:7070") == ("::1", 7070)
+    assert T.parse_address(("h", 1)) == ("h", 1)
+    with pytest.raises(ValueError):
+        T.parse_address("nohost")
