@@ -181,7 +181,7 @@ def test_corrupted_value_is_a_miss_and_dropped(tmp_path: Path) -> None:
         c.save(p, rows)
         assert c.flush() == 3
     assert d.stop() == 0
-    data = Path(tmp_path) / "kv-ssd" / "data.mdb"
+    data = Path(tmp_path) / "kv-ssd" / f"payload-{WIDTH}.dat"
     blob = bytearray(data.read_bytes())
     at = blob.find(b"CORRUPT-ME-BLOCK")
     assert at >= 0
@@ -212,8 +212,10 @@ def test_churn_of_3x_capacity_stays_under_capacity(daemon_factory) -> None:  # t
         st = c.stats()
         assert st["tiers"][1]["evictions"] > 0
         assert c.lookup(prompt(59)).blocks == 16
-    mdb = Path(d.socket).parent / "kv-ssd" / "data.mdb"
-    assert mdb.stat().st_size <= int(32 * 1.5 * (1 << 20))  # within the map: free pages reused
+    payload = Path(d.socket).parent / "kv-ssd" / f"payload-{WIDTH}.dat"
+    # Freed slots are reused, so the file stays near capacity: at most the slots whose deletes were
+    # still queued (one write-back round, the gap between the watermarks) beyond it.
+    assert payload.stat().st_size <= int(1.25 * (32 << 20))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")

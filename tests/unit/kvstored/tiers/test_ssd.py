@@ -37,11 +37,12 @@ def test_corrupt_payload_is_reported_not_returned(tmp_path: Path) -> None:
     ssd = SSDTier(str(tmp_path), 64 << 20)
     try:
         ssd.put(1, b"k" * 32, b"", 0, payload(1)).result(10)
-        env = ssd._env
-        with env.begin(write=True) as txn:  # flip one byte behind the tier's back
-            raw = bytearray(txn.get(db_key(1, b"k" * 32), db=ssd._blocks))
-            raw[1000] ^= 0xFF
-            txn.put(db_key(1, b"k" * 32), bytes(raw), db=ssd._blocks)
+        data = tmp_path / f"payload-{64 << 10}.dat"
+        with open(data, "r+b") as fh:  # flip one byte behind the tier's back
+            fh.seek(1000)
+            byte = fh.read(1)
+            fh.seek(1000)
+            fh.write(bytes([byte[0] ^ 0xFF]))
         out = np.zeros(64 << 10, dtype=np.uint8)
         with pytest.raises(Corrupt, match="checksum"):
             ssd.read_into(1, b"k" * 32, out).result(10)
@@ -54,23 +55,48 @@ def test_corrupt_payload_is_reported_not_returned(tmp_path: Path) -> None:
         ssd.close()
 
 
-def test_full_map_fails_the_write_that_does_not_fit(tmp_path: Path) -> None:
-    ssd = SSDTier(str(tmp_path), 1 << 20)
+def test_full_index_map_fails_cleanly(tmp_path: Path) -> None:
+    ssd = SSDTier(str(tmp_path), 0)  # the smallest index map
+    ssd._env.set_mapsize(64 << 10)
     try:
-        results = [ssd.put(1, bytes([i]) * 32, b"", 0, payload(i, 256 << 10)) for i in range(8)]
+        results = [ssd.put(1, bytes([i % 256, i // 256]) * 16, b"p" * 32, 0, payload(i, 4096)) for i in range(2000)]
         outcomes = []
         for f in results:
             try:
-                f.result(10)
+                f.result(30)
                 outcomes.append("ok")
             except MapFull:
                 outcomes.append("full")
         assert "ok" in outcomes and "full" in outcomes
-        assert ssd.write_errors == outcomes.count("full")
         stored = {r.key for r in ssd.scan() if isinstance(r, BlockRecord)}
         assert len(stored) == outcomes.count("ok")  # what failed left nothing behind
     finally:
         ssd.close()
+
+
+def test_slots_are_reused_after_delete_and_survive_reopen(tmp_path: Path) -> None:
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    for i in range(8):
+        ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
+    for i in range(4):
+        ssd.delete(1, bytes([i]) * 32).result(10)
+    for i in range(8, 12):
+        ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
+    size = (tmp_path / f"payload-{64 << 10}.dat").stat().st_size
+    assert size <= 8 * (64 << 10)  # the freed slots were taken again, the file did not grow
+    ssd.close()
+    again = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        out = np.empty(64 << 10, dtype=np.uint8)
+        for i in range(4, 12):
+            again.read_into(1, bytes([i]) * 32, out).result(10)
+            assert np.array_equal(out, payload(i))
+        again.put(1, b"z" * 32, b"", 0, payload(99)).result(10)  # a new slot, not a live one
+        for i in range(4, 12):
+            again.read_into(1, bytes([i]) * 32, out).result(10)
+            assert np.array_equal(out, payload(i))
+    finally:
+        again.close()
 
 
 def test_writes_are_durable_across_reopen(tmp_path: Path) -> None:

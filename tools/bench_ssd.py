@@ -1,0 +1,166 @@
+"""SSD tier vs the disk itself, side by side in one run: 2 MiB blocks.
+
+- raw write: sequential O_DIRECT writes of the blocks + one fsync per batch of 32;
+  SSD tier write: SSDTier.put of the same blocks (one writer thread, group commit, fsync).
+- raw read: random O_DIRECT reads, queue depth 1; SSD tier read: SSDTier.read_into (checksum
+  verified) in random order, cold: the environment is closed (unmapped), the file's pages are
+  dropped from the page cache (posix_fadvise DONTNEED) and it is opened again, so both read from
+  the device.
+- the same SSD-tier figures again after writing 3x the tier's capacity in churn (deletes +
+  puts), where LMDB's reuse of freed pages for large values decides the speed.
+
+    python tools/bench_ssd.py [--dir DIR] [--blocks 256] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvstored.tiers.ssd import SSDTier
+
+BLOCK = 2 << 20
+
+
+def aligned(n: int) -> mmap.mmap:
+    buf = mmap.mmap(-1, n)  # page aligned, as O_DIRECT wants
+    buf.write(np.random.default_rng(0).integers(0, 255, size=n, dtype=np.uint8).tobytes())
+    return buf
+
+
+def drop_cache(path: Path) -> None:
+    for f in path.glob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def cold(ssd: SSDTier, base: Path, capacity: int) -> SSDTier:
+    """Close (unmap) the tier, drop its pages from the page cache, open it again."""
+    ssd.close()
+    drop_cache(base / "lmdb")
+    return SSDTier(str(base / "lmdb"), int(capacity * 1.5))
+
+
+def raw_write(path: Path, blocks: int, src: mmap.mmap) -> float:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        t = time.perf_counter()
+        for i in range(blocks):
+            os.pwrite(fd, src, i * BLOCK)
+            if i % 32 == 31:
+                os.fsync(fd)
+        os.fsync(fd)
+        return blocks * BLOCK / (time.perf_counter() - t) / 1e9
+    finally:
+        os.close(fd)
+
+
+def raw_read(path: Path, blocks: int, dst: mmap.mmap) -> float:
+    order = list(range(blocks))
+    random.Random(1).shuffle(order)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t = time.perf_counter()
+        for i in order:
+            os.preadv(fd, [dst], i * BLOCK)
+        return blocks * BLOCK / (time.perf_counter() - t) / 1e9
+    finally:
+        os.close(fd)
+
+
+def tier_write(ssd: SSDTier, blocks: int, src: np.ndarray, start: int) -> float:
+    t = time.perf_counter()
+    futures = [ssd.put(1, (start + i).to_bytes(32, "big"), b"", 0, src) for i in range(blocks)]
+    for f in futures:
+        f.result(120)
+    return blocks * BLOCK / (time.perf_counter() - t) / 1e9
+
+
+def tier_read(ssd: SSDTier, keys: list[int], dst: np.ndarray) -> float:
+    order = list(keys)
+    random.Random(2).shuffle(order)
+    t = time.perf_counter()
+    for k in order:
+        ssd.read_into(1, k.to_bytes(32, "big"), dst).result(60)
+    return len(order) * BLOCK / (time.perf_counter() - t) / 1e9
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    base = Path(tempfile.mkdtemp(dir=args.dir))
+    src = aligned(BLOCK)
+    dst = aligned(BLOCK)
+    payload = np.frombuffer(src, dtype=np.uint8)
+    out = np.empty(BLOCK, dtype=np.uint8)
+    capacity = args.blocks * BLOCK
+    ssd = SSDTier(str(base / "lmdb"), int(capacity * 1.5))
+    rows: dict[str, list[float]] = {k: [] for k in ("raw write", "tier write", "raw read", "tier read",
+                                                      "tier write after churn", "tier read after churn")}
+    try:
+        for run in range(args.runs):
+            rows["raw write"].append(raw_write(base / "raw", args.blocks, src))
+            drop_cache(base)
+            rows["raw read"].append(raw_read(base / "raw", args.blocks, dst))
+            first = run * args.blocks * 10
+            rows["tier write"].append(tier_write(ssd, args.blocks, payload, first))
+            ssd = cold(ssd, base, capacity)
+            rows["tier read"].append(tier_read(ssd, list(range(first, first + args.blocks)), out))
+            for i in range(first, first + args.blocks):
+                ssd.delete(1, i.to_bytes(32, "big"))
+        # churn: 3x capacity of deletes and puts through the same map
+        live: list[int] = []
+        key = 10**9
+        for _ in range(3):
+            for _ in range(args.blocks):
+                if len(live) >= args.blocks * 0.9:
+                    ssd.delete(1, live.pop(0).to_bytes(32, "big"))
+                ssd.put(1, key.to_bytes(32, "big"), b"", 0, payload).result(120)
+                live.append(key)
+                key += 1
+        for _ in range(args.runs):
+            while len(live) > args.blocks * 0.5:
+                ssd.delete(1, live.pop(0).to_bytes(32, "big")).result(60)
+            fresh = list(range(key, key + args.blocks // 4))
+            key += len(fresh)
+            rows["tier write after churn"].append(tier_write(ssd, len(fresh), payload, fresh[0]))
+            live.extend(fresh)
+            ssd = cold(ssd, base, capacity)
+            rows["tier read after churn"].append(tier_read(ssd, fresh, out))
+        size = sum(f.stat().st_blocks * 512 for f in (base / "lmdb").iterdir() if f.is_file())
+    finally:
+        ssd.close()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"\nSSD tier vs raw disk, {BLOCK >> 20} MiB blocks, {args.blocks} blocks per run, medians of {args.runs}\n")
+    print("| operation | GB/s median | min | max | vs raw |")
+    print("|---|---|---|---|---|")
+    for name, values in rows.items():
+        raw = med["raw write"] if "write" in name else med["raw read"]
+        print(f"| {name} | {med[name]:.2f} | {min(values):.2f} | {max(values):.2f} | "
+              f"{med[name] / raw:.2f} |")
+    print(f"\nSSD tier files after churn: {size / 2**20:.0f} MiB on disk for {capacity / 2**20:.0f} MiB "
+          f"of capacity")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
