@@ -139,6 +139,8 @@ class BlockStore:
         self._new_session_id = new_session_id
         self._started = clock()
         self._allocator = SlotAllocator(arena.capacity, config.dram.page_bytes)
+        self._tick = 0                                      # advances with every request that allocates
+        self._page_tick = [0] * self._allocator.num_pages   # when each page was last used
         self._dram_lru: dict[int, LRUOrder] = {}
         self._ssd_lru = LRUOrder()
         self._ssd_used = 0
@@ -340,6 +342,7 @@ class BlockStore:
         """
         waits: list[tuple[int, asyncio.Future[bool]]] = []
         cut = len(blocks)
+        self._tick += 1
         loop = asyncio.get_running_loop()
         for i, block in enumerate(blocks):
             pending = self._promoting.get(block)
@@ -458,6 +461,7 @@ class BlockStore:
                            self._config.leases.reservation_ttl_s)
 
     def _reserve_chain(self, session: Session, state: NamespaceState, chain: list[bytes]) -> Lease:
+        self._tick += 1
         present = state.index.match(chain)
         ttl = self._config.leases.reservation_ttl_s
         lease = self._pin(session, LeaseKind.RESERVATION, state.namespace_id, present, ttl)
@@ -500,35 +504,51 @@ class BlockStore:
             if not self._reclaim_dram(sb):
                 return None
             offset = self._allocator.alloc(sb)
+        self._page_tick[offset // self._allocator.page_bytes] = self._tick
         return offset
 
-    def _reclaim_dram(self, sb: int) -> bool:
-        """Free one DRAM slot, least recently used first, this slot size before others: a block
-        with an SSD copy just loses its slot; one without leaves the index if it is a leaf."""
-        self._writeback_wanted.set()
-        order = [sb, *sorted((s for s in self._dram_lru if s != sb), key=lambda s: -len(self._dram_lru[s]))]
-        for size in order:
-            lru = self._dram_lru.get(size)
-            if lru is None:
+    def _victim(self, lru: LRUOrder) -> Block | None:
+        """The least recently used block of one size that can give up its slot now (CLOCK: a
+        referenced block gets a second chance and its page counts as used now)."""
+        page_bytes = self._allocator.page_bytes
+        for block in lru.oldest():
+            if block.flags & REF:
+                block.flags &= ~REF
+                lru.touch(block)
+                self._page_tick[block.offset // page_bytes] = self._tick
                 continue
-            for block in lru.oldest():
-                if block.flags & REF:  # second chance
-                    block.flags &= ~REF
-                    lru.touch(block)
-                    continue
-                if block.pins or block.flags & (SEALED | DEMOTING) != SEALED:
-                    continue
-                if block.on_ssd:
-                    self._release_slot(block)
-                    self._ssd_lru.touch(block)
-                elif block.children == 0:
-                    self._remove(block)
-                    self._n.dropped += 1
-                else:
-                    continue
-                self._n.dram_evictions += 1
-                return True
-        return False
+            if block.pins or block.flags & (SEALED | DEMOTING) != SEALED:
+                continue
+            if block.on_ssd or block.children == 0:
+                return block
+        return None
+
+    def _reclaim_dram(self, sb: int) -> bool:
+        """Free one DRAM slot. The victim is this size's least recently used block, unless another
+        size's coldest block sits in a page used less recently than that: then that one goes, so
+        pages drift to the sizes in use (a page returns to the pool when its last slot is freed).
+        A block with an SSD copy just loses its slot; one without leaves the index (leaves only)."""
+        self._writeback_wanted.set()
+        page_bytes = self._allocator.page_bytes
+        own = self._dram_lru.get(sb)
+        victim = self._victim(own) if own is not None else None
+        for size, lru in self._dram_lru.items():
+            if size == sb or not len(lru):
+                continue
+            other = self._victim(lru)
+            if other is not None and (victim is None or self._page_tick[other.offset // page_bytes]
+                                      < self._page_tick[victim.offset // page_bytes]):
+                victim = other
+        if victim is None:
+            return False
+        if victim.on_ssd:
+            self._release_slot(victim)
+            self._ssd_lru.touch(victim)
+        else:
+            self._remove(victim)
+            self._n.dropped += 1
+        self._n.dram_evictions += 1
+        return True
 
     def _release_slot(self, block: Block) -> None:
         """Give back a block's DRAM slot (its bytes stay wherever else they are)."""

@@ -179,30 +179,36 @@ def test_churn_never_orphans_and_respects_capacity(env: tuple[BlockStore, Clock]
                 assert ns_state.index.get(block.parent.key) is block.parent
 
 
-def test_block_sizes_share_the_arena_by_pages(env: tuple[BlockStore, Clock]) -> None:
+def test_pages_drift_to_the_block_size_in_use(env: tuple[BlockStore, Clock]) -> None:
     store, _ = env
     s = store.open_session("t", 1)
     small = store.open_namespace(Namespace(model="small")).namespace_id
     big = store.open_namespace(Namespace(model="big")).namespace_id
     r = store.reserve(s.session_id, small, KeyRequest(hashes=chain(8)), 1024)
-    store.seal(s.session_id, r.reservation_id)  # 8 x 1 KiB: half of one page
-    r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4)), BLOCK)
-    assert len(r.offsets) == 4  # fits in the free page
+    store.seal(s.session_id, r.reservation_id)  # 8 x 1 KiB: half of page 0
+    for round_ in range(4):  # the big size keeps working; small is never used again
+        r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4, 1000 * round_)), BLOCK)
+        assert len(r.offsets) == 4
+        store.seal(s.session_id, r.reservation_id)
+    assert lookup(store, small, KeyRequest(hashes=chain(8))).blocks == 0  # its page went to big
+    assert lookup(store, big, KeyRequest(hashes=chain(4, 3000))).blocks == 4
+    assert lookup(store, big, KeyRequest(hashes=chain(4, 2000))).blocks == 4  # two pages of big now
+
+
+def test_a_size_in_use_keeps_its_pages(env: tuple[BlockStore, Clock]) -> None:
+    store, _ = env
+    s = store.open_session("t", 1)
+    small = store.open_namespace(Namespace(model="small")).namespace_id
+    big = store.open_namespace(Namespace(model="big")).namespace_id
+    r = store.reserve(s.session_id, small, KeyRequest(hashes=chain(8)), 1024)
     store.seal(s.session_id, r.reservation_id)
+    for round_ in range(4):
+        lookup(store, small, KeyRequest(hashes=chain(8)))  # small stays hot
+        r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4, 1000 * round_)), BLOCK)
+        store.seal(s.session_id, r.reservation_id)
     assert lookup(store, small, KeyRequest(hashes=chain(8))).blocks == 8
-    # No free page: a size class evicts its own least recent blocks first...
-    r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4, 5000)), BLOCK)
-    store.seal(s.session_id, r.reservation_id)
-    assert len(r.offsets) == 4
-    assert lookup(store, big, KeyRequest(hashes=chain(4))).blocks == 0
-    assert lookup(store, small, KeyRequest(hashes=chain(8))).blocks == 8
-    # ...and only when all of its own are leased does it reclaim another size's page.
-    lookup(store, big, KeyRequest(hashes=chain(4, 5000)), lease=True, session_id=s.session_id)
-    r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4, 9000)), BLOCK)
-    store.seal(s.session_id, r.reservation_id)
-    assert len(r.offsets) == 4
-    assert lookup(store, small, KeyRequest(hashes=chain(8))).blocks == 0
-    assert lookup(store, big, KeyRequest(hashes=chain(4, 5000))).blocks == 4
+    assert lookup(store, big, KeyRequest(hashes=chain(4, 3000))).blocks == 4
+    assert lookup(store, big, KeyRequest(hashes=chain(4, 2000))).blocks == 0  # big evicted its own
 
 
 def test_namespace_validation(env: tuple[BlockStore, Clock]) -> None:

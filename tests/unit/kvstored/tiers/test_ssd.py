@@ -8,7 +8,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDTier, db_key
+from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDTier
 
 
 def payload(seed: int, n: int = 64 << 10) -> np.ndarray:
