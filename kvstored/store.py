@@ -393,6 +393,7 @@ class BlockStore:
             done.set_result(False)
             return
         self._promoting.pop(block, None)
+        block.flags |= REF
         self._dram_for(block).touch(block)
         self._n.promotions += 1
         done.set_result(True)
@@ -621,7 +622,7 @@ class BlockStore:
             return
         for block in lease.new:
             block.pins -= 1
-            block.flags |= SEALED
+            block.flags |= SEALED | REF  # just written: as recent as a hit (CLOCK)
             self._dirty_bytes += block.index.slot_bytes
         self._append(lease.new)
         self._n.saved_blocks += len(lease.new)

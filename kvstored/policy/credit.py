@@ -1,0 +1,108 @@
+"""Reuse credit: recency on a clock, with time credit for blocks that have been reused.
+
+The default policy. Measured on the conversation trace, a block's chance of being used again
+falls with the time since its last use (over a few minutes) and rises with how often it has been
+reused: blocks reused once, twice, three or more times come back about 1.7x, 2.9x and 4x as
+often as blocks stored and never hit, and about three quarters of all blocks are never hit. So a
+block's priority is
+
+    last use (s) + tau * ln(weight of its reuse class)
+
+and the leaf of least priority is evicted: a block reused twice outlives a newer block that was
+never hit for ``tau * ln 2.9`` seconds. A ghost list remembers the reuse class of evicted keys, so
+a block that comes back after an eviction is counted as reused, not as new (its history outlives
+its bytes, as in ARC or S3-FIFO). Admission: when storing a block needs an eviction and the
+newcomer's priority would be below the victim's, the newcomer is refused, so a burst of one-off
+blocks cannot flush blocks that earned credit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvstored.index import Block
+from kvstored.policy.leafheap import LeafHeap, index_leaf
+
+DEFAULT_TAU_S = 300.0
+DEFAULT_CLASS_WEIGHTS = (1.0, 1.7, 2.9, 4.0)  # never hit, hit once, twice, three times or more
+
+
+class CreditPolicy:
+    """Leaf-only eviction by ``last use + credit(reuse class)`` with a ghost list and admission.
+
+    ``clock`` gives seconds (monotonic); ``ghost_entries`` bounds the remembered evicted keys
+    (about three times the tier's capacity in blocks works well); ``can_evict`` is the tier's
+    predicate for "may leave now" (see :mod:`kvstored.policy.leafheap`).
+    """
+
+    name = "credit"
+
+    def __init__(self, clock: Callable[[], float], ghost_entries: int, tau_s: float = DEFAULT_TAU_S,
+                 class_weights: Sequence[float] = DEFAULT_CLASS_WEIGHTS,
+                 can_evict: Callable[[Block], bool] = index_leaf) -> None:
+        if tau_s <= 0 or not class_weights or min(class_weights) <= 0 or ghost_entries < 0:
+            raise ValueError("tau_s and class weights must be positive, ghost_entries not negative")
+        self._clock = clock
+        self._credit = [tau_s * math.log(w) for w in class_weights]
+        self._top = len(class_weights) - 1
+        self._heap = LeafHeap(can_evict)
+        self._class: dict[Block, int] = {}
+        self._ghost: OrderedDict[bytes, int] = OrderedDict()
+        self._ghost_entries = ghost_entries
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._heap
+
+    def reuse_class(self, block: Block) -> int | None:
+        """0 = never hit since stored (or since it came back), up to ``len(class_weights) - 1``."""
+        return self._class.get(block)
+
+    def _returning(self, key: bytes) -> int:
+        """The class a block named ``key`` enters with: new, or one above its class when evicted."""
+        ghost = self._ghost.get(key)
+        return 0 if ghost is None else min(ghost + 1, self._top)
+
+    def admit(self, key: bytes, full: bool) -> bool:
+        if not full:
+            return True
+        victim = self._heap.peek()
+        if victim is None:
+            return True  # nothing to compare with; the caller finds no room by itself
+        prio = self._heap.priority(victim)
+        assert prio is not None
+        return self._clock() + self._credit[self._returning(key)] >= prio[0]
+
+    def inserted(self, blocks: Sequence[Block]) -> None:
+        now = self._clock()
+        for block in blocks:
+            c = self._returning(block.key)
+            self._ghost.pop(block.key, None)
+            self._class[block] = c
+            self._heap.set(block, (now + self._credit[c], 0.0))
+
+    def hit(self, blocks: Sequence[Block]) -> None:
+        now = self._clock()
+        for block in blocks:
+            c = self._class.get(block)
+            if c is None:
+                continue  # not tracked (e.g. not sealed through this policy): nothing to credit
+            c = self._class[block] = min(c + 1, self._top)
+            self._heap.set(block, (now + self._credit[c], 0.0))
+
+    def removed(self, block: Block) -> None:
+        c = self._class.pop(block, None)
+        if c is not None and self._ghost_entries:
+            ghost = self._ghost
+            ghost[block.key] = c
+            ghost.move_to_end(block.key)
+            while len(ghost) > self._ghost_entries:
+                ghost.popitem(last=False)
+        self._heap.discard(block)
+
+    def victim(self) -> Block | None:
+        return self._heap.peek()

@@ -1,0 +1,55 @@
+"""The interface every block eviction/admission policy offers to the store and the trace replay.
+
+A policy sees block metadata and nothing else: which blocks were stored, which a lookup hit, which
+left the index, and (for the time-aware ones) an injected clock. It answers two questions: may a
+new block come in (``admit``), and which block should leave next (``victim``). It never removes
+anything itself; the caller removes the victim from the index and tells the policy.
+
+Leaf-only: ``victim`` returns only a block for which ``Block.evictable`` holds (sealed, unpinned,
+no resident children), so evicting it can never orphan a cached descendant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvstored.index import Block
+
+
+class BlockPolicy(Protocol):
+    """Eviction order and admission for the blocks of one tier (all namespaces of a slot size)."""
+
+    name: str
+
+    def __len__(self) -> int:
+        """Blocks tracked (stored and not yet removed)."""
+        ...
+
+    def __contains__(self, block: object) -> bool: ...
+
+    def admit(self, key: bytes, full: bool) -> bool:
+        """May the block named ``key`` be stored? ``full``: storing it needs an eviction.
+
+        Called once per new block, before its slot is allocated; a refusal ends the chain there
+        (a child cannot be stored without its parent).
+        """
+        ...
+
+    def inserted(self, blocks: Sequence[Block]) -> None:
+        """``blocks`` (a parent-first run under an already tracked block, or from the root) were
+        stored and sealed: start tracking them."""
+        ...
+
+    def hit(self, blocks: Sequence[Block]) -> None:
+        """A lookup matched ``blocks``, the parent-first prefix of a chain: mark them used."""
+        ...
+
+    def removed(self, block: Block) -> None:
+        """``block`` left the index (evicted, aborted or lost); untracked blocks are ignored.
+        May be called before or after ``PrefixIndex.remove``."""
+        ...
+
+    def victim(self) -> Block | None:
+        """The block to evict next (evictable, hence a leaf), or None when no tracked block is."""
+        ...

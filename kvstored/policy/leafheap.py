@@ -1,0 +1,108 @@
+"""A priority queue of the leaves of the resident tree: the mechanism under the priority policies.
+
+Only leaves can be evicted, so only leaves sit in the heap. "Leaf" is relative to the tracked
+blocks (those resident in the tier the policy orders): a block enters the heap when it is given a
+priority while no tracked child hangs below it, or when its last tracked child leaves. Whether a
+candidate may actually go now is a predicate, by default ``Block.evictable`` (sealed, unpinned,
+no child in the index at all); a tier whose blocks have a copy elsewhere can pass a looser one.
+Entries are never updated in place: a new priority pushes a new entry and old ones are dropped
+when they surface (lazy deletion); the heap is rebuilt when stale entries pile up. Ties go to the
+entry pushed first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+
+from kvstored.index import Block
+
+Priority = tuple[float, float]
+
+
+def index_leaf(block: Block) -> bool:
+    """The default eviction predicate: the block may leave the index now."""
+    return block.evictable
+
+
+class LeafHeap:
+    """Tracked blocks with a priority each; ``peek`` = the tracked leaf of least priority that
+    ``can_evict`` accepts."""
+
+    __slots__ = ("_can_evict", "_counted", "_heap", "_kids", "_prio", "_seq")
+
+    def __init__(self, can_evict: Callable[[Block], bool] = index_leaf) -> None:
+        self._can_evict = can_evict
+        self._prio: dict[Block, Priority] = {}
+        self._kids: dict[Block, int] = {}   # tracked children of a tracked block, when any
+        self._counted: set[Block] = set()   # blocks counted in their parent's _kids
+        self._heap: list[tuple[Priority, int, Block]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._prio)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._prio
+
+    def priority(self, block: Block) -> Priority | None:
+        return self._prio.get(block)
+
+    def set(self, block: Block, prio: Priority) -> None:
+        """Track ``block`` (or re-prioritise it)."""
+        if block not in self._prio:
+            parent = block.parent
+            if parent is not None and parent in self._prio:
+                self._kids[parent] = self._kids.get(parent, 0) + 1
+                self._counted.add(block)
+        self._prio[block] = prio
+        if block not in self._kids:
+            self._push(block, prio)
+
+    def discard(self, block: Block) -> None:
+        """Stop tracking ``block`` (no-op if untracked); its parent becomes a candidate once its
+        last tracked child is gone."""
+        if self._prio.pop(block, None) is None:
+            return
+        self._kids.pop(block, None)
+        if block in self._counted:
+            self._counted.discard(block)
+            parent = block.parent
+            assert parent is not None
+            left = self._kids[parent] - 1
+            if left:
+                self._kids[parent] = left
+            else:
+                del self._kids[parent]
+                prio = self._prio.get(parent)
+                if prio is not None:
+                    self._push(parent, prio)
+
+    def peek(self) -> Block | None:
+        """The tracked leaf of least priority that may go now, or None. Does not remove it."""
+        heap, prios, kids = self._heap, self._prio, self._kids
+        held: list[tuple[Priority, int, Block]] = []
+        found: Block | None = None
+        while heap:
+            prio, _, block = heap[0]
+            if prios.get(block) != prio or block in kids:
+                heapq.heappop(heap)  # stale: re-prioritised, untracked, or no longer a leaf
+                continue
+            if self._can_evict(block):
+                found = block
+                break
+            held.append(heapq.heappop(heap))  # pinned, unsealed or being written: keep for later
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _push(self, block: Block, prio: Priority) -> None:
+        heap = self._heap
+        heapq.heappush(heap, (prio, next(self._seq), block))
+        if len(heap) > 4 * len(self._prio) + 1024:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(p, next(self._seq), b) for b, p in self._prio.items() if b not in self._kids]
+        heapq.heapify(self._heap)

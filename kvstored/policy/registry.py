@@ -1,0 +1,33 @@
+"""Policies by name, as the configuration names them; ``DEFAULT_POLICY`` is the one that won the
+trace replay (``python -m tools.trace_replay``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvstored.index import Block
+from kvstored.policy.classic import LFUPolicy, LRUPolicy
+from kvstored.policy.credit import CreditPolicy
+from kvstored.policy.interface import BlockPolicy
+from kvstored.policy.leafheap import index_leaf
+
+POLICIES = ("lru", "lfu", "credit")
+DEFAULT_POLICY = "credit"
+GHOST_PER_BLOCK = 3  # ghost entries per block of capacity, for the policies that keep ghosts
+
+
+def make_policy(name: str, clock: Callable[[], float], capacity_blocks: int,
+                can_evict: Callable[[Block], bool] = index_leaf) -> BlockPolicy:
+    """A fresh policy for one tier holding about ``capacity_blocks`` blocks; ``clock`` in seconds;
+    ``can_evict``: may a tracked leaf leave this tier now (default: it may leave the index).
+
+    Raises ValueError naming the known policies for an unknown ``name``.
+    """
+    if name == "lru":
+        return LRUPolicy(can_evict)
+    if name == "lfu":
+        return LFUPolicy(can_evict)
+    if name == "credit":
+        return CreditPolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
+                            can_evict=can_evict)
+    raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")

@@ -1,0 +1,68 @@
+"""The trace replay runs end to end and prints a row for every capacity x policy."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvstored.policy.registry import POLICIES
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+CAPACITIES = ["2", "5", "10", "25", "50"]
+ROW = re.compile(r"^\| (?P<cap>[\d.]+)% \| (?P<blocks>\d+) \| (?P<policy>[^|]+?) \| (?P<hits>[\d,]+) \| "
+                 r"(?P<flops>[\d.e+]+) \| (?P<ratio>[\d.]+|nan) \|$")
+
+
+def _replay(*args: str) -> list[dict[str, str]]:
+    out = subprocess.run([sys.executable, "-m", "tools.trace_replay", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    rows = [m.groupdict() for line in out.stdout.splitlines() if (m := ROW.match(line))]
+    for row in rows:
+        row["policy"] = row["policy"].replace("**", "").replace(" (default)", "")
+    return rows
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"the conversation trace is not at {TRACE} "
+                    "(it lives in the shared workspace, outside the repository)")
+def test_replay_window_of_the_real_trace_has_every_row() -> None:
+    rows = _replay("--limit", "400")
+    expected = {"per-block LRU", *POLICIES, "offline bound"}
+    for cap in CAPACITIES:
+        names = {r["policy"] for r in rows if r["cap"] == cap}
+        assert names == expected, f"capacity {cap}%: {names}"
+    assert len(rows) == len(CAPACITIES) * len(expected)
+    for r in rows:
+        if r["policy"] == "per-block LRU":
+            assert r["ratio"] == "1.000"
+
+
+def test_tiny_trace_exact_hits(tmp_path: Path) -> None:
+    # Five unique full blocks; the partial tail of each prompt is never cacheable.
+    requests = [[1, 2, 3, 90], [1, 2, 3, 4, 91], [5, 92], [1, 2, 3, 4, 93]]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i * 1000, "input_length": (len(ids) - 1) * 512 + 7,
+                                         "output_length": 1, "hash_ids": ids}) + "\n"
+                             for i, ids in enumerate(requests)))
+    rows = _replay("--trace", str(trace), "--capacities", "100", "--policies", ",".join(POLICIES))
+    assert {r["policy"] for r in rows} == {"per-block LRU", *POLICIES, "offline bound"}
+    for r in rows:  # everything fits: every policy hits 3 blocks, then 4 (and never a partial one)
+        assert r["blocks"] == "5"
+        assert r["hits"] == f"{7 * 512:,}"
+        assert r["ratio"] == "1.000"
+
+
+def test_bad_arguments_are_refused() -> None:
+    for args in (["--capacities", "0"], ["--policies", "fifo"]):
+        out = subprocess.run([sys.executable, "-m", "tools.trace_replay", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2
+    out = subprocess.run([sys.executable, "-m", "tools.trace_replay", "--trace", "/nonexistent.jsonl"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "trace not found" in out.stderr
