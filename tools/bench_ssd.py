@@ -111,7 +111,7 @@ def main() -> int:
     src = aligned(BLOCK)
     dst = aligned(BLOCK)
     payload = np.frombuffer(src, dtype=np.uint8)
-    out = np.empty(BLOCK, dtype=np.uint8)
+    out = np.frombuffer(aligned(BLOCK), dtype=np.uint8)  # like an arena slot: page aligned
     capacity = args.blocks * BLOCK
     ssd = SSDTier(str(base / "lmdb"), int(capacity * 1.5))
     rows: dict[str, list[float]] = {k: [] for k in ("raw write", "tier write", "raw read", "tier read",

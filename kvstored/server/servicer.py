@@ -25,6 +25,12 @@ _TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD}
 _TIER_FROM_PB = {pb.TIER_UNSPECIFIED: None, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
 
 
+def _tiers_pb(tiers: list[Tier]) -> list[pb.Tier]:
+    if tiers and tiers.count(tiers[0]) == len(tiers):
+        return [_TIER_PB[tiers[0]]] * len(tiers)
+    return [_TIER_PB[t] for t in tiers]
+
+
 def _keys(msg: pb.BlockKeys) -> KeyRequest:
     return KeyRequest(list(msg.hashes), msg.token_ids, msg.cache_salt, msg.lora_name)
 
@@ -96,7 +102,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         r = await self._store.lookup(request.namespace_id, _keys(request.keys), request.lease,
                                      request.session_id)
-        return pb.LookupResponse(hit_blocks=r.blocks, tiers=[_TIER_PB[t] for t in r.tiers], offsets=r.offsets,
+        return pb.LookupResponse(hit_blocks=r.blocks, tiers=_tiers_pb(r.tiers), offsets=r.offsets,
                                  lease_id=r.lease_id, lease_ttl_ms=int(r.lease_ttl_s * 1000),
                                  block_bytes=r.block_bytes, block_size=r.block_size)
 
@@ -143,7 +149,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                          context: grpc.aio.ServicerContext) -> pb.LoadBlocksResponse:
         tiers = await self._store.load_blocks(request.session_id, request.namespace_id,
                                               request.buffers_id, _keys(request.keys), request.block_ids)
-        return pb.LoadBlocksResponse(loaded_blocks=len(tiers), tiers=[_TIER_PB[t] for t in tiers])
+        return pb.LoadBlocksResponse(loaded_blocks=len(tiers), tiers=_tiers_pb(tiers))
 
     async def LoadBlocksStream(self, request: pb.LoadBlocksRequest,
                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LoadEvent]:
@@ -151,7 +157,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
         def started(tiers: list[Tier]) -> None:
             events.put_nowait(pb.LoadEvent(started=pb.LoadBlocksResponse(
-                loaded_blocks=len(tiers), tiers=[_TIER_PB[t] for t in tiers])))
+                loaded_blocks=len(tiers), tiers=_tiers_pb(tiers))))
 
         async def run() -> None:
             try:
