@@ -244,3 +244,26 @@ def test_session_survives_daemon_restart(daemon_factory, tmp_path) -> None:  # t
     with pytest.raises(kvstored.DaemonNotRunning):
         c.lookup(np.arange(32))
     c.close()
+
+
+def test_unregister_during_copy_waits_for_it(client) -> None:  # type: ignore[no-untyped-def]
+    """Unregister is a handshake: it returns only after the daemon's copies into the buffers are
+    done and the buffers are unmapped, so the engine may free them at once."""
+    layers = [kvstored.shm.empty((2, 64, 16, 8, 64), "float16") for _ in range(8)]  # 32 MiB in all
+    for i, t in enumerate(layers):
+        t.numpy()[...] = i + 1
+    ns = Namespace(model="unregister-during-copy", kv_dtype="float16")
+    src = client.register_buffers([t.numpy() for t in layers], 1, namespace=ns)
+    tokens = list(range(16 * 64))
+    assert client.save_blocks(src, list(range(64)), tokens).stored == 64
+    dst_layers = [kvstored.shm.empty((2, 64, 16, 8, 64), "float16") for _ in range(8)]
+    dst = client.register_buffers([t.numpy() for t in dst_layers], 1, namespace=ns)
+    handle = client.load_blocks(dst, list(range(64)), tokens, wait=False)
+    client.unregister_buffers(dst)
+    assert handle.wait(timeout=60).blocks == 64  # the copy was not cut short
+    for i, t in enumerate(dst_layers):
+        assert (t.numpy() == i + 1).all()
+        t.close()  # the engine frees its memory; the daemon no longer maps it
+    assert client.stats()["clients"] >= 1
+    with pytest.raises(kvstored.NotFound):
+        client.load_blocks(dst, [0], tokens[:16])
