@@ -4,19 +4,19 @@ kind of pinned host and device buffers, in the same run. Prints a Markdown table
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-import kvstored
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import kvstored  # noqa: E402
+from tools.local_daemon import local_daemon  # noqa: E402
+
 BLOCKS, RUNS = 64, 7
 SHAPE = (2, 256, 16, 8, 128)  # per layer, bf16; 32 layers -> 2 MiB per block
 
@@ -42,20 +42,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0
-    tmp = tempfile.mkdtemp()
-    sock = os.path.join(tmp, "kv.sock")
-    daemon = subprocess.Popen([sys.executable, "-m", "kvstored", "--socket", sock, "--dram-capacity", "8GiB",
-                               "--set", "ssd.enabled=false"], cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                client = kvstored.Client(sock)
-                break
-            except kvstored.DaemonNotRunning:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+    with local_daemon("--dram-capacity", "8GiB", "--set", "ssd.enabled=false") as client:
         kv = [torch.randn(SHAPE, device="cuda").to(torch.bfloat16) for _ in range(32)]
         buffers = client.register_buffers(kv, block_dim=1, namespace=kvstored.Namespace(model="bench-gpu"))
         nbytes = BLOCKS * buffers.block_bytes
@@ -77,10 +64,6 @@ def main() -> int:
         print(f"| D2H (save_blocks) | {s:.1f} | {d2h:.1f} | {s / d2h:.2f} |")
         print(f"| H2D (load_blocks) | {ld:.1f} | {h2d:.1f} | {ld / h2d:.2f} |")
         client.unregister_buffers(buffers)
-        client.close()
-    finally:
-        daemon.terminate()
-        daemon.wait(30)
     return 0
 
 

@@ -7,11 +7,8 @@ fresh prefill, for 1k, 4k and 8k tokens. Starts its own daemon; prints a Markdow
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -22,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore")
 
-import kvstored  # noqa: E402
+from tools.local_daemon import local_daemon  # noqa: E402
 from tools.tiny_engine import Engine, ModelShape  # noqa: E402
 
 SHAPE = ModelShape(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768, vocab=32000)
@@ -34,20 +31,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
-    tmp = tempfile.mkdtemp()
-    sock = os.path.join(tmp, "kv.sock")
-    daemon = subprocess.Popen([sys.executable, "-m", "kvstored", "--socket", sock, "--dram-capacity", "2GiB",
-                               "--set", "ssd.enabled=false", "--log-level", "warning"], cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                client = kvstored.Client(sock)
-                break
-            except kvstored.DaemonNotRunning:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+    with local_daemon("--dram-capacity", "2GiB", "--set", "ssd.enabled=false", "--log-level", "warning") as client:
         engine = Engine(client, SHAPE, num_blocks=max(lengths) // 16 + 1)
         for _ in range(2):  # warm up both paths (allocator, page tables, first daemon calls)
             warm = np.random.default_rng(99).integers(0, SHAPE.vocab, size=min(lengths) + 7)
@@ -75,10 +59,6 @@ def main() -> int:
         for n, p, r in rows:
             print(f"| {n} | {p * 1e3:.1f} | {r * 1e3:.1f} | {r / p:.3f} |")
         engine.close()
-        client.close()
-    finally:
-        daemon.terminate()
-        daemon.wait(30)
     return 0
 
 

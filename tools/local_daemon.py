@@ -1,0 +1,42 @@
+"""A kvstored daemon in a subprocess for the benchmark scripts: started on a socket in a temp
+directory, connected to, and stopped (SIGTERM) when the block ends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import kvstored
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def local_daemon(*args: str, timeout_s: float = 60.0) -> Iterator[kvstored.Client]:
+    """Start ``kvstored --socket <tmp> *args`` and yield a connected client."""
+    tmp = tempfile.mkdtemp(prefix="kvstored-bench-")
+    sock = str(Path(tmp) / "kv.sock")
+    daemon = subprocess.Popen([sys.executable, "-m", "kvstored", "--socket", sock, "--ssd-path",
+                               str(Path(tmp) / "ssd"), *args], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                client = kvstored.Client(sock)
+                break
+            except kvstored.DaemonNotRunning:
+                if time.monotonic() > deadline or daemon.poll() is not None:
+                    raise
+                time.sleep(0.2)
+        try:
+            yield client
+        finally:
+            client.close()
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
