@@ -17,7 +17,6 @@ SEALED = 1      # bytes complete; visible to lookups
 ON_SSD = 2      # a verified copy is in the SSD tier
 HIT = 4         # matched by a lookup since it was stored
 DEMOTING = 8    # being written to the SSD tier
-REF = 16        # referenced since the eviction scan last passed it (CLOCK's second chance)
 NO_SLOT = -1    # Block.offset when the block has no DRAM slot
 
 

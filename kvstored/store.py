@@ -25,7 +25,7 @@ from kvstored.buffers import RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
 from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from kvstored.index import DEMOTING, HIT, NO_SLOT, ON_SSD, REF, SEALED, Block, PrefixIndex, Tier
+from kvstored.index import DEMOTING, HIT, NO_SLOT, ON_SSD, SEALED, Block, PrefixIndex, Tier
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
 from kvstored.policy.admission import admit
 from kvstored.policy.eviction import LRUOrder
@@ -147,7 +147,7 @@ class BlockStore:
         self._started = clock()
         self._allocator = SlotAllocator(arena.capacity, config.dram.page_bytes)
         self._tick = 0                                      # advances with every request that allocates
-        self._page_tick = [0] * self._allocator.num_pages   # when each page was last used
+        self._page_tick = [0] * self._allocator.num_pages   # when each page was last used (sealed or hit)
         self._dram_lru: dict[int, LRUOrder] = {}
         self._ssd_lru = LRUOrder()
         self._ssd_used = 0
@@ -287,7 +287,9 @@ class BlockStore:
         state, chain = self.resolve_keys(namespace_id, keys)
         hits = state.index.match(chain)
         for block in hits:
-            block.flags |= HIT | REF
+            block.flags |= HIT
+        self._tick += 1
+        self._append(hits)
         tiers = _tiers(hits)
         lease_id = 0
         ttl = self._config.leases.ttl_s
@@ -319,8 +321,7 @@ class BlockStore:
         """Start promoting the cached prefix's slower-tier blocks; returns (hit, promoting)."""
         state, chain = self.resolve_keys(namespace_id, keys)
         hits = state.index.match(chain)
-        for block in hits:
-            block.flags |= REF
+        self._append(hits)
         slow = sum(1 for b in hits if not b.in_dram and b not in self._promoting)
         if slow:
             self._prefetch_in_background(hits)
@@ -402,23 +403,31 @@ class BlockStore:
             done.set_result(False)
             return
         self._promoting.pop(block, None)
-        block.flags |= REF
         self._dram_for(block).touch(block)
         self._n.promotions += 1
         done.set_result(True)
 
     def _append(self, blocks: Sequence[Block]) -> None:
-        """Put blocks at the recent end of their tier's list, deepest first, so each parent is
-        more recent than its children and eviction meets leaves first. A later hit only sets REF
-        (CLOCK): the eviction scan moves referenced blocks back to the recent end, so a lookup
-        costs no list updates however long the prompt."""
-        for block in reversed(blocks):
-            if block in self._promoting:
-                continue
-            if block.in_dram:
-                self._dram_for(block).touch(block)
-            elif block.on_ssd:
-                self._ssd_lru.touch(block)
+        """Mark a prefix's blocks most recently used in their tier's list, deepest first, so each
+        parent is more recent than its children and eviction meets leaves first."""
+        if not blocks:
+            return
+        promoting = self._promoting
+        dram = [b for b in reversed(blocks) if b.offset != NO_SLOT and b not in promoting]
+        if dram:
+            lru = self._dram_for(dram[0])
+            if all(b.index is dram[0].index for b in (dram[0], dram[-1])):
+                lru.touch_run(dram)  # one namespace, one slot size: one list
+            else:
+                for block in dram:
+                    self._dram_for(block).touch(block)
+            page_bytes, tick = self._allocator.page_bytes, self._tick
+            for block in dram[:: max(1, len(dram) // 8)]:  # pages in use, sampled
+                self._page_tick[block.offset // page_bytes] = tick
+        if len(dram) < len(blocks):
+            for block in reversed(blocks):
+                if block.offset == NO_SLOT and block.flags & ON_SSD and block not in promoting:
+                    self._ssd_lru.touch(block)
 
     def _dram_for(self, block: Block) -> LRUOrder:
         return self._lru_of_size(block.index.slot_bytes)
@@ -475,8 +484,7 @@ class BlockStore:
         present = state.index.match(chain)
         ttl = self._config.leases.reservation_ttl_s
         lease = self._pin(session, LeaseKind.RESERVATION, state.namespace_id, present, ttl)
-        for block in present:
-            block.flags |= REF
+        self._append(present)
         parent = present[-1] if present else None
         sb = state.index.slot_bytes
         blocked = False
@@ -514,19 +522,11 @@ class BlockStore:
             if not self._reclaim_dram(sb):
                 return None
             offset = self._allocator.alloc(sb)
-        self._page_tick[offset // self._allocator.page_bytes] = self._tick
         return offset
 
     def _victim(self, lru: LRUOrder) -> Block | None:
-        """The least recently used block of one size that can give up its slot now (CLOCK: a
-        referenced block gets a second chance and its page counts as used now)."""
-        page_bytes = self._allocator.page_bytes
+        """The least recently used block of one size that can give up its slot now."""
         for block in lru.oldest():
-            if block.flags & REF:
-                block.flags &= ~REF
-                lru.touch(block)
-                self._page_tick[block.offset // page_bytes] = self._tick
-                continue
             if block.pins or block.flags & (SEALED | DEMOTING) != SEALED:
                 continue
             if block.on_ssd or block.children == 0:
@@ -631,7 +631,7 @@ class BlockStore:
             return
         for block in lease.new:
             block.pins -= 1
-            block.flags |= SEALED | REF  # just written: as recent as a hit (CLOCK)
+            block.flags |= SEALED
             self._dirty_bytes += block.index.slot_bytes
         self._append(lease.new)
         self._n.saved_blocks += len(lease.new)
@@ -725,10 +725,6 @@ class BlockStore:
         for block in self._ssd_lru.oldest():
             if self._ssd_used <= target:
                 break
-            if block.flags & REF:  # second chance
-                block.flags &= ~REF
-                self._ssd_lru.touch(block)
-                continue
             if block.evictable and not block.in_dram:
                 self._remove(block)
                 self._n.ssd_evictions += 1

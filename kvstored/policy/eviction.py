@@ -4,6 +4,9 @@ Recency is an intrusive doubly linked list through the blocks (two pointers each
 container entry). Callers touch a hit prefix deepest block first, so a parent is always more
 recent than its children and the least recent blocks are leaves of the resident tree; the
 store's eviction still checks each candidate, so a broken ordering can never orphan a block.
+A chain's blocks usually sit side by side in the list (they were stored and hit together), so
+``touch_run`` moves such a run to the recent end in one splice: exact LRU at a pointer check per
+block rather than a relink.
 """
 
 from __future__ import annotations
@@ -57,6 +60,37 @@ class LRUOrder:
         if self.contains(block):
             self._unlink(block)
         self._append(block)
+
+    def touch_run(self, run: list[Block]) -> None:
+        """``touch`` each block of ``run`` in order (the last ends most recent); one splice when
+        the run is already contiguous in the list in that order."""
+        if len(run) > 2 and self.contains(run[0]):
+            prev = run[0]
+            for block in run[1:]:
+                if block.lru_prev is not prev:
+                    break
+                prev = block
+            else:
+                first, last = run[0], run[-1]
+                if last is self._tail:
+                    return
+                # unlink [first..last] ...
+                before, after = first.lru_prev, last.lru_next
+                if before is None:
+                    self._head = after
+                else:
+                    before.lru_next = after
+                assert after is not None, "a run that is not at the tail has a successor"
+                after.lru_prev = before
+                # ... and append it
+                first.lru_prev = self._tail
+                assert self._tail is not None, "non-empty list without a tail"
+                self._tail.lru_next = first
+                last.lru_next = None
+                self._tail = last
+                return
+        for block in run:
+            self.touch(block)
 
     def discard(self, block: Block) -> None:
         if self.contains(block):

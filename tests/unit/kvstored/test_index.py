@@ -95,3 +95,19 @@ def test_index_memory_per_block() -> None:
     tracemalloc.stop()
     per_block = (used + 65 * n) / n  # count the 32-byte key objects too
     assert per_block <= 300, f"{per_block:.0f} bytes per block"
+
+
+def test_touch_run_splices_a_contiguous_chain_and_keeps_order() -> None:
+    idx = PrefixIndex(1)
+    lru = LRUOrder()
+    a = _chain(idx, [b"a0", b"a1", b"a2", b"a3"])
+    b = _chain(idx, [b"b0", b"b1"])
+    for blk in reversed(a):
+        lru.touch(blk)
+    for blk in reversed(b):
+        lru.touch(blk)
+    lru.touch_run(list(reversed(a[:3])))  # a hit of a0..a2: contiguous, spliced to the end
+    assert [x.key for x in lru.oldest()] == [b"a3", b"b1", b"b0", b"a2", b"a1", b"a0"]
+    lru.touch_run([b[1], a[3], b[0]])  # not contiguous: touched one by one, same result
+    assert [x.key for x in lru.oldest()] == [b"a2", b"a1", b"a0", b"b1", b"a3", b"b0"]
+    assert len(lru) == 6
