@@ -35,6 +35,7 @@ from kvstored_client.hashing import ChainHasher
 from kvstored_client.layout import TensorLayout, layout_signature
 from kvstored_client.namespace import Namespace
 from kvstored_client.paths import discover_socket_path
+from kvstored_client.wire import namespace_from_pb, namespace_to_pb
 
 MAX_MESSAGE_BYTES = 64 << 20
 T = TypeVar("T")
@@ -187,8 +188,8 @@ class Client:
         ns = namespace or self.namespace
         entry = self._namespace_ids.get(ns)
         if entry is None or entry[1].block_bytes == 0:
-            resp = self._call(self._stub.OpenNamespace, pb.OpenNamespaceRequest(spec=_spec_pb(ns)))
-            entry = (resp.namespace_id, _spec_from_pb(resp.spec))
+            resp = self._call(self._stub.OpenNamespace, pb.OpenNamespaceRequest(spec=namespace_to_pb(ns)))
+            entry = (resp.namespace_id, namespace_from_pb(resp.spec))
             self._namespace_ids[ns] = entry
         return entry
 
@@ -502,20 +503,6 @@ class LoadHandle:
         self._wait_for(lambda: self._result is not None, None)
         assert self._result is not None, "no result after waiting for it"
         return self._result
-
-
-def _spec_pb(ns: Namespace) -> pb.NamespaceSpec:
-    return pb.NamespaceSpec(model=ns.model, revision=ns.revision, kv_dtype=ns.kv_dtype,
-                            block_size=ns.block_size, layout=ns.layout, tp_rank=ns.tp_rank,
-                            tp_size=ns.tp_size, hash_algo=ns.hash_algo, hash_seed=ns.hash_seed,
-                            block_bytes=ns.block_bytes)
-
-
-def _spec_from_pb(msg: pb.NamespaceSpec) -> Namespace:
-    return Namespace(model=msg.model, revision=msg.revision, kv_dtype=msg.kv_dtype,
-                     block_size=msg.block_size, layout=msg.layout, tp_rank=msg.tp_rank,
-                     tp_size=msg.tp_size, hash_algo=msg.hash_algo, hash_seed=msg.hash_seed,
-                     block_bytes=msg.block_bytes)
 
 
 def _token_array(tokens: Any) -> np.ndarray:

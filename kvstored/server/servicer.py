@@ -17,8 +17,8 @@ from kvstored.tiers.dram import Arena
 from kvstored_client._proto import kvstored_pb2 as pb
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.layout import TensorLayout
-from kvstored_client.namespace import Namespace
 from kvstored_client.version import __version__
+from kvstored_client.wire import namespace_from_pb, namespace_to_pb
 
 log = logging.getLogger("kvstored.server")
 _TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD}
@@ -33,20 +33,6 @@ def _tiers_pb(tiers: list[Tier]) -> list[pb.Tier]:
 
 def _keys(msg: pb.BlockKeys) -> KeyRequest:
     return KeyRequest(list(msg.hashes), msg.token_ids, msg.cache_salt, msg.lora_name)
-
-
-def _spec_to_pb(spec: Namespace) -> pb.NamespaceSpec:
-    return pb.NamespaceSpec(model=spec.model, revision=spec.revision, kv_dtype=spec.kv_dtype,
-                            block_size=spec.block_size, layout=spec.layout, tp_rank=spec.tp_rank,
-                            tp_size=spec.tp_size, hash_algo=spec.hash_algo, hash_seed=spec.hash_seed,
-                            block_bytes=spec.block_bytes)
-
-
-def _spec_from_pb(msg: pb.NamespaceSpec) -> Namespace:
-    return Namespace(model=msg.model, revision=msg.revision, kv_dtype=msg.kv_dtype,
-                     block_size=msg.block_size, layout=msg.layout, tp_rank=msg.tp_rank,
-                     tp_size=msg.tp_size, hash_algo=msg.hash_algo, hash_seed=msg.hash_seed,
-                     block_bytes=msg.block_bytes)
 
 
 def _tensor(i: int, msg: pb.TensorDesc) -> TensorSource:
@@ -95,8 +81,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @mapped
     async def OpenNamespace(self, request: pb.OpenNamespaceRequest,
                             context: grpc.aio.ServicerContext) -> pb.OpenNamespaceResponse:
-        state = self._store.open_namespace(_spec_from_pb(request.spec))
-        return pb.OpenNamespaceResponse(namespace_id=state.namespace_id, spec=_spec_to_pb(state.spec))
+        state = self._store.open_namespace(namespace_from_pb(request.spec))
+        return pb.OpenNamespaceResponse(namespace_id=state.namespace_id, spec=namespace_to_pb(state.spec))
 
     @mapped
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
