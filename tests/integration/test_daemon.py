@@ -124,6 +124,7 @@ def test_defaults_socket_from_runtime_dir(tmp_path: Path) -> None:
     """`kvstored` and `kvstored.Client()` with no arguments meet at the default socket."""
     env = {k: v for k, v in os.environ.items() if k not in ("KVSTORED_SOCKET", "NOTIFY_SOCKET")}
     env["XDG_RUNTIME_DIR"] = str(tmp_path)
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")  # keep the default SSD tier out of the user's home
     proc = subprocess.Popen([sys.executable, "-m", "kvstored", "--dram-capacity", "32MiB"], env=env,
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
