@@ -51,7 +51,7 @@ class SSDConfig:
     enabled: bool = True
     path: str = ""                   # "" = the state directory (see default_state_dir) + /ssd
     capacity: int = 8 << 30          # payload bytes kept on disk
-    map_slack: float = 1.5           # LMDB map = capacity x this: copy-on-write needs headroom
+    map_slack: float = 1.5           # LMDB index map = capacity x this (sparse; never the limit)
     high_watermark: float = 0.95     # above this share of capacity, evict ...
     low_watermark: float = 0.85      # ... down to this share
     admission: str = "always"        # demote from DRAM: always | never | hit_before | cost

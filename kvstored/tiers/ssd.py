@@ -160,8 +160,8 @@ class SSDTier:
                  group_commit_bytes: int = 64 << 20) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        # The index is small (about 150 bytes a block); the map is sparse, so generous is free.
-        self.map_size = max(map_size // 1024, 64 << 20)
+        # The index needs ~150 bytes a block; the map is sparse address space, so generous is free.
+        self.map_size = max(map_size, 1 << 20)
         self._env = lmdb.open(path, map_size=self.map_size, max_dbs=4, writemap=False, readahead=True,
                               sync=sync, metasync=sync, max_readers=126, lock=True, subdir=True)
         self._meta = self._env.open_db(b"meta")
