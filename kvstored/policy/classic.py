@@ -13,10 +13,8 @@ from kvstored.index import Block
 from kvstored.policy.leafheap import LeafHeap, index_leaf
 
 
-class LRUPolicy:
-    """Least recently used leaf first; a hit or insert run shares one tick (ties: oldest entry)."""
-
-    name = "lru"
+class _HeapPolicy:
+    """What LRU and LFU share: an admit-all policy over a heap of evictable leaves."""
 
     def __init__(self, can_evict: Callable[[Block], bool] = index_leaf) -> None:
         self._heap = LeafHeap(can_evict)
@@ -35,10 +33,7 @@ class LRUPolicy:
         self.hit(blocks)
 
     def hit(self, blocks: Sequence[Block]) -> None:
-        self._tick += 1
-        prio = (float(self._tick), 0.0)
-        for block in blocks:
-            self._heap.set(block, prio)
+        raise AssertionError("subclasses define hit")
 
     def removed(self, block: Block) -> None:
         self._heap.discard(block)
@@ -47,32 +42,28 @@ class LRUPolicy:
         return self._heap.peek()
 
 
-class LFUPolicy:
+class LRUPolicy(_HeapPolicy):
+    """Least recently used leaf first; a hit or insert run shares one tick (ties: oldest entry)."""
+
+    name = "lru"
+
+    def hit(self, blocks: Sequence[Block]) -> None:
+        self._tick += 1
+        prio = (float(self._tick), 0.0)
+        for block in blocks:
+            self._heap.set(block, prio)
+
+
+class LFUPolicy(_HeapPolicy):
     """Least frequently used leaf first (uses since stored), least recent among equals."""
 
     name = "lfu"
 
     def __init__(self, can_evict: Callable[[Block], bool] = index_leaf) -> None:
-        self._heap = LeafHeap(can_evict)
+        super().__init__(can_evict)
         self._uses: dict[Block, int] = {}
-        self._tick = 0
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __contains__(self, block: object) -> bool:
-        return block in self._heap
-
-    def admit(self, key: bytes, full: bool) -> bool:
-        return True
-
-    def inserted(self, blocks: Sequence[Block]) -> None:
-        self._touch(blocks)
 
     def hit(self, blocks: Sequence[Block]) -> None:
-        self._touch(blocks)
-
-    def _touch(self, blocks: Sequence[Block]) -> None:
         self._tick += 1
         uses = self._uses
         for block in blocks:
@@ -81,7 +72,4 @@ class LFUPolicy:
 
     def removed(self, block: Block) -> None:
         self._uses.pop(block, None)
-        self._heap.discard(block)
-
-    def victim(self) -> Block | None:
-        return self._heap.peek()
+        super().removed(block)
