@@ -17,8 +17,11 @@ import lmdb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstored import config as config_mod
+from kvstored.cluster.membership import MembershipError
 from kvstored.config import Config, ConfigError
 from kvstored.copy import CopyEngine
+from kvstored.peers.node import PeerNode
+from kvstored.peers.transport import PeerConfigError
 from kvstored.server import sdnotify
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.store import BlockStore
@@ -154,8 +157,23 @@ async def serve(cfg: Config) -> int:
     if report.blocks or report.dropped:
         log.info("restored %d block(s) in %d namespace(s) from SSD; dropped %d unusable record(s)",
                  report.blocks, report.namespaces, report.dropped)
+    peers = None
+    if cfg.peers.listen or cfg.peers.static or cfg.peers.etcd:
+        try:
+            peers = PeerNode(cfg, store)
+            await peers.start()
+        except (ConfigError, PeerConfigError, MembershipError, OSError) as exc:
+            if peers is not None:
+                await peers.close()
+            copy.close()
+            if ssd is not None:
+                ssd.close()
+            arena.close()
+            raise StartupError(f"cannot join the cluster: {exc}") from None
+        log.info("peers: node %s, block channel on %s, membership %s, %d peer(s) known", peers.node_id,
+                 peers.listen or "(not listening)", peers.membership_name, len(peers.known_peers))
     pb_grpc.add_KVStoreServicer_to_server(
-        KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down), server)
+        KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down, peers), server)
     await server.start()
     os.chmod(sock_path, cfg.server.socket_mode)
 
@@ -201,6 +219,8 @@ async def serve(cfg: Config) -> int:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    if peers is not None:
+        await peers.close()
     await store.drain()
     copy.close()
     if ssd is not None:
