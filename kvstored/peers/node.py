@@ -227,7 +227,8 @@ class PeerNode:
             self.failures += 1
 
     # -- questions ----------------------------------------------------------------------------
-    async def _held_by(self, peer: _Peer, namespace_id: int, keys: list[bytes]) -> int:
+    async def _held_by(self, peer: _Peer, namespace_id: int, keys: list[bytes]) -> int | str:
+        """How many leading keys ``peer`` holds, or why it could not say."""
         conn = None
         try:
             conn = await self._acquire(peer, self._cfg.lookup_timeout_s)
@@ -236,7 +237,7 @@ class PeerNode:
             return held
         except PeerError as exc:
             self._mark(peer, str(exc))
-            return 0
+            return str(exc)
         finally:
             if conn is not None:
                 self._give_back(peer, conn)
@@ -244,11 +245,16 @@ class PeerNode:
     async def holders(self, namespace_id: int, keys: list[bytes]) -> dict[str, int]:
         """How many leading ``keys`` each peer holds (peers that hold none or do not answer in
         time are left out)."""
+        return (await self._ask(namespace_id, keys))[0]
+
+    async def _ask(self, namespace_id: int, keys: list[bytes]) -> tuple[dict[str, int], dict[str, str]]:
         if not keys or not self._peers:
-            return {}
+            return {}, {}
         peers = list(self._peers.values())
-        counts = await asyncio.gather(*(self._held_by(p, namespace_id, keys) for p in peers))
-        return {p.member.node_id: n for p, n in zip(peers, counts) if n}
+        answers = await asyncio.gather(*(self._held_by(p, namespace_id, keys) for p in peers))
+        held = {p.member.node_id: a for p, a in zip(peers, answers) if isinstance(a, int) and a}
+        errors = {p.member.node_id: a for p, a in zip(peers, answers) if isinstance(a, str)}
+        return held, errors
 
     async def lookup(self, namespace_id: int, keys: KeyRequest) -> tuple[LookupResult, dict[str, int]]:
         """The local lookup, and what each peer holds of the rest of the chain."""
@@ -259,7 +265,7 @@ class PeerNode:
     async def probe(self) -> list[PeerView]:
         """Every node, this one first, after asking each peer a trivial question (bounded)."""
         peers = list(self._peers.values())
-        await asyncio.gather(*(self._held_by(p, 0, []) for p in peers))
+        await asyncio.gather(*(self._held_by(p, 0, []) for p in peers))   # refreshes each state
         views = [PeerView(self.node_id, self._cfg.advertise or self.listen, "self", "", 0, 0)]
         views += [PeerView(p.member.node_id, p.member.address, p.state, p.last_error, p.fetched, p.pushed)
                   for p in sorted(peers, key=lambda p: p.member.node_id)]
@@ -269,11 +275,13 @@ class PeerNode:
     async def fetch(self, namespace_id: int, keys: list[bytes], into: Into, landed: Landed) -> Fetched:
         """A :data:`kvstored.store.Fetcher`: fetch ``keys`` in order from the peer holding most of
         them. Never raises for a peer's failure: the result says how far it got and why."""
-        holders = await self.holders(namespace_id, keys)
+        holders, errors = await self._ask(namespace_id, keys)
         if not holders:
-            stop = "no_peers" if not self._peers else "missing"
-            return Fetched(0, stop, f"no peer holds block {keys[0].hex()[:16]}…" if self._peers
-                           else "this node has no peers")
+            if not self._peers:
+                return Fetched(0, "no_peers", "this node has no peers")
+            if errors:
+                return Fetched(0, "unreachable", "; ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
+            return Fetched(0, "missing", "no peer holds the next block")
         node_id = max(sorted(holders), key=lambda n: holders[n])
         peer = self._peers.get(node_id)
         if peer is None:

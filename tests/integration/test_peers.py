@@ -6,6 +6,7 @@ ports picked here; the static peer list names them (etcd membership has its own 
 
 from __future__ import annotations
 
+import itertools
 import signal
 import socket
 import time
@@ -17,7 +18,6 @@ import pytest
 
 import kvstored
 from kvstored import Namespace
-from kvstored.errors import NotFound  # noqa: F401  (documents the error kvstored maps to NOT_FOUND)
 
 BLOCK = 64 << 10
 NS = Namespace(model="peer-test", block_bytes=BLOCK)
@@ -79,3 +79,195 @@ def test_stream_fetches_blocks_from_the_peer_in_order(daemon_factory) -> None:  
         assert np.array_equal(b.load(tokens).data, kv)
         stats = b.stats()
         assert stats["peer_fetched_blocks"] == 9 and a.stats()["peer_served_blocks"] >= 9
+
+
+def test_stream_into_engine_buffers_each_block_in_place_on_arrival(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Prefill on a, decode on b: b's engine sees block i in its buffers when block i's event comes."""
+    d = cluster(daemon_factory, ["a", "b"])
+    layers, shape = 2, (10, 2, 16, 4, 32)   # block-first, 10 blocks: 2*16*4*32*2 B = 8 KiB per layer
+    ns = Namespace(model="pd", kv_dtype="float16")
+    rng = np.random.default_rng(5)
+    src = [kvstored.shm.empty(shape, "float16") for _ in range(layers)]
+    dst = [kvstored.shm.empty(shape, "float16") for _ in range(layers)]
+    for t in src:
+        t.numpy()[...] = rng.standard_normal(shape).astype(np.float16)
+    tokens = prompt(8)
+    with kvstored.Client(d["a"].socket) as a, kvstored.Client(d["b"].socket) as b:
+        bufs_a = a.register_buffers([t.numpy() for t in src], 0, namespace=ns)
+        bufs_b = b.register_buffers([t.numpy() for t in dst], 0, namespace=ns)
+        assert a.save_blocks(bufs_a, list(range(8)), tokens).stored == 8
+        targets = [9, 8, 7, 6, 5, 4, 3, 2]
+        stream = b.stream(tokens, buffers=bufs_b, block_ids=targets)
+        seen = []
+        for arrival in stream:
+            i = arrival.index
+            assert arrival.data is None and arrival.tier == "peer" and arrival.peer == "a"
+            for s, t in zip(src, dst):   # in place now, not later
+                assert np.array_equal(t.numpy()[targets[i]], s.numpy()[i])
+            seen.append(i)
+        assert seen == list(range(8)) and stream.outcome is not None and stream.outcome.complete
+        assert not dst[0].numpy()[:2].any()   # blocks 0 and 1 of the buffers were not targets
+        with pytest.raises(kvstored.InvalidArgument):
+            b.stream(tokens, buffers=bufs_b, block_ids=[0])
+
+
+def test_push_on_save_arrives_chunk_by_chunk(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Chunked prefill on a with push_to=b: each chunk reaches b before the next one is saved."""
+    d = cluster(daemon_factory, ["a", "b"])
+    kv = rows(12, seed=2)
+    tokens = prompt(12)
+    with kvstored.Client(d["a"].socket, namespace=NS) as a, kvstored.Client(d["b"].socket, namespace=NS) as b:
+        for chunk in range(3):
+            upto = 4 * (chunk + 1)
+            a.save(tokens[: 16 * upto], kv[:upto], push_to="b")
+            deadline = time.monotonic() + 10
+            while b.lookup(tokens).blocks < upto and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert b.lookup(tokens).blocks == upto     # this chunk is there before the next is saved
+        assert np.array_equal(b.load(tokens).data, kv)
+        assert a.stats()["peer_pushed_blocks"] == 12 and b.stats()["peer_received_blocks"] == 12
+        with pytest.raises(kvstored.NotFound, match="unknown peer 'nobody'"):
+            a.save(prompt(1, 9000), rows(1), push_to="nobody")
+        assert a.lookup(prompt(1, 9000)).blocks == 0   # refused before anything was stored
+
+
+def test_lookup_reports_hits_per_peer(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = cluster(daemon_factory, ["a", "b", "c"])
+    kv = rows(10, seed=4)
+    tokens = prompt(10)
+    with kvstored.Client(d["a"].socket, namespace=NS) as a, kvstored.Client(d["b"].socket, namespace=NS) as b, \
+            kvstored.Client(d["c"].socket, namespace=NS) as c:
+        a.save(tokens[: 16 * 2], kv[:2])
+        b.save(tokens, kv)
+        c.save(tokens[: 16 * 6], kv[:6])
+        hit = a.lookup(tokens, peers=True)
+        assert hit.per_peer == {"b": 8, "c": 4} and hit.per_tier == {"dram": 2, "peer": 8}
+        out = a.stream(tokens)
+        assert [x.peer for x in out][2:] == ["b"] * 8      # fetched from the peer holding the most
+        assert out.outcome is not None and out.outcome.complete
+
+
+def test_peer_killed_mid_transfer_gives_a_short_clean_result(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    from netfault import FaultProxy
+
+    pa, pb = free_ports(2)
+    proxy = FaultProxy(("127.0.0.1", pa), rate_bytes_s=4 << 20)
+    try:
+        common = ("--set", "peers.token=t", "--set", "peers.deadline_s=20", "--dram-capacity", "128MiB")
+        a = daemon_factory("--set", f"peers.listen=127.0.0.1:{pa}", "--set", "peers.node_id=a",
+                           "--set", f"peers.static=b=127.0.0.1:{pb}", *common)
+        b = daemon_factory("--set", f"peers.listen=127.0.0.1:{pb}", "--set", "peers.node_id=b",
+                           "--set", f"peers.static=a=127.0.0.1:{proxy.port}", *common)
+        n = 400   # 25 MiB: far more than the socket buffers between a and b hold
+        kv = rows(n, seed=6)
+        tokens = prompt(n)
+        with kvstored.Client(a.socket, namespace=NS) as ca, kvstored.Client(b.socket, namespace=NS) as cb:
+            assert ca.save(tokens, kv).stored == n
+            stream = cb.stream(tokens)
+            got = []
+            started = time.monotonic()
+            for arrival in stream:
+                got.append(arrival)
+                if len(got) == 3:
+                    a.stop(signal.SIGKILL)
+            outcome = stream.outcome
+            assert outcome is not None and outcome.stop == "peer_closed", outcome
+            assert 3 <= outcome.blocks < n and len(got) == outcome.blocks
+            assert time.monotonic() - started < 20
+            assert all(np.array_equal(g.data, kv[g.index]) for g in got)
+            # b kept exactly the complete blocks; the partial one left no trace
+            assert cb.lookup(tokens).blocks == outcome.blocks
+            assert np.array_equal(cb.load(tokens).data, kv[: outcome.blocks])
+            saved = cb.save(tokens, kv)              # the engine recomputes and saves the rest
+            assert (saved.present, saved.stored) == (outcome.blocks, n - outcome.blocks)
+            assert cb.stats()["peer_failures"] >= 1
+    finally:
+        proxy.close()
+
+
+def test_partitioned_peer_times_out_within_the_deadline(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    from netfault import FaultProxy
+
+    pa, pb = free_ports(2)
+    proxy = FaultProxy(("127.0.0.1", pa), rate_bytes_s=4 << 20)
+    try:
+        common = ("--set", "peers.token=t", "--set", "peers.deadline_s=2", "--dram-capacity", "128MiB")
+        a = daemon_factory("--set", f"peers.listen=127.0.0.1:{pa}", "--set", "peers.node_id=a", *common)
+        b = daemon_factory("--set", f"peers.listen=127.0.0.1:{pb}", "--set", "peers.node_id=b",
+                           "--set", f"peers.static=a=127.0.0.1:{proxy.port}", *common)
+        n = 200
+        kv = rows(n, seed=7)
+        tokens = prompt(n)
+        with kvstored.Client(a.socket, namespace=NS) as ca, kvstored.Client(b.socket, namespace=NS) as cb:
+            ca.save(tokens, kv)
+            stream = cb.stream(tokens)
+            got = 0
+            started = time.monotonic()
+            for _ in stream:
+                got += 1
+                if got == 2:
+                    proxy.stalled.set()            # the network between a and b goes silent
+            elapsed = time.monotonic() - started
+            outcome = stream.outcome
+            assert outcome is not None and outcome.stop == "timeout" and 2 <= outcome.blocks < n, outcome
+            assert elapsed < 2 + 5, f"the stream took {elapsed:.1f}s with a 2s deadline"
+            assert cb.lookup(tokens).blocks == outcome.blocks
+            assert np.array_equal(cb.load(tokens).data, kv[: outcome.blocks])
+            proxy.rate = 0                          # the partition heals: the rest comes
+            proxy.stalled.clear()
+            again = cb.stream(tokens)
+            assert again.wait().complete and np.array_equal(cb.load(tokens).data, kv)
+    finally:
+        proxy.close()
+
+
+def test_wrong_token_is_refused_and_shown(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    pa, pb = free_ports(2)
+    a = daemon_factory("--set", f"peers.listen=127.0.0.1:{pa}", "--set", "peers.node_id=a",
+                       "--set", "peers.token=right")
+    b = daemon_factory("--set", f"peers.listen=127.0.0.1:{pb}", "--set", "peers.node_id=b",
+                       "--set", "peers.token=wrong", "--set", f"peers.static=a=127.0.0.1:{pa}")
+    kv = rows(4, seed=8)
+    with kvstored.Client(a.socket, namespace=NS) as ca, kvstored.Client(b.socket, namespace=NS) as cb:
+        ca.save(prompt(4), kv)
+        out = cb.stream(prompt(4))
+        assert out.wait().stop == "unreachable" and "token rejected" in out.wait().detail
+        assert cb.lookup(prompt(4)).blocks == 0
+        view = {p["node_id"]: p for p in cb.peers()["peers"]}
+        assert view["a"]["state"] == "down" and "token rejected" in view["a"]["last_error"]
+        assert view["b"]["state"] == "self"
+        assert "wrong token" in a.log() or "token" in a.log()
+
+
+def test_unauthenticated_listener_on_a_public_address_refuses_to_start(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = daemon_factory("--set", "peers.listen=0.0.0.0:0", wait=False)
+    assert d.proc.wait(30) == 2
+    assert "peers.insecure = true" in d.log()
+
+
+def test_migrate_and_drain(daemon_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    d = cluster(daemon_factory, ["a", "b", "c"])
+    other = Namespace(model="other", block_bytes=BLOCK)
+    trees = {i: (prompt(6, 100_000 * (i + 1)), rows(6, seed=10 + i)) for i in range(4)}
+    with kvstored.Client(d["a"].socket, namespace=NS) as a, kvstored.Client(d["b"].socket, namespace=NS) as b, \
+            kvstored.Client(d["c"].socket, namespace=NS) as c:
+        for i, (tokens, kv) in trees.items():
+            a.save(tokens, kv, namespace=NS if i < 3 else other)
+        # branches below a shared prefix: the child must travel after its parent
+        a.save(trees[0][0][:32] + prompt(2, 7_000_000), np.concatenate([trees[0][1][:2], rows(2, seed=99)]))
+        progress = list(a.migrate("b", model="peer-test"))
+        assert progress[-1]["done"] and progress[-1]["pushed_blocks"] == progress[-1]["total_blocks"] == 20
+        assert all(p["pushed_blocks"] <= q["pushed_blocks"] for p, q in itertools.pairwise(progress))
+        for i in range(3):
+            assert np.array_equal(b.load(trees[i][0]).data, trees[i][1])
+        assert b.lookup(trees[3][0], namespace=other).blocks == 0    # another model: not migrated
+        assert a.lookup(trees[0][0]).blocks == 6                     # migrate copies
+        final = list(a.migrate(drain=True))[-1]
+        assert final["failed_blocks"] == 0 and final["dropped_blocks"] == final["total_blocks"] == 26
+        assert a.stats()["index_blocks"] == 0
+        for i, (tokens, kv) in trees.items():
+            ns = NS if i < 3 else other
+            held = [x.lookup(tokens, namespace=ns).blocks for x in (b, c)]
+            assert 6 in held, f"tree {i} did not land whole on one node: {held}"
+            owner = b if held[0] == 6 else c
+            assert np.array_equal(owner.load(tokens, namespace=ns).data, kv)
