@@ -25,7 +25,7 @@ from kvstored.peers.transport import PeerConfigError
 from kvstored.server import sdnotify
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.store import BlockStore
-from kvstored.tiers.dram import Arena
+from kvstored.tiers.dram import Arena, sweep_stale_arenas
 from kvstored.tiers.ssd import SSDTier
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.version import __version__
@@ -135,6 +135,8 @@ async def serve(cfg: Config) -> int:
     finally:
         os.umask(old_umask)
 
+    if stale := sweep_stale_arenas(cfg.dram.shm_dir):
+        log.info("removed %d arena file(s) left by daemons that died: %s", len(stale), ", ".join(stale))
     log.info("opening DRAM tier: %d MiB arena in %s", cfg.dram.capacity >> 20, cfg.dram.shm_dir)
     try:
         arena = Arena(cfg.dram.shm_dir, cfg.dram.capacity, cfg.server.socket_mode, cfg.dram.prefault)
