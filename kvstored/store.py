@@ -526,41 +526,53 @@ class BlockStore:
                            self._config.leases.reservation_ttl_s)
 
     def _reserve_chain(self, session: Session, state: NamespaceState, chain: list[bytes]) -> Lease:
-        self._tick += 1
-        present = state.index.match(chain)
-        ttl = self._config.leases.reservation_ttl_s
-        lease = self._pin(session, LeaseKind.RESERVATION, state.namespace_id, present, ttl)
-        self._append(present)
-        parent = present[-1] if present else None
-        sb = state.index.slot_bytes
+        lease = self._reserve_present(session, state, chain)
         blocked = False
-        for key in chain[len(present):]:
-            existing = state.index.get(key)
-            if existing is not None:
-                if existing.sealed and not existing.readable and existing.pins == 0 \
-                        and existing not in self._promoting:
-                    # A hollow block (its bytes were lost): write it again in place.
-                    offset = self._alloc(sb)
-                    if offset is None:
-                        break
-                    existing.offset = offset
-                    existing.flags = 0
-                    existing.pins += 1
-                    lease.new.append(existing)
-                    parent = existing
-                    continue
-                blocked = True  # another client is writing this block; it will seal it
+        for key in chain[len(lease.pinned):]:
+            outcome = self._reserve_next(lease, state, key)
+            if outcome != "ok":
+                blocked = outcome == "blocked"
                 break
-            offset = self._alloc(sb)
-            if offset is None:
-                break
-            parent = state.index.insert(key, parent, offset)
-            lease.new.append(parent)
-        if not lease.new and len(present) < len(chain) and not blocked:
+        if not lease.new and len(lease.pinned) < len(chain) and not blocked:
             self._end(lease, session, aborted=True)
             raise ResourceExhausted("DRAM tier full: every block that could make room is leased "
                                     "or being written; retry after releasing leases")
         return lease
+
+    def _reserve_present(self, session: Session, state: NamespaceState, chain: list[bytes]) -> Lease:
+        """A reservation pinning the chain's cached prefix, with no slots yet."""
+        self._tick += 1
+        present = state.index.match(chain)
+        lease = self._pin(session, LeaseKind.RESERVATION, state.namespace_id, present,
+                          self._config.leases.reservation_ttl_s)
+        self._append(present)
+        return lease
+
+    def _reserve_next(self, lease: Lease, state: NamespaceState, key: bytes) -> str:
+        """Reserve a slot for ``key``, the block after the reservation's last one: "ok", "full"
+        (no room can be made) or "blocked" (another client is writing it and will seal it)."""
+        tail = lease.new or lease.pinned
+        parent = tail[-1] if tail else None
+        sb = state.index.slot_bytes
+        existing = state.index.get(key)
+        if existing is not None:
+            if not (existing.sealed and not existing.readable and existing.pins == 0
+                    and existing not in self._promoting):
+                return "blocked"
+            # A hollow block (its bytes were lost): write it again in place.
+            offset = self._alloc(sb)
+            if offset is None:
+                return "full"
+            existing.offset = offset
+            existing.flags = 0
+            existing.pins += 1
+            lease.new.append(existing)
+            return "ok"
+        offset = self._alloc(sb)
+        if offset is None:
+            return "full"
+        lease.new.append(state.index.insert(key, parent, offset))
+        return "ok"
 
     def _alloc(self, sb: int) -> int | None:
         offset = self._allocator.alloc(sb)
@@ -1158,11 +1170,16 @@ class BlockStore:
             if buffers is not None and blocks:
                 await self._copy.from_arena(buffers, block_ids[first: first + len(blocks)],
                                             [b.offset for b in blocks], None)
+                # In the engine's buffers now: unpin at once, so a prompt larger than DRAM streams.
+                assert read.pinned[-len(blocks):] == blocks, "handed-over blocks are the lease's newest"
+                for block in blocks:
+                    block.pins -= 1
+                del read.pinned[-len(blocks):]
             for i, (block, tier) in enumerate(zip(blocks, tiers)):
                 emit(Arrival(first + i, tier, peer, block.offset if buffers is None else 0))
 
         try:
-            await hand_over(0, list(read.pinned), local.tiers, "")
+            await hand_over(0, list(read.pinned), local.tiers, "")   # the leased local prefix
             delivered = local.blocks
             if delivered < len(chain) and fetcher is None:
                 stop, detail = "missing", f"block {delivered} is not cached on this node"
@@ -1191,10 +1208,7 @@ class BlockStore:
         if not state.spec.block_bytes:
             return None, delivered, "no_room", ("this node does not know the namespace's block size yet "
                                                 "(give Namespace.block_bytes, or register buffers first)")
-        try:
-            reservation = self._reserve_chain(session, state, chain)
-        except ResourceExhausted as exc:
-            return None, delivered, "no_room", str(exc)
+        reservation = self._reserve_present(session, state, chain)
         self._busy.add(reservation.lease_id)
         start = len(reservation.pinned)
         if start > delivered:   # another client stored blocks since our lookup: hand them over too
@@ -1203,19 +1217,30 @@ class BlockStore:
                 block.pins += 1
             read.pinned.extend(extra)
             ready = await self._ensure_dram(extra)
+            for block in extra[ready:]:
+                block.pins -= 1
+            del read.pinned[len(read.pinned) - len(extra) + ready:]
             await hand_over(delivered, extra[:ready], _tiers(extra[:ready]), "")
             if ready < len(extra):
                 return reservation, delivered + ready, "corrupt", f"block {delivered + ready} could not be read here"
             delivered = start
+        if start == len(chain):
+            return reservation, start, "complete", ""
         new = reservation.new
-        if not new:
-            return reservation, delivered, "no_room", f"DRAM has no room for block {delivered}"
         block_bytes = state.spec.block_bytes
         sealed = 0
 
         def into(i: int, length: int) -> memoryview:
-            if length != block_bytes or i >= len(new):
+            # Slots are taken as blocks arrive, not up front: the first block of a long prompt
+            # does not wait for thousands of reservations.
+            if length != block_bytes:
                 raise ValueError(f"peer sent block {start + i} of {length} bytes; expected {block_bytes}")
+            assert i == len(new), "blocks must arrive in order"
+            outcome = self._reserve_next(reservation, state, chain[start + i])
+            if outcome != "ok":
+                raise ResourceExhausted(f"no DRAM slot for block {start + i}: " + (
+                    "another client is writing it" if outcome == "blocked" else "every block that could "
+                    "make room is leased or being written"))
             return self._arena.view(new[i].offset, length).data
 
         async def landed(i: int, peer: str) -> None:
@@ -1231,13 +1256,10 @@ class BlockStore:
             await hand_over(start + i, [block], [Tier.PEER], peer)
 
         try:
-            got = await fetcher(state.namespace_id, [b.key for b in new], into, landed)
+            got = await fetcher(state.namespace_id, chain[start:], into, landed)
         finally:
             del new[:sealed]             # sealed blocks are no longer the reservation's to abort
-        stop, detail = got.stop, got.detail
-        if stop == "complete" and start + sealed < len(chain):
-            stop, detail = "no_room", f"DRAM had room for {sealed} of {len(chain) - start} blocks"
-        return reservation, start + sealed, stop, detail
+        return reservation, start + sealed, got.stop, got.detail
 
     # -- introspection and shutdown ---------------------------------------------------------
     def stats(self) -> StoreStats:

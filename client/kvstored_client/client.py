@@ -611,6 +611,7 @@ class BlockStream:
         self._arena = arena
         self._block_size = block_size
         self._block_bytes = block_bytes
+        self._keep_data = True
         self.outcome: StreamOutcome | None = None
 
     def __iter__(self) -> Iterator[BlockArrival]:
@@ -624,7 +625,7 @@ class BlockStream:
                     break
                 b = event.block
                 data = None
-                if self._arena is not None:
+                if self._arena is not None and self._keep_data:
                     # copy now: the block stays leased only until the stream ends
                     data = self._arena[b.offset: b.offset + self._block_bytes].copy()
                 yield BlockArrival(b.index, TIER_NAMES.get(b.tier, str(b.tier)), b.peer, data)
@@ -642,7 +643,8 @@ class BlockStream:
         self._call.cancel()
 
     def wait(self) -> StreamOutcome:
-        """Consume the stream (discarding the arrivals); the outcome."""
+        """Consume the stream without keeping the arrivals (nor copying their bytes); the outcome."""
+        self._keep_data = False
         for _ in self:
             pass
         assert self.outcome is not None, "a stream ended without its outcome"

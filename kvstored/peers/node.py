@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvstored.cluster.membership import EtcdMembership, Member, Membership, MembershipError, StaticMembership
 from kvstored.config import Config, ConfigError, PeersConfig
-from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound
 from kvstored.peers.transport import (
     BlockServer,
     PeerAuth,
@@ -288,13 +288,22 @@ class PeerNode:
             return Fetched(0, "unreachable", f"peer {node_id} left the cluster")
         want = keys[: holders[node_id]]
         conn = None
+        arrived = 0
+
+        async def on_block(i: int, _view: memoryview) -> None:
+            nonlocal arrived
+            await landed(i, node_id)
+            arrived = i + 1
+
         try:
             conn = await self._acquire(peer, self._cfg.deadline_s)
-            result = await conn.fetch(namespace_id, want, lambda i, _view: landed(i, node_id),
-                                      self._cfg.deadline_s, into=into)
+            result = await conn.fetch(namespace_id, want, on_block, self._cfg.deadline_s, into=into)
         except PeerError as exc:
             self._mark(peer, str(exc))
             return Fetched(0, "unreachable", str(exc))
+        except KVError as exc:   # the store had no slot for the next block: the connection is dropped
+            peer.fetched += arrived
+            return Fetched(arrived, "no_room", str(exc))
         finally:
             if conn is not None:
                 self._give_back(peer, conn)

@@ -271,3 +271,36 @@ def test_migrate_and_drain(daemon_factory, tmp_path: Path) -> None:  # type: ign
             assert 6 in held, f"tree {i} did not land whole on one node: {held}"
             owner = b if held[0] == 6 else c
             assert np.array_equal(owner.load(tokens, namespace=ns).data, kv)
+
+
+def test_stream_larger_than_dram(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """b's arena holds 64 blocks. Into engine buffers a 100-block prompt streams whole (each
+    block is unpinned once copied); in arena mode every block stays leased until the stream
+    ends, so it stops at what fits, says so, and keeps what came."""
+    ports = free_ports(2)
+    static = f"a=127.0.0.1:{ports[0]},b=127.0.0.1:{ports[1]}"
+    common = ("--set", f"peers.static={static}", "--set", "peers.token=t")
+    a = daemon_factory("--set", f"peers.listen=127.0.0.1:{ports[0]}", "--set", "peers.node_id=a",
+                       "--dram-capacity", "64MiB", *common)
+    b = daemon_factory("--set", f"peers.listen=127.0.0.1:{ports[1]}", "--set", "peers.node_id=b",
+                       "--dram-capacity", "4MiB", "--set", "dram.page_bytes=1MiB", *common)
+    n = 100
+    tokens = prompt(n)
+    shape = (n, 16, 1024)                      # block-first, float32: 64 KiB per block
+    src = kvstored.shm.empty(shape, "float32")
+    dst = kvstored.shm.empty(shape, "float32")
+    src.numpy()[...] = np.random.default_rng(11).standard_normal(shape).astype(np.float32)
+    ns = Namespace(model="big", kv_dtype="float32")
+    with kvstored.Client(a.socket) as ca, kvstored.Client(b.socket) as cb:
+        bufs_a = ca.register_buffers([src.numpy()], 0, namespace=ns)
+        bufs_b = cb.register_buffers([dst.numpy()], 0, namespace=ns)
+        assert ca.save_blocks(bufs_a, list(range(n)), tokens).stored == n
+        out = cb.stream(tokens, buffers=bufs_b, block_ids=list(range(n)))
+        assert out.wait().complete and np.array_equal(dst.numpy(), src.numpy())
+        cb.evict()
+        arena_mode = cb.stream(tokens, namespace=bufs_b.namespace)
+        got = list(arena_mode)
+        end = arena_mode.outcome
+        assert end is not None and end.stop == "no_room" and 0 < end.blocks < n and len(got) == end.blocks
+        assert all(np.array_equal(g.data.view(np.float32), src.numpy()[g.index].ravel()) for g in got)
+        assert cb.lookup(tokens, namespace=bufs_b.namespace).blocks == end.blocks
