@@ -463,7 +463,7 @@ class Client:
                                          always_print_fields_with_no_presence=True)
 
     def migrate(self, to: str = "", *, model: str = "", tokens: Any = None, hashes: Sequence[bytes] | None = None,
-                namespace: Namespace | None = None, drain: bool = False) -> Iterator[dict[str, int | str | bool]]:
+                namespace: Namespace | None = None, drain: bool = False) -> Iterator[dict[str, Any]]:
         """Push a model's blocks (all models when empty), or one prompt's cached prefix (``tokens``
         or ``hashes``), to node ``to``; with ``drain`` (and no ``to``) everything goes to the
         peers and the local copies are dropped. Yields progress dicts (total_blocks,
@@ -618,17 +618,17 @@ class BlockStream:
         lease_id = 0
         try:
             for event in self._call:
-                if event.WhichOneof("event") == "end":
+                for b in event.blocks:
+                    data = None
+                    if self._arena is not None and self._keep_data:
+                        # copy now: the block stays leased only until the stream ends
+                        data = self._arena[b.offset: b.offset + self._block_bytes].copy()
+                    yield BlockArrival(b.index, TIER_NAMES.get(b.tier, str(b.tier)), b.peer, data)
+                if event.HasField("end"):
                     e = event.end
                     lease_id = e.lease_id
                     self.outcome = StreamOutcome(e.blocks, e.requested, e.blocks * self._block_size, e.stop, e.detail)
                     break
-                b = event.block
-                data = None
-                if self._arena is not None and self._keep_data:
-                    # copy now: the block stays leased only until the stream ends
-                    data = self._arena[b.offset: b.offset + self._block_bytes].copy()
-                yield BlockArrival(b.index, TIER_NAMES.get(b.tier, str(b.tier)), b.peer, data)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED and self.outcome is None:
                 return

@@ -341,7 +341,8 @@ class _Stream(asyncio.BufferedProtocol):
         got = 0
         if self._pending:
             got = min(n, len(self._pending))
-            view[:got] = self._pending[:got]
+            with memoryview(self._pending) as pending:   # one copy, not a slice and then a copy
+                view[:got] = pending[:got]
             del self._pending[:got]
         if got == n:
             return

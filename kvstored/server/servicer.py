@@ -199,34 +199,38 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def StreamBlocks(self, request: pb.StreamBlocksRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BlockEvent]:
-        events: asyncio.Queue[pb.BlockEvent | StreamEnd | KVError] = asyncio.Queue()
-
-        def emit(a: Arrival) -> None:
-            events.put_nowait(pb.BlockEvent(block=pb.BlockReady(index=a.index, tier=_TIER_PB[a.tier], peer=a.peer,
-                                                                offset=a.offset)))
+        events: asyncio.Queue[Arrival | StreamEnd | KVError] = asyncio.Queue()
 
         async def run() -> None:
             try:
                 fetcher = self._peers.fetch if request.peers and self._peers is not None else None
                 events.put_nowait(await self._store.stream_blocks(
                     request.session_id, request.namespace_id, _keys(request.keys), request.buffers_id,
-                    request.block_ids, emit, fetcher))
+                    request.block_ids, events.put_nowait, fetcher))
             except KVError as exc:
                 events.put_nowait(exc)
 
         task = asyncio.ensure_future(run())
         try:
             while True:
-                item = await events.get()
-                if isinstance(item, KVError):
-                    await context.abort(code_for(item), str(item))
-                if isinstance(item, StreamEnd):
-                    yield pb.BlockEvent(end=pb.BlockStreamEnd(
-                        blocks=item.blocks, requested=item.requested, stop=item.stop, detail=item.detail,
-                        lease_id=item.lease_id, lease_ttl_ms=int(item.lease_ttl_s * 1000)))
+                # one message carries every block that landed while the previous one was sent
+                items = [await events.get()]
+                while not events.empty():
+                    items.append(events.get_nowait())
+                msg = pb.BlockEvent()
+                for item in items:
+                    if isinstance(item, KVError):
+                        await context.abort(code_for(item), str(item))
+                    elif isinstance(item, StreamEnd):
+                        msg.end.CopyFrom(pb.BlockStreamEnd(
+                            blocks=item.blocks, requested=item.requested, stop=item.stop, detail=item.detail,
+                            lease_id=item.lease_id, lease_ttl_ms=int(item.lease_ttl_s * 1000)))
+                    else:
+                        msg.blocks.add(index=item.index, tier=_TIER_PB[item.tier], peer=item.peer,
+                                       offset=item.offset)
+                yield msg
+                if msg.HasField("end"):
                     return
-                assert isinstance(item, pb.BlockEvent), "unexpected stream item"
-                yield item
         finally:
             if not task.done():
                 task.cancel()

@@ -393,12 +393,12 @@ class BlockStreamEnd(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., requested: _Optional[int] = ..., stop: _Optional[str] = ..., detail: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
-    __slots__ = ("block", "end")
-    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("blocks", "end")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
-    block: BlockReady
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockReady]
     end: BlockStreamEnd
-    def __init__(self, block: _Optional[_Union[BlockReady, _Mapping]] = ..., end: _Optional[_Union[BlockStreamEnd, _Mapping]] = ...) -> None: ...
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockReady, _Mapping]]] = ..., end: _Optional[_Union[BlockStreamEnd, _Mapping]] = ...) -> None: ...
 
 class PeersRequest(_message.Message):
     __slots__ = ()
