@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import kvstored
 
@@ -39,3 +40,133 @@ def test_stats_without_daemon_says_how_to_start(tmp_path) -> None:  # type: igno
     out = kvctl(str(tmp_path / "none.sock"), "stats")
     assert out.returncode == 1
     assert "Start one with `kvstored`" in out.stderr
+
+
+# -- cluster commands: peers, migrate, drain -------------------------------------------------------
+PEER_BLOCK = 16 << 10
+
+
+def _two_nodes(daemon_factory):  # type: ignore[no-untyped-def]
+    """Daemons "a" and "b" on loopback peer ports, each in the other's static list."""
+    import socket
+
+    socks = [socket.socket(), socket.socket()]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    pa, pb = (int(s.getsockname()[1]) for s in socks)
+    for s in socks:
+        s.close()
+    static = f"a=127.0.0.1:{pa},b=127.0.0.1:{pb}"
+    common = ("--set", f"peers.static={static}", "--set", "peers.token=kvctl-t0ken", "--set", "peers.deadline_s=10")
+    a = daemon_factory("--set", f"peers.listen=127.0.0.1:{pa}", "--set", "peers.node_id=a", *common)
+    b = daemon_factory("--set", f"peers.listen=127.0.0.1:{pb}", "--set", "peers.node_id=b", *common)
+    return a, b
+
+
+def _ns(model: str) -> kvstored.Namespace:
+    return kvstored.Namespace(model=model, block_bytes=PEER_BLOCK)
+
+
+def _kv(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, size=(n, PEER_BLOCK), dtype=np.uint8)
+
+
+def _tokens(n_blocks: int, start: int) -> list[int]:
+    return list(range(start, start + 16 * n_blocks))
+
+
+def test_peers_when_peers_are_off(daemon) -> None:  # type: ignore[no-untyped-def]
+    out = kvctl(daemon.socket, "peers")
+    assert out.returncode == 0, out.stderr
+    assert "peers are off" in out.stdout
+    data = json.loads(kvctl(daemon.socket, "peers", "--json").stdout)
+    assert data["membership"] == "off" and data["peers"] == []
+    for args in (("migrate", "b"), ("drain",)):
+        out = kvctl(daemon.socket, *args)
+        assert out.returncode == 1 and "peers are off" in out.stderr, (args, out.stdout, out.stderr)
+
+
+def test_peers_lists_both_nodes(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    a, _b = _two_nodes(daemon_factory)
+    out = kvctl(a.socket, "peers")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "node a" in out.stdout and "membership static" in out.stdout
+    row_a = next(line for line in lines if " a " in line and "self" in line)
+    row_b = next(line for line in lines if " b " in line and "127.0.0.1:" in line)
+    assert "up" in row_b and "self" not in row_b and row_a != row_b
+    data = json.loads(kvctl(a.socket, "peers", "--json").stdout)
+    assert data["node_id"] == "a" and data["membership"] == "static" and data["listen"].startswith("127.0.0.1:")
+    view = {p["node_id"]: p for p in data["peers"]}
+    assert set(view) == {"a", "b"}
+    assert view["a"]["state"] == "self" and view["a"]["address"] == data["listen"]
+    assert view["b"]["state"] == "up" and view["b"]["last_error"] == ""
+    assert int(view["b"]["blocks_fetched"]) == 0 and int(view["b"]["blocks_pushed"]) == 0
+
+
+def test_migrate_copies_one_model_to_the_peer(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    a, b = _two_nodes(daemon_factory)
+    m, other = _ns("M"), _ns("other-model")
+    prompts = {i: (_tokens(5, 100_000 * (i + 1)), _kv(5, i)) for i in range(2)}
+    with kvstored.Client(a.socket) as ca, kvstored.Client(b.socket) as cb:
+        for tokens, kv in prompts.values():
+            ca.save(tokens, kv, namespace=m)
+        ca.save(_tokens(3, 900_000), _kv(3, 9), namespace=other)
+        out = kvctl(a.socket, "migrate", "b", "--model", "M")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "pushed 10 of 10 block(s)" in out.stdout, out.stdout
+        for tokens, kv in prompts.values():
+            assert np.array_equal(cb.load(tokens, namespace=m).data, kv)   # b serves them now
+            assert ca.lookup(tokens, namespace=m).blocks == 5             # a keeps its copies
+        assert cb.lookup(_tokens(3, 900_000), namespace=other).blocks == 0
+        assert ca.stats()["peer_pushed_blocks"] == 10 and cb.stats()["peer_received_blocks"] == 10
+        peers = {p["node_id"]: p for p in ca.peers()["peers"]}
+        assert int(peers["b"]["blocks_pushed"]) == 10
+        again = kvctl(a.socket, "migrate", "b", "--model", "M")   # nothing new: still a clean exit
+        assert again.returncode == 0 and "of 10 block(s)" in again.stdout, again.stdout + again.stderr
+
+
+def test_drain_empties_the_node_onto_its_peer(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    a, b = _two_nodes(daemon_factory)
+    m, other = _ns("M"), _ns("other-model")
+    trunk = _tokens(4, 0)
+    saved = [(trunk, _kv(4, 1), m),
+             (trunk[:32] + _tokens(2, 700_000), np.concatenate([_kv(4, 1)[:2], _kv(2, 2)]), m),   # a branch
+             (_tokens(3, 900_000), _kv(3, 3), other)]
+    with kvstored.Client(a.socket) as ca, kvstored.Client(b.socket) as cb:
+        for tokens, kv, ns in saved:
+            ca.save(tokens, kv, namespace=ns)
+        assert ca.stats()["index_blocks"] == 9
+        out = kvctl(a.socket, "drain")
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "pushed 9 of 9 block(s), dropped 9 local copies" in out.stdout, out.stdout
+        assert ca.stats()["index_blocks"] == 0
+        for tokens, kv, ns in saved:
+            assert ca.lookup(tokens, namespace=ns).blocks == 0
+            assert np.array_equal(cb.load(tokens, namespace=ns).data, kv)
+        empty = kvctl(a.socket, "drain", "--to", "b")            # nothing left: still fine
+        assert empty.returncode == 0 and "pushed 0 of 0 block(s)" in empty.stdout, empty.stdout + empty.stderr
+
+
+def test_migrate_to_an_unknown_peer_fails(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    a, b = _two_nodes(daemon_factory)
+    with kvstored.Client(a.socket) as ca:
+        ca.save(_tokens(2, 0), _kv(2, 0), namespace=_ns("M"))
+    out = kvctl(a.socket, "migrate", "nobody")
+    assert out.returncode == 1
+    assert "unknown peer" in out.stderr and "nobody" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    out = kvctl(a.socket, "drain", "--to", "nobody")
+    assert out.returncode == 1 and "unknown peer" in out.stderr, out.stderr
+    with kvstored.Client(a.socket) as ca, kvstored.Client(b.socket) as cb:
+        assert ca.lookup(_tokens(2, 0), namespace=_ns("M")).blocks == 2       # nothing moved or dropped
+        assert cb.stats()["index_blocks"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason="bug: Client.peers() returns the uint64 counters as strings (protobuf's JSON "
+                   "mapping), unlike Client.stats(); so does `kvctl peers --json`")
+def test_peers_json_counts_are_numbers(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    a, _b = _two_nodes(daemon_factory)
+    data = json.loads(kvctl(a.socket, "peers", "--json").stdout)
+    for p in data["peers"]:
+        assert isinstance(p["blocks_fetched"], int) and isinstance(p["blocks_pushed"], int), p
