@@ -72,7 +72,8 @@ class CreditPolicy:
         return min(use.base + use.hits, self._top)
 
     def _priority(self, use: Use) -> Priority:
-        return (use.last_use + self._credit[self._class_of(use)], 0.0)
+        # ties (a coarse or test clock) go to the least recently used
+        return (use.last_use + self._credit[self._class_of(use)], float(use.last_seq))
 
     def _current(self, block: Block) -> Priority:
         use = self._uses.get(block)
