@@ -72,8 +72,9 @@ class CreditPolicy:
         return min(use.base + use.hits, self._top)
 
     def _priority(self, use: Use) -> Priority:
-        # ties (a coarse or test clock) go to the least recently used
-        return (use.last_use + self._credit[self._class_of(use)], float(use.last_seq))
+        # Ties (equal times: one request's blocks, or a frozen test clock) go to the entry pushed
+        # first, as in the eager policy the trace replay chose, so its figures still hold.
+        return (use.last_use + self._credit[self._class_of(use)], 0.0)
 
     def _current(self, block: Block) -> Priority:
         use = self._uses.get(block)

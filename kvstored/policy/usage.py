@@ -23,16 +23,13 @@ NEVER = float("-inf")
 
 class Use:
     """When a block was stored, its last hit and how many hits it has had (with those of removed
-    descendants folded in), and the class it entered with (policies that keep ghosts). The
-    ``*_seq`` fields order the same events on a logical counter, for ties of equal times."""
+    descendants folded in), and the class it entered with (policies that keep ghosts)."""
 
-    __slots__ = ("base", "hit_seq", "hits", "last_hit", "stored", "stored_seq")
+    __slots__ = ("base", "hits", "last_hit", "stored")
 
-    def __init__(self, stored: float, stored_seq: int, base: int = 0) -> None:
+    def __init__(self, stored: float, base: int = 0) -> None:
         self.stored = stored
-        self.stored_seq = stored_seq
         self.last_hit = NEVER
-        self.hit_seq = -1
         self.hits = 0
         self.base = base
 
@@ -40,20 +37,14 @@ class Use:
     def last_use(self) -> float:
         return self.stored if self.stored > self.last_hit else self.last_hit
 
-    @property
-    def last_seq(self) -> int:
-        """The logical time of the last use: later uses have higher numbers, even at equal times."""
-        return self.stored_seq if self.stored_seq > self.hit_seq else self.hit_seq
-
 
 class UseLog:
     """The use records of the tracked blocks of one tier."""
 
-    __slots__ = ("_seq", "_uses")
+    __slots__ = ("_uses",)
 
     def __init__(self) -> None:
         self._uses: dict[Block, Use] = {}
-        self._seq = 0
 
     def __contains__(self, block: object) -> bool:
         return block in self._uses
@@ -63,8 +54,7 @@ class UseLog:
 
     def stored(self, block: Block, now: float, base: int = 0) -> Use:
         """Start a record: ``block`` was stored at ``now`` (a storing is not a hit of its parent)."""
-        self._seq += 1
-        use = self._uses[block] = Use(now, self._seq, base)
+        use = self._uses[block] = Use(now, base)
         return use
 
     def hit(self, blocks: Sequence[Block], now: float) -> None:
@@ -77,9 +67,7 @@ class UseLog:
         for i in range(len(blocks) - 1, -1, -1):
             use = uses.get(blocks[i])
             if use is not None:
-                self._seq += 1
                 use.last_hit = now
-                use.hit_seq = self._seq
                 use.hits += 1
                 return
 
@@ -93,6 +81,4 @@ class UseLog:
                 parent.hits += use.hits
                 if use.last_hit > parent.last_hit:
                     parent.last_hit = use.last_hit
-                if use.hit_seq > parent.hit_seq:
-                    parent.hit_seq = use.hit_seq
         return use
