@@ -720,8 +720,8 @@ class BlockStore:
                 log.exception("write-back round failed")
 
     async def _write_back(self, nbytes: float, force: bool, models: set[int] | None) -> int:
-        """Copy the DRAM blocks without an SSD copy to SSD, longest without first (parents before
-        their children, as restore needs), up to ``nbytes``.
+        """Copy the DRAM blocks without an SSD copy to SSD, longest without first (a chain's parents
+        are sealed, hence queued, before their children), up to ``nbytes``.
 
         Without ``force``, ``ssd.admission`` and the SSD policy's ``admit`` (asked when the block
         would need an eviction) may pass a block over: it stays in DRAM without a copy.
