@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstored.peers.transport import is_loopback
 from kvstored.policy.registry import DEFAULT_POLICY, POLICIES
 from kvstored_client.paths import default_socket_path
 
@@ -76,6 +77,24 @@ class KeysConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PeersConfig:
+    listen: str = ""                 # "host:port" of the peer block channel; "" = peers off
+    advertise: str = ""              # address peers dial; "" = listen (must then be a concrete host)
+    node_id: str = ""                # "" = the host name
+    token_file: str = ""             # shared token (first line of the file); preferred over token
+    token: str = ""                  # shared token inline (visible in the config: use token_file)
+    tls_ca: str = ""                 # mutual TLS: CA that signs every node's certificate
+    tls_cert: str = ""
+    tls_key: str = ""
+    insecure: bool = False           # allow an unauthenticated listener on a non-loopback address
+    static: tuple[str, ...] = ()     # fixed peers, "node_id=host:port" each (no etcd needed)
+    etcd: str = ""                   # etcd client endpoint "host:port" for membership; "" = off
+    etcd_ttl_s: int = 10             # a dead node leaves the cluster after about this long
+    deadline_s: float = 30.0         # one transfer (fetch or push) ends by then, short if need be
+    lookup_timeout_s: float = 1.0    # asking peers what they hold
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -87,6 +106,7 @@ class Config:
     ssd: SSDConfig = field(default_factory=SSDConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     keys: KeysConfig = field(default_factory=KeysConfig)
+    peers: PeersConfig = field(default_factory=PeersConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -133,6 +153,12 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
             return parse_size(value)
         if (section, key) in _MODE_KEYS:
             return int(value, 8) if isinstance(value, str) else int(value)
+        if isinstance(default, tuple):
+            if isinstance(value, str):   # from --set: comma-separated
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"expected a list of strings, got {value!r}")
+            return tuple(value)
         if isinstance(default, bool):
             if isinstance(value, str) and value.lower() in ("true", "false"):
                 return value.lower() == "true"
@@ -183,6 +209,29 @@ def _validate(cfg: Config) -> None:
         (cfg.server.tcp == "" or re.match(r"^[\w.\-\[\]:]+:\d+$", cfg.server.tcp) is not None,
          "server.tcp: expected host:port"),
     ]
+    p = cfg.peers
+    hostport = re.compile(r"^[\w.\-\[\]:]+:\d+$")
+    checks += [
+        (p.listen == "" or hostport.match(p.listen) is not None, "peers.listen: expected host:port"),
+        (p.advertise == "" or hostport.match(p.advertise) is not None, "peers.advertise: expected host:port"),
+        (p.etcd == "" or hostport.match(p.etcd.split("://", 1)[-1].rstrip("/")) is not None,
+         "peers.etcd: expected host:port"),
+        ("/" not in p.node_id, "peers.node_id: must not contain '/'"),
+        (p.etcd_ttl_s >= 1, "peers.etcd_ttl_s: must be at least 1"),
+        (p.deadline_s > 0, "peers.deadline_s: must be positive"),
+        (p.lookup_timeout_s > 0, "peers.lookup_timeout_s: must be positive"),
+        (bool(p.tls_ca) == bool(p.tls_cert) == bool(p.tls_key),
+         "peers.tls_ca: mutual TLS needs tls_ca, tls_cert and tls_key together"),
+    ]
+    if p.listen and not (p.token or p.token_file or p.tls_ca or p.insecure) \
+            and not is_loopback(p.listen.rpartition(":")[0].strip("[]")):
+        raise ConfigError(f"peers.listen: {p.listen} is not a loopback address and no peer authentication is "
+                          "configured (peers.token_file or peers.tls_*); set peers.insecure = true to accept that "
+                          "explicitly")
+    for entry in p.static:
+        node, sep, addr = entry.partition("=")
+        checks.append((bool(sep and node and "/" not in node and hostport.match(addr)),
+                       f"peers.static: expected node_id=host:port, got {entry!r}"))
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)

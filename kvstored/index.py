@@ -23,6 +23,7 @@ NO_SLOT = -1    # Block.offset when the block has no DRAM slot
 class Tier(enum.IntEnum):
     DRAM = 1
     SSD = 2
+    PEER = 3   # held by another node (reported by lookups that ask peers; never a Block's tier)
 
 
 class Block:
@@ -111,6 +112,30 @@ class PrefixIndex:
         if parent is not None:
             parent.children += 1
         return block
+
+    def chains(self) -> list[tuple[bytes, list[bytes]]]:
+        """Every readable block as ``(parent key or b"", [keys])`` runs, each run a path down the
+        tree, parents in earlier runs (or earlier in the same run) than their children; a run
+        stops at a block that is not readable, with everything below it."""
+        kids: dict[Block | None, list[Block]] = {}
+        for block in self._blocks.values():
+            if block.readable:
+                kids.setdefault(block.parent, []).append(block)
+        runs: list[tuple[bytes, list[bytes]]] = []
+        todo: list[Block] = sorted(kids.get(None, ()), key=lambda b: b.key)
+        while todo:
+            block = todo.pop()
+            run = [block.key]
+            parent_key = block.parent.key if block.parent is not None else b""
+            while True:
+                below = sorted(kids.get(block, ()), key=lambda b: b.key)
+                if not below:
+                    break
+                todo.extend(below[1:])
+                block = below[0]
+                run.append(block.key)
+            runs.append((parent_key, run))
+        return runs
 
     def remove(self, block: Block) -> None:
         """Remove a leaf (evicted, aborted or lost)."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvstored_client import Client, KVStoreError
@@ -53,6 +54,9 @@ def render_stats(stats: dict[str, Any], console: Console) -> None:
         ("namespaces", stats["namespaces"]),
         ("active leases", stats["active_leases"]),
         ("clients", stats["clients"]),
+        ("peer blocks fetched / served", f"{stats['peer_fetched_blocks']} / {stats['peer_served_blocks']}"),
+        ("peer blocks pushed / received", f"{stats['peer_pushed_blocks']} / {stats['peer_received_blocks']}"),
+        ("peer failures", stats["peer_failures"]),
     ):
         counters.add_row(name, str(value))
     console.print(counters)
@@ -116,6 +120,71 @@ def flush(socket: str | None, model: str) -> None:
             click.echo(f"kvctl: {exc}", err=True)
             sys.exit(1)
     click.echo(f"flushed {n} block(s) to ssd")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@click.pass_obj
+def peers(socket: str | None, as_json: bool) -> None:
+    """This node and its peers: address, state (up/down/unknown), blocks moved, last error."""
+    with _client(socket) as client:
+        try:
+            data = client.peers()
+        except KVStoreError as exc:
+            click.echo(f"kvctl: {exc}", err=True)
+            sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    if data["membership"] == "off":
+        click.echo("peers are off on this node (no peers.listen, peers.static or peers.etcd in its config)")
+        return
+    table = Table(title=f"node {data['node_id']} — peer channel {data['listen'] or '(not listening)'} — "
+                        f"membership {data['membership']}")
+    for col in ("node", "address", "state", "fetched", "pushed", "last error"):
+        table.add_column(col, justify="right" if col in ("fetched", "pushed") else "left")
+    for p in data["peers"]:
+        table.add_row(p["node_id"], p["address"], p["state"], str(p["blocks_fetched"]), str(p["blocks_pushed"]),
+                      p["last_error"])
+    Console().print(table)
+
+
+def _run_migration(socket: str | None, to: str, model: str, drain: bool) -> None:
+    with _client(socket) as client:
+        last: dict[str, Any] = {}
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True), transient=False) as bar:
+            task = bar.add_task("draining" if drain else f"migrating to {to}", total=None)
+            try:
+                for p in client.migrate(to, model=model, drain=drain):
+                    last = p
+                    bar.update(task, total=p["total_blocks"], completed=p["pushed_blocks"] + p["failed_blocks"])
+            except KVStoreError as exc:
+                click.echo(f"kvctl: {exc}", err=True)
+                sys.exit(1)
+    click.echo(f"pushed {last.get('pushed_blocks', 0)} of {last.get('total_blocks', 0)} block(s)"
+               + (f", dropped {last['dropped_blocks']} local copies" if drain else "")
+               + (f"; {last['failed_blocks']} failed: {last['detail']}" if last.get("failed_blocks") else ""))
+    if last.get("failed_blocks"):
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("to")
+@click.option("--model", default="", help="only namespaces of this model (default: all)")
+@click.pass_obj
+def migrate(socket: str | None, to: str, model: str) -> None:
+    """Copy cached blocks to node TO (parents before children); the local copies stay."""
+    _run_migration(socket, to, model, drain=False)
+
+
+@cli.command()
+@click.option("--to", default="", help="one node to drain onto (default: spread over every peer)")
+@click.pass_obj
+def drain(socket: str | None, to: str) -> None:
+    """Empty this node onto its peers before shutdown: push every block, then drop the local
+    copies the peers stored. Exits 1 if any block could not be moved (those stay here)."""
+    _run_migration(socket, to, "", drain=True)
 
 
 def main() -> None:

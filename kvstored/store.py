@@ -22,13 +22,13 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 
 from kvstored.buffers import RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
-from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound, ResourceExhausted
 from kvstored.index import DEMOTING, HIT, NO_SLOT, ON_SSD, SEALED, Block, PrefixIndex, Tier
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
 from kvstored.policy.admission import admit
@@ -111,6 +111,49 @@ class StoreStats:
     promotions: int
     demotions: int
     dropped_blocks: int
+    peer_fetched_blocks: int = 0
+    peer_served_blocks: int = 0
+    peer_received_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """Block ``index`` of a streamed chain is in place (in the engine's buffers, or at ``offset``
+    of the arena under the stream's lease); ``peer``: the node it was fetched from."""
+
+    index: int
+    tier: Tier
+    peer: str = ""
+    offset: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnd:
+    """How a streamed load ended: ``blocks`` of ``requested`` arrived, then ``stop`` ("complete",
+    or why it stopped short). ``lease_id``: arena mode, the lease holding the blocks (0: none)."""
+
+    blocks: int
+    requested: int
+    stop: str
+    detail: str
+    lease_id: int
+    lease_ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """What a :data:`Fetcher` brought: ``delivered`` leading blocks, then ``stop`` and why."""
+
+    delivered: int
+    stop: str
+    detail: str = ""
+
+
+# fetcher(namespace_id, keys, into, landed): fetch ``keys`` in order from some peer; receive block i
+# into ``into(i, length)``, then await ``landed(i, peer)``. Never raises for a peer's failure.
+Into = Callable[[int, int], Awaitable[memoryview]]
+Landed = Callable[[int, str], Awaitable[None]]
+Fetcher = Callable[[int, list[bytes], Into, Landed], Awaitable[Fetched]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +177,9 @@ class _Counters:
     dropped: int = 0
     ssd_write_errors: int = 0
     ssd_read_errors: int = 0
+    peer_fetched: int = 0
+    peer_served: int = 0
+    peer_received: int = 0
 
 
 def _tiers(blocks: Sequence[Block]) -> list[Tier]:
@@ -525,43 +571,61 @@ class BlockStore:
                            self._config.leases.reservation_ttl_s)
 
     def _reserve_chain(self, session: Session, state: NamespaceState, chain: list[bytes]) -> Lease:
-        self._tick += 1
-        present = state.index.match(chain)
-        ttl = self._config.leases.reservation_ttl_s
-        lease = self._pin(session, LeaseKind.RESERVATION, state.namespace_id, present, ttl)
-        # Not a hit for the policies: an engine saves a prompt after looking it up, and that lookup
-        # counted; counting again would promote every extended prefix a reuse class. Its pages are in use.
-        self._mark_pages(present)
-        parent = present[-1] if present else None
-        sb = state.index.slot_bytes
+        lease = self._reserve_present(session, state, chain)
         blocked = False
-        for key in chain[len(present):]:
-            existing = state.index.get(key)
-            if existing is not None:
-                if existing.sealed and not existing.readable and existing.pins == 0 \
-                        and existing not in self._promoting:
-                    # A hollow block (its bytes were lost): write it again in place.
-                    offset = self._alloc(sb)
-                    if offset is None:
-                        break
-                    existing.offset = offset
-                    existing.flags = 0
-                    existing.pins += 1
-                    lease.new.append(existing)
-                    parent = existing
-                    continue
-                blocked = True  # another client is writing this block; it will seal it
+        for key in chain[len(lease.pinned):]:
+            outcome = self._reserve_next(lease, state, key)
+            if outcome != "ok":
+                blocked = outcome == "blocked"
                 break
-            offset = self._alloc(sb)
-            if offset is None:
-                break
-            parent = state.index.insert(key, parent, offset)
-            lease.new.append(parent)
-        if not lease.new and len(present) < len(chain) and not blocked:
+        if not lease.new and len(lease.pinned) < len(chain) and not blocked:
             self._end(lease, session, aborted=True)
             raise ResourceExhausted("DRAM tier full: every block that could make room is leased "
                                     "or being written; retry after releasing leases")
         return lease
+
+    def _reserve_present(self, session: Session, state: NamespaceState, chain: list[bytes]) -> Lease:
+        """A reservation pinning the chain's cached prefix, with no slots yet."""
+        self._tick += 1
+        present = state.index.match(chain)
+        lease = self._pin(session, LeaseKind.RESERVATION, state.namespace_id, present,
+                          self._config.leases.reservation_ttl_s)
+        # Not a hit for the policies: an engine saves a prompt after looking it up, and that lookup
+        # counted; counting again would promote every extended prefix a reuse class. Its pages are in use.
+        self._mark_pages(present)
+        return lease
+
+    def _reserve_next(self, lease: Lease, state: NamespaceState, key: bytes) -> str:
+        """Reserve a slot for ``key``, the block after the reservation's last one: "ok", "full"
+        (no room can be made) or "blocked" (another client is writing it and will seal it)."""
+        tail = lease.new or lease.pinned
+        parent = tail[-1] if tail else None
+        sb = state.index.slot_bytes
+        existing = state.index.get(key)
+        if existing is not None:
+            if not (existing.sealed and not existing.readable and existing.pins == 0
+                    and existing not in self._promoting):
+                return "blocked"
+            # A hollow block (its bytes were lost): write it again in place.
+            offset = self._alloc(sb)
+            if offset is None:
+                return "full"
+            existing.offset = offset
+            existing.flags = 0
+            existing.pins += 1
+            lease.new.append(existing)
+            return "ok"
+        if parent is not None:
+            parent.pins += 1   # making room must not evict the block we hang this one under
+        try:
+            offset = self._alloc(sb)
+        finally:
+            if parent is not None:
+                parent.pins -= 1
+        if offset is None:
+            return "full"
+        lease.new.append(state.index.insert(key, parent, offset))
+        return "ok"
 
     def _alloc(self, sb: int) -> int | None:
         offset = self._allocator.alloc(sb)
@@ -662,6 +726,14 @@ class BlockStore:
         self._end(lease, session, aborted=False)
         return sealed
 
+    def reservation_chain(self, session_id: str, reservation_id: int) -> tuple[int, list[bytes]]:
+        """The namespace and keys of a live reservation's chain (present blocks, then those being
+        written); (0, []) when there is no such reservation."""
+        lease = self._leases.get(reservation_id)
+        if lease is None or lease.kind != LeaseKind.RESERVATION or lease.session_id != session_id:
+            return 0, []
+        return lease.namespace_id, [b.key for b in lease.pinned] + [b.key for b in lease.new]
+
     def _end(self, lease: Lease, session: Session | None, aborted: bool) -> None:
         if lease.lease_id in self._busy:
             self._doomed.add(lease.lease_id)
@@ -684,14 +756,8 @@ class BlockStore:
             return
         for block in lease.new:
             block.pins -= 1
-            block.flags |= SEALED
-            self._set_dirty(block)
-        if lease.new:
-            self._dram_for(lease.new[0]).inserted(lease.new)  # one chain: one namespace, one slot size
-            self._mark_pages(lease.new)
+        self._sealed_now(lease.new)
         self._n.saved_blocks += len(lease.new)
-        if self._dirty_bytes > self._config.dram.writeback_watermark * self._allocator.capacity:
-            self._writeback_wanted.set()
 
     def reap(self) -> int:
         """End leases past their deadline (busy ones once their copy finishes); returns the count."""
@@ -1015,6 +1081,277 @@ class BlockStore:
             if self._leases.get(lease.lease_id) is not None:
                 self._end(lease, self._sessions.get(lease.session_id), aborted=True)
 
+    # -- peers: blocks in and out by key ----------------------------------------------------
+    def namespace_description(self, namespace_id: int) -> bytes:
+        """The namespace's spec as a peer learns it (JSON); NotFound for an unknown one."""
+        return json.dumps(dataclasses.asdict(self._namespace(namespace_id).spec), sort_keys=True).encode()
+
+    def learn_namespace(self, namespace_id: int, description: bytes) -> str:
+        """Open the namespace a peer described before pushing blocks of it; "" or why not."""
+        try:
+            spec = Namespace(**json.loads(description))
+        except (TypeError, ValueError) as exc:
+            return f"not a namespace description: {exc}"
+        if spec.identity() != namespace_id:
+            return f"namespace id {namespace_id} does not match its description"
+        try:
+            self.open_namespace(spec)
+        except KVError as exc:
+            return str(exc)
+        return ""
+
+    def namespace_chains(self, model: str = "") -> list[tuple[int, bytes, list[bytes]]]:
+        """Every readable block of ``model``'s namespaces (all when empty) as parent-first runs
+        ``(namespace_id, parent key, keys)``: pushing them in this order never sends a block
+        before its parent."""
+        return [(ns_id, parent, run) for ns_id in sorted(self._namespace_ids(model))
+                for parent, run in self._namespaces[ns_id].index.chains()]
+
+    def forget(self, namespace_id: int, keys: Sequence[bytes]) -> int:
+        """Drop these blocks from every tier (a drained node's copies), deepest first; pinned
+        blocks and blocks with children outside ``keys`` stay. Returns how many left."""
+        state = self._namespaces.get(namespace_id)
+        if state is None:
+            return 0
+        dropped = 0
+        for key in reversed(keys):
+            block = state.index.get(key)
+            if block is not None and block.evictable and block not in self._promoting:
+                self._remove(block)
+                dropped += 1
+        return dropped
+
+    def held(self, namespace_id: int, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` this node holds in any tier (unknown namespace: 0)."""
+        state = self._namespaces.get(namespace_id)
+        return len(state.index.match(keys)) if state is not None else 0
+
+    async def checkout(self, namespace_id: int, key: bytes) -> memoryview | None:
+        """Pin a block for a peer to read, bringing it to DRAM first; its bytes, or None when this
+        node does not hold it (or its SSD copy failed its checksum). Each view needs one
+        :meth:`checkin`."""
+        state = self._namespaces.get(namespace_id)
+        block = state.index.get(key) if state is not None else None
+        if block is None or not block.readable:
+            return None
+        block.pins += 1
+        if await self._ensure_dram([block]) < 1:
+            block.pins -= 1
+            self._remove_if_hollow(block)
+            return None
+        self._hit([block])
+        self._n.peer_served += 1
+        return self._arena.view(block.offset, self._block_bytes(block)).data
+
+    def checkin(self, namespace_id: int, key: bytes) -> None:
+        """A peer is done reading a block :meth:`checkout` returned."""
+        block = self._namespaces[namespace_id].index.get(key)
+        assert block is not None and block.pins > 0, "checkin of a block that is not checked out"
+        block.pins -= 1
+
+    def adopt(self, namespace_id: int, parent: bytes, key: bytes, payload: memoryview) -> bool:
+        """Store a block a peer pushed (checksum already verified) under ``parent`` (b"" = the
+        chain's root). True when it is stored now or was already; False, storing nothing, when the
+        namespace is unknown, the size is wrong, the parent is missing or DRAM has no room."""
+        state = self._namespaces.get(namespace_id)
+        if state is None or payload.nbytes != state.spec.block_bytes or not state.index.slot_bytes:
+            return False
+        existing = state.index.get(key)
+        if existing is not None:
+            return existing.readable or (existing.sealed and not existing.pins and self._refill(existing, payload))
+        above = state.index.get(parent) if parent else None
+        if parent and (above is None or not above.sealed):
+            return False
+        if above is not None:
+            above.pins += 1   # making room must not evict the parent we hang the block under
+        try:
+            self._tick += 1
+            offset = self._alloc(state.index.slot_bytes)
+        finally:
+            if above is not None:
+                above.pins -= 1
+        if offset is None:
+            return False
+        self._arena.view(offset, payload.nbytes)[:] = payload
+        block = state.index.insert(key, above, offset)
+        block.pins = 0
+        self._sealed_now([block])
+        self._n.peer_received += 1
+        return True
+
+    def _refill(self, block: Block, payload: memoryview) -> bool:
+        """Give a hollow block (its bytes were lost, its children kept) the bytes a peer sent."""
+        if block in self._promoting:
+            return False
+        offset = self._alloc(block.index.slot_bytes)
+        if offset is None:
+            return False
+        self._arena.view(offset, payload.nbytes)[:] = payload
+        block.offset = offset
+        block.flags = 0
+        self._sealed_now([block])
+        self._n.peer_received += 1
+        return True
+
+    def _drop_clean_slots(self, blocks: Sequence[Block], most: int) -> int:
+        """Free the DRAM slots of up to ``most`` of ``blocks`` (in order) that have an SSD copy and
+        nothing holding them; their bytes stay on SSD. Returns how many were freed."""
+        freed = 0
+        for block in blocks:
+            if freed == most:
+                break
+            if block.in_dram and block.on_ssd and not block.pins and not block.flags & DEMOTING \
+                    and block not in self._promoting:
+                self._release_slot(block)
+                self._ssd_policy.inserted([block])
+                self._n.dram_evictions += 1
+                freed += 1
+        return freed
+
+    def _sealed_now(self, blocks: list[Block]) -> None:
+        """Blocks of one chain whose bytes just landed in their DRAM slots become visible."""
+        if not blocks:
+            return
+        for block in blocks:
+            block.flags |= SEALED
+            self._set_dirty(block)
+        self._dram_for(blocks[0]).inserted(blocks)  # one chain: one namespace, one slot size
+        self._mark_pages(blocks)
+        if self._dirty_bytes > self._config.dram.writeback_watermark * self._allocator.capacity:
+            self._writeback_wanted.set()
+
+    async def stream_blocks(self, session_id: str, namespace_id: int, keys: KeyRequest, buffers_id: int,
+                            block_ids: Sequence[int], emit: Callable[[Arrival], None],
+                            fetcher: Fetcher | None) -> StreamEnd:
+        """Hand a chain's blocks over one by one, in order, as each is in place: the cached prefix
+        first, then (with ``fetcher``) the rest as a peer sends it, each block stored here and
+        made visible the moment its checksum passed.
+
+        With ``buffers_id`` each block is copied into ``block_ids[i]`` of those buffers before
+        ``emit``; without, it is leased in the arena and the end names the lease (the caller
+        releases it). A transfer that stops short keeps the complete blocks and drops the partial
+        one; the end says why it stopped. Raises the usual errors for bad input.
+        """
+        session = self._session(session_id)
+        buffers = self._owned_buffers(session_id, buffers_id, namespace_id) if buffers_id else None
+        state, chain = self.resolve_keys(namespace_id, keys)
+        if buffers is not None:
+            self._check_block_ids(buffers, chain, block_ids)
+        ttl = self._config.leases.ttl_s
+        local = await self.lookup(namespace_id, KeyRequest(hashes=chain), lease=True, session_id=session_id)
+        read = self._leases.get(local.lease_id) if local.lease_id else None
+        if read is None:
+            read = self._pin(session, LeaseKind.READ, namespace_id, [], ttl)
+        reservation: Lease | None = None
+        self._busy.add(read.lease_id)
+        stop, detail = "complete", ""
+        handed_lease = 0
+
+        async def hand_over(first: int, blocks: list[Block], tiers: list[Tier], peer: str) -> None:
+            if buffers is not None and blocks:
+                await self._copy.from_arena(buffers, block_ids[first: first + len(blocks)],
+                                            [b.offset for b in blocks], None)
+                # In the engine's buffers now: unpin at once, so a prompt larger than DRAM streams.
+                assert read.pinned[-len(blocks):] == blocks, "handed-over blocks are the lease's newest"
+                for block in blocks:
+                    block.pins -= 1
+                del read.pinned[-len(blocks):]
+            for i, (block, tier) in enumerate(zip(blocks, tiers)):
+                emit(Arrival(first + i, tier, peer, block.offset if buffers is None else 0))
+
+        try:
+            await hand_over(0, list(read.pinned), local.tiers, "")   # the leased local prefix
+            delivered = local.blocks
+            if delivered < len(chain) and fetcher is None:
+                stop, detail = "missing", f"block {delivered} is not cached on this node"
+            elif delivered < len(chain) and fetcher is not None:
+                reservation, delivered, stop, detail = await self._fetch_rest(
+                    session, state, chain, read, delivered, hand_over, fetcher)
+            handed_lease = read.lease_id if buffers is None and read.pinned else 0
+            return StreamEnd(delivered, len(chain), stop, detail, handed_lease, ttl)
+        finally:
+            for lease in (reservation, read):
+                if lease is None:
+                    continue
+                self._busy.discard(lease.lease_id)
+                if lease.lease_id in self._doomed or self._leases.get(lease.lease_id) is None:
+                    self._finish_doomed(lease)
+                elif lease.lease_id != handed_lease:   # the caller keeps only the lease it was handed
+                    self._end(lease, session if session.session_id in self._sessions else None,
+                              aborted=True)
+
+    async def _fetch_rest(self, session: Session, state: NamespaceState, chain: list[bytes], read: Lease,
+                          delivered: int, hand_over: Callable[[int, list[Block], list[Tier], str], Awaitable[None]],
+                          fetcher: Fetcher) -> tuple[Lease | None, int, str, str]:
+        """Reserve the chain's missing blocks and let ``fetcher`` fill them in order; each block
+        that lands is sealed, leased in ``read`` and handed over. Returns the reservation (still
+        to be ended), how many blocks were handed over in all, and why it stopped."""
+        if not state.spec.block_bytes:
+            return None, delivered, "no_room", ("this node does not know the namespace's block size yet "
+                                                "(give Namespace.block_bytes, or register buffers first)")
+        reservation = self._reserve_present(session, state, chain)
+        self._busy.add(reservation.lease_id)
+        start = len(reservation.pinned)
+        if start > delivered:   # another client stored blocks since our lookup: hand them over too
+            extra = reservation.pinned[delivered:start]
+            for block in extra:
+                block.pins += 1
+            read.pinned.extend(extra)
+            ready = await self._ensure_dram(extra)
+            for block in extra[ready:]:
+                block.pins -= 1
+            del read.pinned[len(read.pinned) - len(extra) + ready:]
+            await hand_over(delivered, extra[:ready], _tiers(extra[:ready]), "")
+            if ready < len(extra):
+                return reservation, delivered + ready, "corrupt", f"block {delivered + ready} could not be read here"
+            delivered = start
+        if start == len(chain):
+            return reservation, start, "complete", ""
+        new = reservation.new
+        block_bytes = state.spec.block_bytes
+        sealed = 0
+
+        async def into(i: int, length: int) -> memoryview:
+            # Slots are taken as blocks arrive, not up front: the first block of a long prompt
+            # does not wait for thousands of reservations.
+            if length != block_bytes:
+                raise ValueError(f"peer sent block {start + i} of {length} bytes; expected {block_bytes}")
+            assert i == len(new), "blocks must arrive in order"
+            outcome = self._reserve_next(reservation, state, chain[start + i])
+            for _ in range(3):
+                # DRAM is full of this stream's own chain (a prompt larger than DRAM, each block
+                # already in the engine's buffers): sink its oldest blocks to SSD and let them give
+                # up their slots. The eviction policy cannot: they are interior blocks of a chain.
+                if outcome != "full" or self._ssd is None:
+                    break
+                await self._write_back(8 * block_bytes, True, {state.namespace_id})
+                if not self._drop_clean_slots(new[:i], 8):
+                    break
+                outcome = self._reserve_next(reservation, state, chain[start + i])
+            if outcome != "ok":
+                raise ResourceExhausted(f"no DRAM slot for block {start + i}: " + (
+                    "another client is writing it" if outcome == "blocked" else "every block that could "
+                    "make room is leased or being written"))
+            return self._arena.view(new[i].offset, length).data
+
+        async def landed(i: int, peer: str) -> None:
+            nonlocal sealed
+            assert i == sealed, "blocks must land in order"
+            block = new[i]
+            block.pins -= 1              # the reservation's: it is stored now ...
+            self._sealed_now([block])
+            block.pins += 1              # ... and leased for the reader
+            read.pinned.append(block)
+            sealed += 1
+            self._n.peer_fetched += 1
+            await hand_over(start + i, [block], [Tier.PEER], peer)
+
+        try:
+            got = await fetcher(state.namespace_id, chain[start:], into, landed)
+        finally:
+            del new[:sealed]             # sealed blocks are no longer the reservation's to abort
+        return reservation, start + sealed, got.stop, got.detail
+
     # -- introspection and shutdown ---------------------------------------------------------
     def stats(self) -> StoreStats:
         index_blocks = sum(len(s.index) for s in self._namespaces.values())
@@ -1029,7 +1366,8 @@ class BlockStore:
                           self._n.lookup_blocks, self._n.hit_blocks, self._n.hit_tokens,
                           self._n.saved_blocks, self._leases.count(LeaseKind.READ),
                           len(self._sessions), len(self._namespaces), index_blocks,
-                          self._n.promotions, self._n.demotions, self._n.dropped)
+                          self._n.promotions, self._n.demotions, self._n.dropped,
+                          self._n.peer_fetched, self._n.peer_served, self._n.peer_received)
 
     async def drain(self) -> None:
         """Wait for background promotions and write-backs in flight (shutdown)."""

@@ -8,18 +8,29 @@ distinct blocks of ``--block-bytes`` (default 2 MiB) in memory, touched before t
   ``recv_into``s a reused buffer. No framing, no checksums: the ceiling.
 * kvstored peers: ``PeerConnection.fetch`` of the block keys over one connection (framing, xxh3
   on both sides, ordered per-block delivery), under uvloop (as the daemon runs) and plain asyncio.
+* Mooncake Transfer Engine, protocol ``tcp`` (PyPI ``mooncake-transfer-engine-non-cuda``, run under
+  ``.bench/venv``'s python by ``tools/bench_peers_mooncake.py``): a target process registers one
+  region holding the blocks, an initiator process registers a destination region of ``--blocks`` slots
+  and reads the blocks into it, P2P handshake (no metadata server). Two modes: ``batch_transfer_sync_read``
+  of ``--blocks`` blocks per call (as kvstored fetches ``--blocks`` keys per call), and one
+  ``transfer_sync_read`` per block. The initiator times its reads and reports them on stdout.
+  ``--no-mooncake`` leaves it out; when it cannot run, its rows say why and the rest still runs.
 
-Runs alternate between the paths so machine noise hits them alike; the table gives medians over
-``--runs`` runs (at least 5) and each path's ratio to raw TCP's median. Target: >= 0.7x raw.
+Runs alternate between the paths so machine noise hits them alike (before each kvstored run: one raw
+run, then one run of each Mooncake mode); the table gives medians over the runs (``--runs``, at least
+5, per kvstored path; raw TCP and Mooncake get one run per kvstored run) and each path's ratio to raw
+TCP's median. Targets: kvstored >= 0.7x raw and >= 1.5x Mooncake.
 
-    .venv/bin/python tools/bench_peers.py [--runs 7] [--run-bytes 512MiB]
+    .venv/bin/python tools/bench_peers.py [--runs 7] [--run-bytes 512MiB] [--no-mooncake]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import select
 import socket
 import statistics
 import subprocess
@@ -27,12 +38,20 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstored.peers.transport import BlockServer, PeerAuth, PeerConnection
 
 NAMESPACE = 7
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_PYTHON = REPO_ROOT / ".bench" / "venv" / "bin" / "python"
+MOONCAKE_HELPER = Path(__file__).resolve().with_name("bench_peers_mooncake.py")
+MOONCAKE_MODES = {  # mode -> table row
+    "batch": "Mooncake TE tcp (batch_transfer_sync_read)",
+    "sync": "Mooncake TE tcp (transfer_sync_read per block)",
+}
 
 
 def make_blocks(count: int, size: int) -> list[tuple[bytes, bytearray]]:
@@ -130,6 +149,77 @@ class RawReceiver:
         self.sock.close()
 
 
+class MooncakeError(RuntimeError):
+    pass
+
+
+def _read_reply(proc: subprocess.Popen[str], timeout: float, what: str) -> dict[str, Any]:
+    """One JSON line from a Mooncake helper (each request gets exactly one line back)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise MooncakeError(f"{what}: no reply within {timeout:g} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise MooncakeError(f"{what}: helper exited (status {proc.poll()}); see .bench/bench_peers_mooncake.log")
+    try:
+        reply: dict[str, Any] = json.loads(line)
+    except ValueError:
+        raise MooncakeError(f"{what}: unexpected output {line.strip()[:200]!r}") from None
+    if "error" in reply:
+        raise MooncakeError(f"{what}: {reply['error']}")
+    return reply
+
+
+class MooncakeReceiver:
+    """A Mooncake target (holds the blocks) and initiator (reads them) pair, both under the bench venv."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.procs: list[subprocess.Popen[str]] = []
+        python = Path(args.mooncake_python)
+        if not python.exists():
+            raise MooncakeError(f"no {python} (the peers' venv; tools/bench/peerenv.py makes it)")
+        log_dir = REPO_ROOT / ".bench"
+        self.log: IO[bytes] | int = (open(log_dir / "bench_peers_mooncake.log", "ab") if log_dir.is_dir()
+                                     else subprocess.DEVNULL)
+        common = ["--blocks", str(args.blocks), "--block-bytes", str(args.block_bytes)]
+        try:
+            target = self._start([str(python), str(MOONCAKE_HELPER), "target", *common])
+            info = _read_reply(target, 120, "Mooncake target start")
+            self.initiator = self._start([str(python), str(MOONCAKE_HELPER), "initiator", *common,
+                                          "--session", str(info["session"]), "--remote-base", str(info["base"]),
+                                          "--remote-stride", str(info["stride"])])
+            _read_reply(self.initiator, 120, "Mooncake initiator start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, argv: list[str]) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                cwd=REPO_ROOT)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, nblocks: int, mode: str) -> float:
+        assert self.initiator.stdin is not None
+        try:
+            self.initiator.stdin.write(json.dumps({"nblocks": nblocks, "mode": mode}) + "\n")
+            self.initiator.stdin.flush()
+        except OSError as exc:
+            raise MooncakeError(f"Mooncake initiator gone: {exc}") from None
+        reply = _read_reply(self.initiator, 300, f"Mooncake {mode} run")
+        return nblocks * self.args.block_bytes / float(reply["seconds"])
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):   # initiator first
+            stop_sender(proc)
+        self.procs.clear()
+        if not isinstance(self.log, int):
+            self.log.close()
+            self.log = subprocess.DEVNULL
+
+
 def transport_runs(port: int, args: argparse.Namespace, nblocks: int, runs: int, use_uvloop: bool,
                    between: Callable[[], None]) -> list[float]:
     keys = [i.to_bytes(4, "big") * 8 for i in range(args.blocks)]
@@ -163,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-bytes", type=int, default=2 << 20)
     parser.add_argument("--run-bytes", type=int, default=512 << 20, help="bytes moved per run")
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--no-mooncake", action="store_true", help="leave Mooncake's Transfer Engine out")
+    parser.add_argument("--mooncake-python", default=str(BENCH_PYTHON),
+                        help="interpreter with mooncake installed (default: .bench/venv)")
     args = parser.parse_args(argv)
     if args.role == "raw":
         serve_raw(args.blocks, args.block_bytes)
@@ -178,35 +271,80 @@ def main(argv: list[str] | None = None) -> int:
     raw = RawReceiver(raw_port, args.block_bytes)
     raw_rates: list[float] = []
     results: dict[str, list[float]] = {}
+    mc_rates: dict[str, list[float]] = {mode: [] for mode in MOONCAKE_MODES}
+    mc_failed: dict[str, str] = {}   # mode -> why it has no figures
+    mooncake: MooncakeReceiver | None = None
+    if args.no_mooncake:
+        mc_failed = dict.fromkeys(MOONCAKE_MODES, "left out (--no-mooncake)")
+    else:
+        try:
+            mooncake = MooncakeReceiver(args)
+        except MooncakeError as exc:
+            mc_failed = dict.fromkeys(MOONCAKE_MODES, str(exc))
+
+    def mooncake_runs(record: bool) -> None:
+        for mode in MOONCAKE_MODES:
+            if mooncake is None or mode in mc_failed:
+                continue
+            try:
+                rate = mooncake.run(nblocks, mode)
+            except MooncakeError as exc:
+                mc_failed[mode] = str(exc)
+                continue
+            if record:
+                mc_rates[mode].append(rate)
+
+    def between() -> None:
+        raw_rates.append(raw.run(nblocks, args.block_bytes))
+        mooncake_runs(True)
+
     try:
         raw.run(nblocks, args.block_bytes)   # warm-up
+        mooncake_runs(False)                 # warm-up (connections, first touch of the destination)
         for name, role, use_uv in (("kvstored peers (uvloop)", "transport-uvloop", True),
                                    ("kvstored peers (asyncio)", "transport-asyncio", False)):
             proc, port = start_sender(role, args)
             try:
                 transport_runs(port, args, nblocks, 1, use_uv, lambda: None)   # warm-up
-                # alternate: one raw run before each transport run
-                results[name] = transport_runs(
-                    port, args, nblocks, args.runs, use_uv,
-                    lambda: raw_rates.append(raw.run(nblocks, args.block_bytes)))
+                # alternate: one raw run and one run of each Mooncake mode before each transport run
+                results[name] = transport_runs(port, args, nblocks, args.runs, use_uv, between)
             finally:
                 stop_sender(proc)
     finally:
         raw.close()
         stop_sender(raw_proc)
+        if mooncake is not None:
+            mooncake.close()
 
     raw_median = statistics.median(raw_rates)
     mib = args.block_bytes / (1 << 20)
-    print(f"\nPeer block channel vs raw TCP, loopback, {mib:g} MiB blocks, {nblocks} blocks "
-          f"({nblocks * args.block_bytes >> 20} MiB) per run, {args.runs} runs per path, "
+    print(f"\nPeer block channel vs raw TCP vs Mooncake TE (tcp), loopback, {mib:g} MiB blocks, {nblocks} blocks "
+          f"({nblocks * args.block_bytes >> 20} MiB) per run, {args.runs} runs per kvstored path, "
           f"{os.cpu_count()} CPUs\n")
-    print("| path | median GB/s | min GB/s | max GB/s | vs raw TCP |")
-    print("|---|---|---|---|---|")
-    rows = [("raw TCP (blocking sendall / recv_into)", raw_rates), *results.items()]
-    for name, rates in rows:
+    print("| path | runs | median GB/s | min GB/s | max GB/s | vs raw TCP |")
+    print("|---|---|---|---|---|---|")
+    rows: list[tuple[str, list[float], str | None]] = [
+        ("raw TCP (blocking sendall / recv_into)", raw_rates, None),
+        *((name, rates, None) for name, rates in results.items()),
+        *((MOONCAKE_MODES[mode], mc_rates[mode], mc_failed.get(mode)) for mode in MOONCAKE_MODES)]
+    for name, rates, failed in rows:
+        if failed is not None or not rates:
+            why = (failed or "no runs").replace("|", "/")
+            print(f"| {name} | {len(rates)} | - | - | - | not measured: {why} |")
+            continue
         med = statistics.median(rates)
-        print(f"| {name} | {med / 1e9:.2f} | {min(rates) / 1e9:.2f} | {max(rates) / 1e9:.2f} | "
+        print(f"| {name} | {len(rates)} | {med / 1e9:.2f} | {min(rates) / 1e9:.2f} | {max(rates) / 1e9:.2f} | "
               f"{med / raw_median:.2f}x |")
+    measured = {mode: statistics.median(rates) for mode, rates in mc_rates.items()
+                if rates and mode not in mc_failed}
+    print()
+    if not measured:
+        print("kvstored / Mooncake: n/a (Mooncake not measured)")
+    else:
+        best = max(measured, key=lambda mode: measured[mode])   # the stronger Mooncake mode is the bar
+        for name, rates in results.items():
+            print(f"kvstored / Mooncake: {name} / {MOONCAKE_MODES[best]} = "
+                  f"{statistics.median(rates) / measured[best]:.2f}x (medians; target >= 1.5x)")
     return 0
 
 

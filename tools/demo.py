@@ -4,15 +4,23 @@ A toy "engine" whose KV for a block is a deterministic function of the block's k
 small Llama (16 layers, 8 KV heads, head dim 64, fp16: 512 KiB per 16-token block). It shows:
 1. a request's KV saved after prefill; 2. a second request reusing the shared system prompt;
 3. a multi-turn conversation prefilling only the new turn; 4. the engine-buffer path
-(register_buffers + save_blocks/load_blocks) with a vLLM-style paged layout.
+(register_buffers + save_blocks/load_blocks) with a vLLM-style paged layout; 5. prefill and decode on
+two more daemons started here (peers on loopback): the prefill node pushes each chunk as it is saved,
+then a decode node that has nothing streams a prompt from its peer block by block.
 Every reused block is checked byte for byte against what the engine computed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -95,6 +103,80 @@ def engine_buffers(client: kvstored.Client) -> None:
     assert same, "engine B's blocks differ from engine A's"
 
 
+@contextlib.contextmanager
+def two_nodes() -> Iterator[tuple[kvstored.Client, kvstored.Client]]:
+    """A prefill node and a decode node: daemons with peer channels on loopback ports."""
+    with tempfile.TemporaryDirectory(prefix="kvstored-demo-") as tmp:
+        ports = []
+        for _ in range(2):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        static = f"prefill=127.0.0.1:{ports[0]},decode=127.0.0.1:{ports[1]}"
+        procs, clients = [], []
+        try:
+            for name, port in zip(("prefill", "decode"), ports):
+                sock = str(Path(tmp) / f"{name}.sock")
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "kvstored", "--socket", sock, "--dram-capacity", "256MiB",
+                     "--set", "ssd.enabled=false", "--set", f"peers.listen=127.0.0.1:{port}",
+                     "--set", f"peers.node_id={name}", "--set", f"peers.static={static}",
+                     "--set", "peers.token=demo-token", "--log-level", "warning"],
+                    stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / f"{name}.log", "wb")))
+                deadline = time.monotonic() + 30
+                while True:
+                    try:
+                        clients.append(kvstored.Client(sock, client_name=f"demo-{name}"))
+                        break
+                    except kvstored.DaemonNotRunning:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.1)
+            yield clients[0], clients[1]
+        finally:
+            for c in clients:
+                c.close()
+            for p in procs:
+                p.terminate()
+                p.wait(30)
+
+
+def disaggregated() -> None:
+    with two_nodes() as (prefill_node, decode_node):
+        prompt = np.concatenate([words(11, 1024), words(12, 1000)])
+        kv = prefill(prompt)
+        t0 = time.perf_counter()
+        for end in range(16, len(kv) + 16, 16):   # chunked prefill: 16 blocks a chunk
+            n = min(end, len(kv))
+            prefill_node.save(prompt[: n * BLOCK], kv[:n], namespace=NS, push_to="decode")
+        deadline = time.monotonic() + 30
+        while decode_node.lookup(prompt, namespace=NS).blocks < len(kv) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        pushed = decode_node.lookup(prompt, namespace=NS)
+        print(f"{'5a. prefill node pushes to decode':<34} {len(kv)} blocks saved chunk by chunk with push_to="
+              f"'decode': {pushed.blocks} on the decode node after {1e3 * (time.perf_counter() - t0):.0f} ms")
+        assert pushed.blocks == len(kv), "the decode node did not get every pushed block"
+        got = decode_node.load(prompt, namespace=NS, dtype=np.float16).data.reshape(-1, *ROW_SHAPE)
+        assert np.array_equal(got, kv), "pushed KV differs from the prefill node's"
+        # another prompt only the prefill node holds: the decode node pulls it, block by block
+        other = np.concatenate([words(13, 1024), words(14, 1000)])
+        other_kv = prefill(other)
+        prefill_node.save(other, other_kv, namespace=NS)
+        hit = decode_node.lookup(other, namespace=NS, peers=True)
+        t0 = time.perf_counter()
+        stream = decode_node.stream(other, namespace=NS)
+        first = 0.0
+        for arrival in stream:
+            if arrival.index == 0:
+                first = time.perf_counter() - t0
+            assert np.array_equal(arrival.data.view(np.float16).reshape(ROW_SHAPE), other_kv[arrival.index])
+        last = time.perf_counter() - t0
+        out = stream.outcome
+        assert out is not None and out.complete, out
+        print(f"{'5b. decode node streams from peer':<34} lookup(peers=True) {hit.per_tier}, per peer "
+              f"{hit.per_peer}; first block after {first * 1e3:.1f} ms, all {out.blocks} after {last * 1e3:.1f} ms")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--wait", type=float, default=0, help="seconds to wait for the daemon")
@@ -111,6 +193,7 @@ def main() -> int:
         turn3 = np.concatenate([turn2, words(8, 100), words(9, 60)])
         serve(client, turn3, "3c. conversation, turn 3")
         engine_buffers(client)
+    disaggregated()
     return 0
 
 

@@ -39,7 +39,7 @@ from kvstored_client.wire import namespace_from_pb, namespace_to_pb
 
 MAX_MESSAGE_BYTES = 64 << 20
 T = TypeVar("T")
-TIER_NAMES: dict[int, str] = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd"}
+TIER_NAMES: dict[int, str] = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_PEER: "peer"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,36 @@ class LookupResult:
     tokens: int
     blocks: int
     per_tier: dict[str, int] = field(default_factory=dict)
+    per_peer: dict[str, int] = field(default_factory=dict)   # lookup(peers=True): blocks after the local prefix
+
+
+@dataclass(frozen=True, slots=True)
+class BlockArrival:
+    """Block ``index`` of a streamed prompt is in place: in the engine's buffers (``data`` is
+    None), or copied out of the daemon into ``data`` (one row of bytes). ``tier``: where it was
+    found ("dram", "ssd", or "peer": fetched from node ``peer`` just now)."""
+
+    index: int
+    tier: str
+    peer: str
+    data: Any
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOutcome:
+    """How a stream ended: ``blocks`` of ``requested`` arrived (``tokens`` of the prompt), then
+    ``stop``: "complete", or why it stopped short ("missing", "peer_closed", "timeout", "corrupt",
+    "unreachable", "peer_error", "no_room", "no_peers"); the engine recomputes the rest."""
+
+    blocks: int
+    requested: int
+    tokens: int
+    stop: str
+    detail: str
+
+    @property
+    def complete(self) -> bool:
+        return self.stop == "complete"
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,19 +254,27 @@ class Client:
 
     # -- reuse --------------------------------------------------------------------------------
     def lookup(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
-               namespace: Namespace | None = None, cache_salt: str | None = None) -> LookupResult:
-        """How many leading tokens of a prompt are cached, and on which tiers. Changes nothing."""
+               namespace: Namespace | None = None, cache_salt: str | None = None,
+               peers: bool = False) -> LookupResult:
+        """How many leading tokens of a prompt are cached, and on which tiers. Changes nothing.
+
+        With ``peers`` the daemon also asks its peers for the blocks after its own prefix:
+        ``per_peer`` says how many each holds, and the best one's run counts as tier "peer"."""
         ns_id, spec = self._ns(namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
-        resp = self._call(self._stub.Lookup, pb.LookupRequest(namespace_id=ns_id, keys=keys))
-        return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, _per_tier(resp.tiers))
+        resp = self._call(self._stub.Lookup, pb.LookupRequest(namespace_id=ns_id, keys=keys, peers=peers))
+        return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, _per_tier(resp.tiers),
+                            {h.node_id: h.blocks for h in resp.peer_hits})
 
     def save(self, tokens: Any, kv: Any, *, hashes: Sequence[bytes] | None = None,
-             namespace: Namespace | None = None, cache_salt: str | None = None) -> SaveResult:
+             namespace: Namespace | None = None, cache_salt: str | None = None,
+             push_to: str = "") -> SaveResult:
         """Store a prompt's KV: ``kv`` has one row per whole block (numpy array or CPU tensor).
 
         Blocks already cached are skipped; when the DRAM tier cannot make room, a shorter prefix
-        is stored (``stored`` says how much). One reserve and one seal call per batch.
+        is stored (``stored`` says how much). One reserve and one seal call per batch. With
+        ``push_to`` (a peer node id) the daemon also pushes the chain to that node in the
+        background, in order, skipping what it holds.
         """
         ns_id, spec = self._ns(namespace)
         keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
@@ -255,7 +293,7 @@ class Client:
         for i, offset in enumerate(resp.offsets):
             arena[offset: offset + block_bytes] = rows[first + i]
         sealed = self._call(self._stub.Seal, pb.SealRequest(
-            session_id=self._session(), reservation_id=resp.reservation_id)).sealed_blocks
+            session_id=self._session(), reservation_id=resp.reservation_id, push_to=push_to)).sealed_blocks
         return SaveResult(first, sealed, spec.block_size)
 
     def load(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None, out: Any = None,
@@ -350,13 +388,17 @@ class Client:
             session_id=self._session(), buffers_id=buffers.buffers_id))
 
     def save_blocks(self, buffers: Buffers, block_ids: Sequence[int], tokens: Any = None, *,
-                    hashes: Sequence[bytes] | None = None, cache_salt: str | None = None) -> SaveResult:
-        """Store blocks ``block_ids`` of the registered buffers as the prompt's chain of blocks."""
+                    hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
+                    push_to: str = "") -> SaveResult:
+        """Store blocks ``block_ids`` of the registered buffers as the prompt's chain of blocks.
+
+        ``push_to``: also push the chain to that peer node (e.g. the decode node), in the
+        background and in order; call this per chunk of prefill and each chunk leaves at once."""
         ns_id, spec = self._ns(buffers.namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
         resp = self._call(self._stub.SaveBlocks, pb.SaveBlocksRequest(
             session_id=self._session(), namespace_id=ns_id, buffers_id=buffers.buffers_id,
-            keys=keys, block_ids=list(block_ids)))
+            keys=keys, block_ids=list(block_ids), push_to=push_to))
         return SaveResult(resp.present_blocks, resp.stored_blocks, spec.block_size)
 
     def load_blocks(self, buffers: Buffers, block_ids: Sequence[int], tokens: Any = None, *,
@@ -386,6 +428,59 @@ class Client:
         resp = self._call(self._stub.Prefetch, pb.PrefetchRequest(namespace_id=ns_id, keys=keys))
         return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks,
                             {"promoting": resp.promoting_blocks} if resp.promoting_blocks else {})
+
+    def stream(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
+               buffers: Buffers | None = None, block_ids: Sequence[int] | None = None,
+               namespace: Namespace | None = None, cache_salt: str | None = None,
+               peers: bool = True) -> BlockStream:
+        """Load a prompt's blocks one by one, in token order, each as soon as it is in place.
+
+        Iterate the returned :class:`BlockStream` for :class:`BlockArrival` events: the blocks
+        cached on this node first, then (``peers``) the rest as the daemon fetches them from the
+        peer holding them, so decoding can start on block 0 while later blocks are in flight.
+        With ``buffers``/``block_ids`` each block lands in the engine's buffers; without, each
+        arrival carries the block's bytes. After the loop, ``outcome`` says how far it got and why
+        it stopped; a short stream is not an error (the engine recomputes the rest).
+        """
+        ns = buffers.namespace if buffers is not None else namespace
+        ns_id, spec = self._ns(ns)
+        keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
+        if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
+            raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
+        request = pb.StreamBlocksRequest(session_id=self._session(), namespace_id=ns_id, keys=keys,
+                                         buffers_id=buffers.buffers_id if buffers is not None else 0,
+                                         block_ids=list(block_ids or []), peers=peers)
+        call = self._stub.StreamBlocks(request, timeout=self._timeout)
+        arena = self._arena_view() if buffers is None else None
+        return BlockStream(self, call, arena, spec.block_size, spec.block_bytes)
+
+    # -- cluster --------------------------------------------------------------------------------
+    def peers(self) -> dict[str, Any]:
+        """This node and its peers as the daemon sees them (see ``kvctl peers``); asks each peer
+        a quick question first, so states are fresh."""
+        resp = self._call(self._stub.Peers, pb.PeersRequest())
+        return json_format.MessageToDict(resp, preserving_proto_field_name=True,
+                                         always_print_fields_with_no_presence=True)
+
+    def migrate(self, to: str = "", *, model: str = "", tokens: Any = None, hashes: Sequence[bytes] | None = None,
+                namespace: Namespace | None = None, drain: bool = False) -> Iterator[dict[str, Any]]:
+        """Push a model's blocks (all models when empty), or one prompt's cached prefix (``tokens``
+        or ``hashes``), to node ``to``; with ``drain`` (and no ``to``) everything goes to the
+        peers and the local copies are dropped. Yields progress dicts (total_blocks,
+        pushed_blocks, failed_blocks, dropped_blocks, detail, done)."""
+        request = pb.MigrateRequest(to=to, model=model, drain=drain)
+        if tokens is not None or hashes is not None:
+            ns_id, spec = self._ns(namespace)
+            keys, _ = self._keys(spec, tokens, hashes, None)
+            request.prefix.CopyFrom(keys)
+            request.namespace_id = ns_id
+        try:
+            for p in self._stub.Migrate(request, timeout=None):
+                yield {"total_blocks": p.total_blocks, "pushed_blocks": p.pushed_blocks,
+                       "failed_blocks": p.failed_blocks, "dropped_blocks": p.dropped_blocks,
+                       "detail": p.detail, "done": p.done}
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
 
     # -- admin --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -503,6 +598,57 @@ class LoadHandle:
         self._wait_for(lambda: self._result is not None, None)
         assert self._result is not None, "no result after waiting for it"
         return self._result
+
+
+class BlockStream:
+    """A streamed load (``Client.stream``): iterate for :class:`BlockArrival` in token order;
+    ``outcome`` afterwards. Leaving the loop early (or ``close``) cancels the rest."""
+
+    def __init__(self, client: Client, call: Any, arena: np.ndarray | None, block_size: int,
+                 block_bytes: int) -> None:
+        self._client = client
+        self._call = call
+        self._arena = arena
+        self._block_size = block_size
+        self._block_bytes = block_bytes
+        self._keep_data = True
+        self.outcome: StreamOutcome | None = None
+
+    def __iter__(self) -> Iterator[BlockArrival]:
+        lease_id = 0
+        try:
+            for event in self._call:
+                for b in event.blocks:
+                    data = None
+                    if self._arena is not None and self._keep_data:
+                        # copy now: the block stays leased only until the stream ends
+                        data = self._arena[b.offset: b.offset + self._block_bytes].copy()
+                    yield BlockArrival(b.index, TIER_NAMES.get(b.tier, str(b.tier)), b.peer, data)
+                if event.HasField("end"):
+                    e = event.end
+                    lease_id = e.lease_id
+                    self.outcome = StreamOutcome(e.blocks, e.requested, e.blocks * self._block_size, e.stop, e.detail)
+                    break
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED and self.outcome is None:
+                return
+            raise from_rpc_error(exc) from None
+        finally:
+            if self.outcome is None:
+                self._call.cancel()   # left early: the daemon drops the rest and its lease
+            if lease_id:
+                self._client._release_later(lease_id)
+
+    def close(self) -> None:
+        self._call.cancel()
+
+    def wait(self) -> StreamOutcome:
+        """Consume the stream without keeping the arrivals (nor copying their bytes); the outcome."""
+        self._keep_data = False
+        for _ in self:
+            pass
+        assert self.outcome is not None, "a stream ended without its outcome"
+        return self.outcome
 
 
 def _token_array(tokens: Any) -> np.ndarray:

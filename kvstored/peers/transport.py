@@ -8,8 +8,11 @@ Wire format (all integers big-endian; one connection carries any number of reque
 * ``HELLO`` client -> server: ``magic "KVPB", version, flags, token length`` then the token (may be
   empty). ``WELCOME`` server -> client: ``magic, version, status, message length`` then a UTF-8
   message; any status but OK is followed by the server closing the connection.
-* ``REQUEST`` client -> server: ``op, 0, 0, key count, namespace id, key bytes`` then each key as
-  ``u8 length ‖ key``.
+* ``REQUEST`` client -> server: ``op, flags, 0, key count, namespace id, body bytes`` then the body:
+  each key as ``u8 length ‖ key`` (FETCH, PUSH, LOOKUP), or the namespace's description (NAMESPACE).
+  PUSH with flag PARENT: the first key names the parent of the pushed chain and has no frame.
+  LOOKUP and NAMESPACE are answered with one ACK frame (LOOKUP: ``index`` = how many leading keys
+  the peer holds) or an ERROR frame.
 * ``FRAME`` either way: ``kind, key length, 0, index, length, xxh3-64 checksum`` then the key, then
   ``length`` payload bytes. Kinds: BLOCK (payload = the block), MISSING (the sender does not have
   ``keys[index]``; the transfer ends), END (all blocks sent), ERROR (payload = a UTF-8 message; the
@@ -56,11 +59,16 @@ VERSION = 1
 
 _HELLO = struct.Struct(">4sBBH")     # magic, version, flags, token length; then the token
 _WELCOME = struct.Struct(">4sBBH")   # magic, version, status, message length; then the message
-_REQUEST = struct.Struct(">BBHIQI")  # op, 0, 0, key count, namespace id, key bytes; then the keys
+_REQUEST = struct.Struct(">BBHIQI")  # op, flags, 0, key count, namespace id, body bytes; then the body
 _FRAME = struct.Struct(">BBHIQQ")    # kind, key length, 0, index, length, checksum; then key, payload
 
 OP_FETCH = 1
 OP_PUSH = 2
+OP_LOOKUP = 3
+OP_NAMESPACE = 4
+
+FLAG_PARENT = 1          # PUSH: keys[0] is the parent of the pushed chain, not a pushed block
+MAX_NAMESPACE_BYTES = 64 << 10
 
 BLOCK = 1
 MISSING = 2
@@ -77,9 +85,11 @@ _SPILL_BYTES = 256 << 10   # received ahead of the reader before reading pauses
 
 ServeBlock = Callable[[int, bytes], Awaitable[memoryview | None]]
 ReleaseBlock = Callable[[int, bytes], None]
-StoreBlock = Callable[[int, bytes, int, memoryview], "bool | Awaitable[bool]"]
+StoreBlock = Callable[[int, bytes, bytes, memoryview], "bool | Awaitable[bool]"]
+CountBlocks = Callable[[int, list[bytes]], "int | Awaitable[int]"]
+OpenNamespace = Callable[[int, bytes], "str | Awaitable[str]"]
 OnBlock = Callable[[int, memoryview], "Awaitable[None] | None"]
-Into = Callable[[int, int], memoryview]
+Into = Callable[[int, int], "memoryview | Awaitable[memoryview]"]
 
 
 # -- errors and results ---------------------------------------------------------------------------
@@ -331,7 +341,8 @@ class _Stream(asyncio.BufferedProtocol):
         got = 0
         if self._pending:
             got = min(n, len(self._pending))
-            view[:got] = self._pending[:got]
+            with memoryview(self._pending) as pending:   # one copy, not a slice and then a copy
+                view[:got] = pending[:got]
             del self._pending[:got]
         if got == n:
             return
@@ -393,7 +404,7 @@ def _frame(kind: int, key: bytes = b"", index: int = 0, length: int = 0, check: 
     return _FRAME.pack(kind, len(key), 0, index, length, check) + key
 
 
-def _encode_request(op: int, namespace_id: int, keys: Sequence[bytes], limits: Limits) -> bytes:
+def _encode_request(op: int, namespace_id: int, keys: Sequence[bytes], limits: Limits, flags: int = 0) -> bytes:
     if len(keys) > limits.max_keys:
         raise ValueError(f"{len(keys)} keys in one request; at most {limits.max_keys}")
     body = bytearray()
@@ -402,7 +413,7 @@ def _encode_request(op: int, namespace_id: int, keys: Sequence[bytes], limits: L
             raise ValueError(f"a key must be 1..{limits.max_key_bytes} bytes, got {len(key)}")
         body.append(len(key))
         body += key
-    return _REQUEST.pack(op, 0, 0, len(keys), namespace_id, len(body)) + bytes(body)
+    return _REQUEST.pack(op, flags, 0, len(keys), namespace_id, len(body)) + bytes(body)
 
 
 def _decode_keys(body: bytes, count: int) -> list[bytes]:
@@ -431,13 +442,19 @@ class BlockServer:
     was abandoned. While block ``i`` is being written, ``serve_block`` for ``i + 1`` already runs,
     so a slow tier (SSD) overlaps with the network.
 
-    ``store_block(namespace_id, key, index, payload)`` (optional) takes a pushed block whose
-    checksum was verified; ``payload`` is valid only until it returns (or its awaitable is done).
-    It returns False to refuse the block, which ends the push.
+    ``store_block(namespace_id, parent, key, payload)`` (optional) takes a pushed block whose
+    checksum was verified (``parent``: the key before it in the chain, b"" at the root);
+    ``payload`` is valid only until it returns (or its awaitable is done). It returns False to
+    refuse the block, which ends the push.
+
+    ``count_blocks(namespace_id, keys)`` (optional) answers LOOKUP: how many leading keys this node
+    holds. ``open_namespace(namespace_id, description)`` (optional) learns a namespace before
+    blocks of it are pushed; it returns "" or why it refuses.
     """
 
     def __init__(self, host: str, port: int, auth: PeerAuth, serve_block: ServeBlock, *,
                  release_block: ReleaseBlock | None = None, store_block: StoreBlock | None = None,
+                 count_blocks: CountBlocks | None = None, open_namespace: OpenNamespace | None = None,
                  limits: Limits | None = None) -> None:
         self._host = host
         self._port = port
@@ -445,6 +462,8 @@ class BlockServer:
         self._serve_block = serve_block
         self._release_block = release_block
         self._store_block = store_block
+        self._count_blocks = count_blocks
+        self._open_namespace = open_namespace
         self._limits = limits or Limits()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -513,7 +532,14 @@ class BlockServer:
                     head = await stream.read_exact(_REQUEST.size, "waiting for a request")
                 except _Closed:
                     return   # the client is done
-                op, _, _, count, namespace_id, key_bytes = _REQUEST.unpack(head)
+                op, flags, _, count, namespace_id, key_bytes = _REQUEST.unpack(head)
+                if op == OP_NAMESPACE and self._open_namespace is not None:
+                    if count or key_bytes > MAX_NAMESPACE_BYTES:
+                        await self._error(stream, "malformed namespace request")
+                        return
+                    body = await stream.read_exact(key_bytes, "reading a namespace")
+                    await self._answer(stream, self._open_namespace(namespace_id, body), 0)
+                    continue
                 if count > self._limits.max_keys or key_bytes > count * (1 + self._limits.max_key_bytes):
                     await self._error(stream, f"request too large: {count} keys, {key_bytes} key bytes")
                     return
@@ -526,8 +552,18 @@ class BlockServer:
                     if not await self._send_blocks(stream, namespace_id, keys):
                         return
                 elif op == OP_PUSH and self._store_block is not None:
-                    if not await self._receive_blocks(stream, namespace_id, keys):
+                    parent = b""
+                    if flags & FLAG_PARENT:
+                        if not keys:
+                            await self._error(stream, "a push with a parent names it first")
+                            return
+                        parent, keys = keys[0], keys[1:]
+                    if not await self._receive_blocks(stream, namespace_id, parent, keys):
                         return
+                elif op == OP_LOOKUP and self._count_blocks is not None:
+                    counted = self._count_blocks(namespace_id, keys)
+                    held = await counted if inspect.isawaitable(counted) else counted
+                    await self._answer(stream, "", int(held))
                 else:
                     await self._error(stream, f"operation {op} not supported by this peer")
                     return
@@ -615,7 +651,16 @@ class BlockServer:
             except Exception:
                 log.exception("release_block failed")
 
-    async def _receive_blocks(self, stream: _Stream, namespace_id: int, keys: list[bytes]) -> bool:
+    async def _answer(self, stream: _Stream, outcome: str | Awaitable[str], index: int) -> None:
+        """One ACK frame (``index``), or an ERROR frame when ``outcome`` is a refusal message."""
+        message = await outcome if inspect.isawaitable(outcome) else outcome
+        if message:
+            await self._error(stream, message)
+        else:
+            stream.write(_frame(ACK, b"", index))
+            await stream.drain()
+
+    async def _receive_blocks(self, stream: _Stream, namespace_id: int, parent: bytes, keys: list[bytes]) -> bool:
         assert self._store_block is not None
         scratch = bytearray()
         stored = 0
@@ -635,13 +680,14 @@ class BlockServer:
                 log.warning("pushed block %d (%s) failed its checksum: dropped", i, key.hex()[:16])
                 await self._ack(stream, stored, ERROR, f"block {i} failed its checksum: dropped")
                 return False
-            ok = self._store_block(namespace_id, key, i, view)
+            ok = self._store_block(namespace_id, parent, key, view)
             if inspect.isawaitable(ok):
                 ok = await ok
             if not ok:
                 await self._ack(stream, stored, ERROR, f"block {i} refused by the receiver")
                 return False
             stored += 1
+            parent = key
         else:
             kind, klen, *_ = _FRAME.unpack(await stream.read_exact(_FRAME.size, "reading the end"))
             await stream.read_exact(klen, "reading the end")
@@ -753,7 +799,7 @@ class PeerConnection:
 
         ``payload`` is valid until ``on_block`` returns (or its awaitable is done): copy what you keep.
         With ``into(index, length)`` the payload is received straight into the writable memoryview
-        it returns (exactly ``length`` bytes); if the result's ``delivered`` is ``i``, the buffer for
+        it returns or resolves to (exactly ``length`` bytes); if the result's ``delivered`` is ``i``, the buffer for
         block ``i`` (if one was asked for) holds unverified bytes and must be discarded.
         The deadline covers the whole transfer, ``on_block`` included."""
         progress = _Progress()
@@ -796,7 +842,7 @@ class PeerConnection:
                     if length > self._limits.max_block_bytes:
                         self._break()
                         return FetchResult(i, n, Stop.PEER_ERROR, f"block {i} of {length} bytes exceeds the limit")
-                    dest = self._destination(i, length, into)
+                    dest = await self._destination(i, length, into)
                     await s.read_into(dest, f"reading block {i}")
                     if checksum(dest) != check:
                         self._break()
@@ -815,9 +861,10 @@ class PeerConnection:
                 raise
             raise AssertionError("unreachable")
 
-    def _destination(self, index: int, length: int, into: Into | None) -> memoryview:
+    async def _destination(self, index: int, length: int, into: Into | None) -> memoryview:
         if into is not None:
-            dest = _as_bytes_view(into(index, length))
+            place = into(index, length)
+            dest = _as_bytes_view(await place if inspect.isawaitable(place) else place)
             if dest.readonly or dest.nbytes != length:
                 raise ValueError(f"into({index}, {length}) must return a writable buffer of exactly {length} bytes")
             return dest
@@ -825,22 +872,64 @@ class PeerConnection:
             self._scratch = bytearray(length)
         return memoryview(self._scratch)[:length]
 
+    async def lookup(self, namespace_id: int, keys: Sequence[bytes], deadline_s: float) -> int:
+        """How many leading ``keys`` the peer holds. Raises :class:`PeerError` when it cannot tell
+        (refused, closed, past the deadline)."""
+        return await self._exchange(_encode_request(OP_LOOKUP, namespace_id, keys, self._limits), deadline_s)
+
+    async def open_namespace(self, namespace_id: int, description: bytes, deadline_s: float) -> None:
+        """Make the peer know a namespace before pushing blocks of it. Raises :class:`PeerError`
+        with the peer's reason when it refuses, or when the exchange fails."""
+        if len(description) > MAX_NAMESPACE_BYTES:
+            raise ValueError(f"namespace description of {len(description)} bytes; at most {MAX_NAMESPACE_BYTES}")
+        request = _REQUEST.pack(OP_NAMESPACE, 0, 0, 0, namespace_id, len(description)) + description
+        await self._exchange(request, deadline_s)
+
+    async def _exchange(self, request: bytes, deadline_s: float) -> int:
+        """Send a one-answer request; the ACK's ``index``, or PeerError."""
+        if not self.usable:
+            raise PeerError(f"connection to {self._addr[0]}:{self._addr[1]} is closed")
+        try:
+            async with asyncio.timeout(deadline_s), self._busy:
+                s = self._stream
+                s.write(request)
+                await s.drain()
+                head = await s.read_exact(_FRAME.size, "waiting for an answer")
+                kind, klen, _, index, length, _ = _FRAME.unpack(head)
+                await s.read_exact(klen, "reading an answer")
+                if kind == ACK:
+                    return int(index)
+                message = (await s.read_exact(min(length, 4096), "reading an error")).decode(errors="replace")
+                if kind != ERROR or length > 4096:
+                    self._break()
+                raise PeerError(f"peer {self._addr[0]}:{self._addr[1]}: {message}")
+        except TimeoutError:
+            self._break()
+            raise PeerError(f"peer {self._addr[0]}:{self._addr[1]} did not answer within {deadline_s:g}s") from None
+        except (_Closed, ConnectionError, ssl.SSLError) as exc:
+            self._break()
+            raise PeerError(f"peer {self._addr[0]}:{self._addr[1]}: {exc}") from None
+
     async def push(self, namespace_id: int, blocks: Sequence[tuple[bytes, memoryview | bytes]],
-                   deadline_s: float) -> PushResult:
+                   deadline_s: float, *, parent: bytes = b"") -> PushResult:
         """Send ``(key, payload)`` blocks in order for the peer to store; it verifies each one and
-        stops at the first bad or refused block. The payloads are not copied: keep them unchanged
+        stops at the first bad or refused block. ``parent``: the key of the block before the first
+        (b"" when the chain starts at the root). The payloads are not copied: keep them unchanged
         until this returns."""
         n = len(blocks)
         try:
             async with asyncio.timeout(deadline_s):
-                return await self._push(namespace_id, blocks)
+                return await self._push(namespace_id, blocks, parent)
         except TimeoutError:
             self._break()
             return PushResult(0, n, Stop.TIMEOUT, f"deadline of {deadline_s:g}s passed")
 
-    async def _push(self, namespace_id: int, blocks: Sequence[tuple[bytes, memoryview | bytes]]) -> PushResult:
+    async def _push(self, namespace_id: int, blocks: Sequence[tuple[bytes, memoryview | bytes]],
+                    parent: bytes) -> PushResult:
         n = len(blocks)
-        request = _encode_request(OP_PUSH, namespace_id, [k for k, _ in blocks], self._limits)
+        keys = [k for k, _ in blocks]
+        request = _encode_request(OP_PUSH, namespace_id, [parent, *keys] if parent else keys, self._limits,
+                                  FLAG_PARENT if parent else 0)
         if not self.usable:
             return PushResult(0, n, Stop.PEER_CLOSED, "connection is closed")
         async with self._busy:

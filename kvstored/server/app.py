@@ -17,12 +17,15 @@ import lmdb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstored import config as config_mod
+from kvstored.cluster.membership import MembershipError
 from kvstored.config import Config, ConfigError
 from kvstored.copy import CopyEngine
+from kvstored.peers.node import PeerNode
+from kvstored.peers.transport import PeerConfigError
 from kvstored.server import sdnotify
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.store import BlockStore
-from kvstored.tiers.dram import Arena
+from kvstored.tiers.dram import Arena, sweep_stale_arenas
 from kvstored.tiers.ssd import SSDTier
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.version import __version__
@@ -132,6 +135,8 @@ async def serve(cfg: Config) -> int:
     finally:
         os.umask(old_umask)
 
+    if stale := sweep_stale_arenas(cfg.dram.shm_dir):
+        log.info("removed %d arena file(s) left by daemons that died: %s", len(stale), ", ".join(stale))
     log.info("opening DRAM tier: %d MiB arena in %s", cfg.dram.capacity >> 20, cfg.dram.shm_dir)
     try:
         arena = Arena(cfg.dram.shm_dir, cfg.dram.capacity, cfg.server.socket_mode, cfg.dram.prefault)
@@ -154,8 +159,23 @@ async def serve(cfg: Config) -> int:
     if report.blocks or report.dropped:
         log.info("restored %d block(s) in %d namespace(s) from SSD; dropped %d unusable record(s)",
                  report.blocks, report.namespaces, report.dropped)
+    peers = None
+    if cfg.peers.listen or cfg.peers.static or cfg.peers.etcd:
+        try:
+            peers = PeerNode(cfg, store)
+            await peers.start()
+        except (ConfigError, PeerConfigError, MembershipError, OSError) as exc:
+            if peers is not None:
+                await peers.close()
+            copy.close()
+            if ssd is not None:
+                ssd.close()
+            arena.close()
+            raise StartupError(f"cannot join the cluster: {exc}") from None
+        log.info("peers: node %s, block channel on %s, membership %s, %d peer(s) known", peers.node_id,
+                 peers.listen or "(not listening)", peers.membership_name, len(peers.known_peers))
     pb_grpc.add_KVStoreServicer_to_server(
-        KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down), server)
+        KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down, peers), server)
     await server.start()
     os.chmod(sock_path, cfg.server.socket_mode)
 
@@ -201,6 +221,8 @@ async def serve(cfg: Config) -> int:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    if peers is not None:
+        await peers.close()
     await store.drain()
     copy.close()
     if ssd is not None:

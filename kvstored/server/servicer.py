@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
 from kvstored.buffers import TensorSource
-from kvstored.errors import InvalidArgument, KVError
+from kvstored.errors import FailedPrecondition, InvalidArgument, KVError
 from kvstored.index import Tier
+from kvstored.peers.node import PeerNode
 from kvstored.server.status import code_for, mapped
-from kvstored.store import BlockStore, KeyRequest
+from kvstored.store import Arrival, BlockStore, KeyRequest, StreamEnd
 from kvstored.tiers.dram import Arena
 from kvstored_client._proto import kvstored_pb2 as pb
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
@@ -21,7 +23,7 @@ from kvstored_client.version import __version__
 from kvstored_client.wire import namespace_from_pb, namespace_to_pb
 
 log = logging.getLogger("kvstored.server")
-_TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD}
+_TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD, Tier.PEER: pb.TIER_PEER}
 _TIER_FROM_PB = {pb.TIER_UNSPECIFIED: None, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
 
 
@@ -45,8 +47,9 @@ def _tensor(i: int, msg: pb.TensorDesc) -> TensorSource:
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, arena: Arena, lease_ttl_s: float, max_batch_blocks: int,
-                 shutting_down: asyncio.Event) -> None:
+                 shutting_down: asyncio.Event, peers: PeerNode | None = None) -> None:
         self._store = store
+        self._peers = peers
         self._arena = arena
         self._lease_ttl_ms = int(lease_ttl_s * 1000)
         self._max_batch = max_batch_blocks
@@ -86,11 +89,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @mapped
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        r = await self._store.lookup(request.namespace_id, _keys(request.keys), request.lease,
-                                     request.session_id)
-        return pb.LookupResponse(hit_blocks=r.blocks, tiers=_tiers_pb(r.tiers), offsets=r.offsets,
-                                 lease_id=r.lease_id, lease_ttl_ms=int(r.lease_ttl_s * 1000),
-                                 block_bytes=r.block_bytes, block_size=r.block_size)
+        if request.peers and request.lease:
+            raise InvalidArgument("a lookup cannot both lease and ask peers; stream the blocks instead")
+        holders: dict[str, int] = {}
+        if request.peers and self._peers is not None:
+            r, holders = await self._peers.lookup(request.namespace_id, _keys(request.keys))
+        else:
+            r = await self._store.lookup(request.namespace_id, _keys(request.keys), request.lease,
+                                         request.session_id)
+        best = max(holders.values(), default=0)
+        return pb.LookupResponse(hit_blocks=r.blocks + best, tiers=_tiers_pb(r.tiers + [Tier.PEER] * best),
+                                 offsets=r.offsets, lease_id=r.lease_id, lease_ttl_ms=int(r.lease_ttl_s * 1000),
+                                 block_bytes=r.block_bytes, block_size=r.block_size,
+                                 peer_hits=[pb.PeerHit(node_id=n, blocks=c) for n, c in sorted(holders.items())])
 
     @mapped
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
@@ -99,9 +110,22 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.ReserveResponse(reservation_id=r.reservation_id, present_blocks=r.present,
                                   offsets=r.offsets, ttl_ms=int(r.ttl_s * 1000))
 
+    def _push_target(self, node_id: str) -> PeerNode | None:
+        if not node_id:
+            return None
+        if self._peers is None:
+            raise FailedPrecondition("peers are off on this node (configure peers.listen / peers.static / peers.etcd)")
+        self._peers.check_peer(node_id)
+        return self._peers
+
     @mapped
     async def Seal(self, request: pb.SealRequest, context: grpc.aio.ServicerContext) -> pb.SealResponse:
-        return pb.SealResponse(sealed_blocks=self._store.seal(request.session_id, request.reservation_id))
+        peers = self._push_target(request.push_to)
+        namespace_id, chain = self._store.reservation_chain(request.session_id, request.reservation_id)
+        sealed = self._store.seal(request.session_id, request.reservation_id)
+        if peers is not None:
+            peers.push_later(request.push_to, namespace_id, chain)
+        return pb.SealResponse(sealed_blocks=sealed)
 
     @mapped
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
@@ -125,9 +149,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @mapped
     async def SaveBlocks(self, request: pb.SaveBlocksRequest,
                          context: grpc.aio.ServicerContext) -> pb.SaveBlocksResponse:
+        peers = self._push_target(request.push_to)
         present, stored = await self._store.save_blocks(
             request.session_id, request.namespace_id, request.buffers_id, _keys(request.keys),
             request.block_ids)
+        if peers is not None:
+            _, chain = self._store.resolve_keys(request.namespace_id, _keys(request.keys))
+            peers.push_later(request.push_to, request.namespace_id, chain[: present + stored])
         return pb.SaveBlocksResponse(present_blocks=present, stored_blocks=stored)
 
     @mapped
@@ -169,6 +197,71 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 task.cancel()
         yield pb.LoadEvent(done=True)
 
+    async def StreamBlocks(self, request: pb.StreamBlocksRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BlockEvent]:
+        events: asyncio.Queue[Arrival | StreamEnd | KVError] = asyncio.Queue()
+
+        async def run() -> None:
+            try:
+                fetcher = self._peers.fetch if request.peers and self._peers is not None else None
+                events.put_nowait(await self._store.stream_blocks(
+                    request.session_id, request.namespace_id, _keys(request.keys), request.buffers_id,
+                    request.block_ids, events.put_nowait, fetcher))
+            except KVError as exc:
+                events.put_nowait(exc)
+
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                # one message carries every block that landed while the previous one was sent
+                items = [await events.get()]
+                while not events.empty():
+                    items.append(events.get_nowait())
+                msg = pb.BlockEvent()
+                for item in items:
+                    if isinstance(item, KVError):
+                        await context.abort(code_for(item), str(item))
+                    elif isinstance(item, StreamEnd):
+                        msg.end.CopyFrom(pb.BlockStreamEnd(
+                            blocks=item.blocks, requested=item.requested, stop=item.stop, detail=item.detail,
+                            lease_id=item.lease_id, lease_ttl_ms=int(item.lease_ttl_s * 1000)))
+                    else:
+                        msg.blocks.add(index=item.index, tier=_TIER_PB[item.tier], peer=item.peer,
+                                       offset=item.offset)
+                yield msg
+                if msg.HasField("end"):
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    @mapped
+    async def Peers(self, request: pb.PeersRequest, context: grpc.aio.ServicerContext) -> pb.PeersResponse:
+        if self._peers is None:
+            return pb.PeersResponse(membership="off")
+        views = await self._peers.probe()
+        return pb.PeersResponse(node_id=self._peers.node_id, listen=self._peers.listen,
+                                membership=self._peers.membership_name,
+                                peers=[pb.PeerInfo(node_id=v.node_id, address=v.address, state=v.state,
+                                                   last_error=v.last_error, blocks_fetched=v.blocks_fetched,
+                                                   blocks_pushed=v.blocks_pushed) for v in views])
+
+    async def Migrate(self, request: pb.MigrateRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MigrateProgress]:
+        try:
+            if self._peers is None:
+                raise FailedPrecondition("peers are off on this node (configure peers.listen / peers.static / "
+                                         "peers.etcd)")
+            prefix = _keys(request.prefix) if request.HasField("prefix") else None
+            async for p in self._peers.migrate(request.to, request.model, request.namespace_id, prefix,
+                                               request.drain):
+                yield pb.MigrateProgress(total_blocks=p.total, pushed_blocks=p.pushed, failed_blocks=p.failed,
+                                         dropped_blocks=p.dropped, detail=p.detail, done=p.done)
+        except KVError as exc:
+            await context.abort(code_for(exc), str(exc))
+
     @mapped
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
         hit, promoting = self._store.prefetch(request.namespace_id, _keys(request.keys))
@@ -195,4 +288,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             lookups=s.lookups, lookup_blocks=s.lookup_blocks, hit_blocks=s.hit_blocks,
             hit_tokens=s.hit_tokens, saved_blocks=s.saved_blocks, active_leases=s.active_leases,
             clients=s.clients, namespaces=s.namespaces, index_blocks=s.index_blocks,
-            promotions=s.promotions, demotions=s.demotions, dropped_blocks=s.dropped_blocks)
+            promotions=s.promotions, demotions=s.demotions, dropped_blocks=s.dropped_blocks,
+            peer_fetched_blocks=s.peer_fetched_blocks, peer_served_blocks=s.peer_served_blocks,
+            peer_received_blocks=s.peer_received_blocks,
+            peer_pushed_blocks=self._peers.pushed if self._peers is not None else 0,
+            peer_failures=self._peers.failures if self._peers is not None else 0)

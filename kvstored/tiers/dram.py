@@ -7,8 +7,10 @@ plain memory copies on the node. It is split into pages; a page serves slots of 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,35 @@ SLOT_ALIGN = 64  # a cache line: keeps every slot's copies aligned
 def slot_size(block_bytes: int) -> int:
     """Bytes a block of ``block_bytes`` occupies in the arena."""
     return -(-block_bytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+_ARENA_NAME = re.compile(r"^kvstored-(\d+)-[0-9a-f]+$")
+
+
+def sweep_stale_arenas(shm_dir: str) -> list[str]:
+    """Unlink arena files left by daemons that died without ``close`` (kill -9, OOM kill): files
+    named like ours, owned by this user, whose creating process no longer exists. Returns
+    their names. A file whose pid is alive (whoever runs under it now) is left alone."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(shm_dir))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _ARENA_NAME.match(entry.name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(entry.name)
+        except OSError:
+            continue   # alive under another user (EPERM), or the file vanished
+    return removed
 
 
 class Arena:

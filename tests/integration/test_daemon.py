@@ -115,6 +115,27 @@ def test_stale_socket_is_replaced_and_live_one_refused(tmp_path: Path) -> None:
         again.stop()
 
 
+def test_arena_of_a_killed_daemon_is_removed_at_the_next_start(tmp_path: Path) -> None:
+    """Regression: every kill -9 used to leave its whole arena in /dev/shm until reboot."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    args = ("--set", f"dram.shm_dir={shm}", "--dram-capacity", "8MiB")
+    d = start_daemon(tmp_path / "a", *args)
+    d.stop(signal.SIGKILL)
+    left = [p.name for p in shm.iterdir()]
+    assert len(left) == 1 and left[0].startswith("kvstored-")
+    foreign = shm / "kvstored-1-abcd"          # pid 1 is alive: never ours to remove
+    foreign.write_bytes(b"")
+    again = start_daemon(tmp_path / "b", *args)
+    try:
+        now = {p.name for p in shm.iterdir()}
+        assert left[0] not in now and "kvstored-1-abcd" in now and len(now) == 2
+        assert "left by daemons that died" in again.log()
+    finally:
+        again.stop()
+    assert {p.name for p in shm.iterdir()} == {"kvstored-1-abcd"}
+
+
 def test_client_error_when_daemon_not_running(tmp_path: Path) -> None:
     with pytest.raises(kvstored.DaemonNotRunning, match="Start one with `kvstored`"):
         kvstored.Client(str(tmp_path / "nobody.sock"))

@@ -12,9 +12,11 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_UNSPECIFIED: _ClassVar[Tier]
     TIER_DRAM: _ClassVar[Tier]
     TIER_SSD: _ClassVar[Tier]
+    TIER_PEER: _ClassVar[Tier]
 TIER_UNSPECIFIED: Tier
 TIER_DRAM: Tier
 TIER_SSD: Tier
+TIER_PEER: Tier
 
 class NamespaceSpec(_message.Message):
     __slots__ = ("model", "revision", "kv_dtype", "block_size", "layout", "tp_rank", "tp_size", "hash_algo", "hash_seed", "block_bytes")
@@ -101,19 +103,29 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "lease", "session_id")
+    __slots__ = ("namespace_id", "keys", "lease", "session_id", "peers")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: BlockKeys
     lease: bool
     session_id: str
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., lease: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
+    peers: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., lease: _Optional[bool] = ..., session_id: _Optional[str] = ..., peers: _Optional[bool] = ...) -> None: ...
+
+class PeerHit(_message.Message):
+    __slots__ = ("node_id", "blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_blocks", "tiers", "offsets", "lease_id", "lease_ttl_ms", "block_bytes", "block_size")
+    __slots__ = ("hit_blocks", "tiers", "offsets", "lease_id", "lease_ttl_ms", "block_bytes", "block_size", "peer_hits")
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +133,7 @@ class LookupResponse(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PEER_HITS_FIELD_NUMBER: _ClassVar[int]
     hit_blocks: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     offsets: _containers.RepeatedScalarFieldContainer[int]
@@ -128,7 +141,8 @@ class LookupResponse(_message.Message):
     lease_ttl_ms: int
     block_bytes: int
     block_size: int
-    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    peer_hits: _containers.RepeatedCompositeFieldContainer[PeerHit]
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., peer_hits: _Optional[_Iterable[_Union[PeerHit, _Mapping]]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("session_id", "namespace_id", "keys", "block_bytes")
@@ -155,12 +169,14 @@ class ReserveResponse(_message.Message):
     def __init__(self, reservation_id: _Optional[int] = ..., present_blocks: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class SealRequest(_message.Message):
-    __slots__ = ("session_id", "reservation_id")
+    __slots__ = ("session_id", "reservation_id", "push_to")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TO_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     reservation_id: int
-    def __init__(self, session_id: _Optional[str] = ..., reservation_id: _Optional[int] = ...) -> None: ...
+    push_to: str
+    def __init__(self, session_id: _Optional[str] = ..., reservation_id: _Optional[int] = ..., push_to: _Optional[str] = ...) -> None: ...
 
 class SealResponse(_message.Message):
     __slots__ = ("sealed_blocks",)
@@ -235,18 +251,20 @@ class UnregisterBuffersResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SaveBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "buffers_id", "keys", "block_ids")
+    __slots__ = ("session_id", "namespace_id", "buffers_id", "keys", "block_ids", "push_to")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TO_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: int
     buffers_id: int
     keys: BlockKeys
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., buffers_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    push_to: str
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., buffers_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., push_to: _Optional[str] = ...) -> None: ...
 
 class SaveBlocksResponse(_message.Message):
     __slots__ = ("present_blocks", "stored_blocks")
@@ -330,6 +348,120 @@ class LoadEvent(_message.Message):
     done: bool
     def __init__(self, started: _Optional[_Union[LoadBlocksResponse, _Mapping]] = ..., tensor_done: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
 
+class StreamBlocksRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "keys", "buffers_id", "block_ids", "peers")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: int
+    keys: BlockKeys
+    buffers_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    peers: bool
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., buffers_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[bool] = ...) -> None: ...
+
+class BlockReady(_message.Message):
+    __slots__ = ("index", "tier", "peer", "offset")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    tier: Tier
+    peer: str
+    offset: int
+    def __init__(self, index: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., peer: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class BlockStreamEnd(_message.Message):
+    __slots__ = ("blocks", "requested", "stop", "detail", "lease_id", "lease_ttl_ms")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    requested: int
+    stop: str
+    detail: str
+    lease_id: int
+    lease_ttl_ms: int
+    def __init__(self, blocks: _Optional[int] = ..., requested: _Optional[int] = ..., stop: _Optional[str] = ..., detail: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("blocks", "end")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockReady]
+    end: BlockStreamEnd
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockReady, _Mapping]]] = ..., end: _Optional[_Union[BlockStreamEnd, _Mapping]] = ...) -> None: ...
+
+class PeersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("node_id", "address", "state", "last_error", "blocks_fetched", "blocks_pushed")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    state: str
+    last_error: str
+    blocks_fetched: int
+    blocks_pushed: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., blocks_fetched: _Optional[int] = ..., blocks_pushed: _Optional[int] = ...) -> None: ...
+
+class PeersResponse(_message.Message):
+    __slots__ = ("node_id", "listen", "membership", "peers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LISTEN_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    listen: str
+    membership: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    def __init__(self, node_id: _Optional[str] = ..., listen: _Optional[str] = ..., membership: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ...) -> None: ...
+
+class MigrateRequest(_message.Message):
+    __slots__ = ("to", "model", "prefix", "namespace_id", "drain")
+    TO_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    to: str
+    model: str
+    prefix: BlockKeys
+    namespace_id: int
+    drain: bool
+    def __init__(self, to: _Optional[str] = ..., model: _Optional[str] = ..., prefix: _Optional[_Union[BlockKeys, _Mapping]] = ..., namespace_id: _Optional[int] = ..., drain: _Optional[bool] = ...) -> None: ...
+
+class MigrateProgress(_message.Message):
+    __slots__ = ("total_blocks", "pushed_blocks", "failed_blocks", "dropped_blocks", "detail", "done")
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    total_blocks: int
+    pushed_blocks: int
+    failed_blocks: int
+    dropped_blocks: int
+    detail: str
+    done: bool
+    def __init__(self, total_blocks: _Optional[int] = ..., pushed_blocks: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., detail: _Optional[str] = ..., done: _Optional[bool] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -353,7 +485,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., write_errors: _Optional[int] = ..., read_errors: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "saved_blocks", "active_leases", "clients", "namespaces", "index_blocks", "promotions", "demotions", "dropped_blocks")
+    __slots__ = ("version", "uptime_s", "tiers", "lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "saved_blocks", "active_leases", "clients", "namespaces", "index_blocks", "promotions", "demotions", "dropped_blocks", "peer_fetched_blocks", "peer_served_blocks", "peer_pushed_blocks", "peer_received_blocks", "peer_failures")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +501,11 @@ class StatsResponse(_message.Message):
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_SERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_PUSHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_RECEIVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FAILURES_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -384,4 +521,9 @@ class StatsResponse(_message.Message):
     promotions: int
     demotions: int
     dropped_blocks: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., saved_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., clients: _Optional[int] = ..., namespaces: _Optional[int] = ..., index_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., dropped_blocks: _Optional[int] = ...) -> None: ...
+    peer_fetched_blocks: int
+    peer_served_blocks: int
+    peer_pushed_blocks: int
+    peer_received_blocks: int
+    peer_failures: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., saved_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., clients: _Optional[int] = ..., namespaces: _Optional[int] = ..., index_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., peer_fetched_blocks: _Optional[int] = ..., peer_served_blocks: _Optional[int] = ..., peer_pushed_blocks: _Optional[int] = ..., peer_received_blocks: _Optional[int] = ..., peer_failures: _Optional[int] = ...) -> None: ...

@@ -114,6 +114,21 @@ class KVStoreStub:
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.SerializeToString,
                 response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.FlushResponse.FromString,
                 _registered_method=True)
+        self.StreamBlocks = channel.unary_stream(
+                '/kvstored.v1.KVStore/StreamBlocks',
+                request_serializer=kvstored_dot_v1_dot_kvstored__pb2.StreamBlocksRequest.SerializeToString,
+                response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.BlockEvent.FromString,
+                _registered_method=True)
+        self.Peers = channel.unary_unary(
+                '/kvstored.v1.KVStore/Peers',
+                request_serializer=kvstored_dot_v1_dot_kvstored__pb2.PeersRequest.SerializeToString,
+                response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.PeersResponse.FromString,
+                _registered_method=True)
+        self.Migrate = channel.unary_stream(
+                '/kvstored.v1.KVStore/Migrate',
+                request_serializer=kvstored_dot_v1_dot_kvstored__pb2.MigrateRequest.SerializeToString,
+                response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.MigrateProgress.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -225,6 +240,30 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamBlocks(self, request, context):
+        """Hand a prompt's blocks over one by one, in token order, as each is in place: first the
+        cached prefix, then blocks fetched from the peer that holds the rest while later ones stream.
+        Ends with a BlockStreamEnd saying how many blocks came and why it stopped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Peers(self, request, context):
+        """The cluster as this daemon sees it: itself and its peers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Migrate(self, request, context):
+        """Push the blocks of a namespace (by model) or of one prefix to another node; reports progress.
+        With drain, every namespace goes to the peers and the local copies are dropped afterwards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -307,6 +346,21 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Flush,
                     request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.FromString,
                     response_serializer=kvstored_dot_v1_dot_kvstored__pb2.FlushResponse.SerializeToString,
+            ),
+            'StreamBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamBlocks,
+                    request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.StreamBlocksRequest.FromString,
+                    response_serializer=kvstored_dot_v1_dot_kvstored__pb2.BlockEvent.SerializeToString,
+            ),
+            'Peers': grpc.unary_unary_rpc_method_handler(
+                    servicer.Peers,
+                    request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.PeersRequest.FromString,
+                    response_serializer=kvstored_dot_v1_dot_kvstored__pb2.PeersResponse.SerializeToString,
+            ),
+            'Migrate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Migrate,
+                    request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.MigrateRequest.FromString,
+                    response_serializer=kvstored_dot_v1_dot_kvstored__pb2.MigrateProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -741,6 +795,87 @@ class KVStore:
             '/kvstored.v1.KVStore/Flush',
             kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.SerializeToString,
             kvstored_dot_v1_dot_kvstored__pb2.FlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstored.v1.KVStore/StreamBlocks',
+            kvstored_dot_v1_dot_kvstored__pb2.StreamBlocksRequest.SerializeToString,
+            kvstored_dot_v1_dot_kvstored__pb2.BlockEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Peers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstored.v1.KVStore/Peers',
+            kvstored_dot_v1_dot_kvstored__pb2.PeersRequest.SerializeToString,
+            kvstored_dot_v1_dot_kvstored__pb2.PeersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Migrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstored.v1.KVStore/Migrate',
+            kvstored_dot_v1_dot_kvstored__pb2.MigrateRequest.SerializeToString,
+            kvstored_dot_v1_dot_kvstored__pb2.MigrateProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -391,7 +391,7 @@ def test_push_stores_verified_blocks_and_drops_a_corrupt_one() -> None:
     keys, data = chain(4)
     stored: dict[bytes, bytes] = {}
 
-    async def store(namespace_id: int, k: bytes, index: int, view: memoryview) -> bool:
+    async def store(namespace_id: int, parent: bytes, k: bytes, view: memoryview) -> bool:
         stored[k] = bytes(view)
         return True
 
@@ -408,6 +408,83 @@ def test_push_stores_verified_blocks_and_drops_a_corrupt_one() -> None:
                 res = await push(proxy.address, PeerAuth(), NS, [(k, data[k]) for k in keys], 10)
             assert (res.stored, res.stop) == (1, Stop.CORRUPT)
             assert list(stored) == [keys[0]]
+
+    run(main())
+
+
+def test_push_names_each_blocks_parent() -> None:
+    keys, data = chain(4)
+    seen: list[tuple[bytes, bytes]] = []
+
+    def store(namespace_id: int, parent: bytes, k: bytes, view: memoryview) -> bool:
+        seen.append((parent, k))
+        return True
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve, store_block=store) as srv:
+            conn = await PeerConnection.open(srv.address, PeerAuth())
+            try:
+                assert (await conn.push(NS, [(keys[0], data[keys[0]])], 10)).complete
+                res = await conn.push(NS, [(k, data[k]) for k in keys[1:]], 10, parent=keys[0])
+                assert res.complete and res.stored == 3
+            finally:
+                conn.close()
+        assert seen == [(b"", keys[0]), (keys[0], keys[1]), (keys[1], keys[2]), (keys[2], keys[3])]
+
+    run(main())
+
+
+def test_lookup_and_namespace_requests() -> None:
+    keys, data = chain(5)
+    held = Blocks({k: data[k] for k in keys[:3]})
+    described: list[tuple[int, bytes]] = []
+
+    def count(namespace_id: int, ks: list[bytes]) -> int:
+        n = 0
+        while n < len(ks) and ks[n] in held.blocks:
+            n += 1
+        return n
+
+    async def open_namespace(namespace_id: int, body: bytes) -> str:
+        described.append((namespace_id, body))
+        return "" if body.startswith(b"{") else "not a namespace description"
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), held.serve, count_blocks=count,
+                               open_namespace=open_namespace) as srv:
+            conn = await PeerConnection.open(srv.address, PeerAuth())
+            try:
+                assert await conn.lookup(NS, keys, 5) == 3
+                assert await conn.lookup(NS, keys[3:], 5) == 0
+                await conn.open_namespace(NS, b'{"model": "m"}', 5)
+                with pytest.raises(T.PeerError, match="not a namespace description"):
+                    await conn.open_namespace(NS, b"junk", 5)
+                assert conn.usable   # a refusal is an answer, not a broken connection
+                assert await conn.lookup(NS, keys, 5) == 3
+            finally:
+                conn.close()
+        assert described == [(NS, b'{"model": "m"}'), (NS, b"junk")]
+
+    run(main())
+
+
+def test_lookup_of_a_silent_peer_fails_within_its_deadline() -> None:
+    async def main() -> None:
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(T._HELLO.size)
+            writer.write(T._WELCOME.pack(T.MAGIC, T.VERSION, T.WELCOME_OK, 0))
+            await asyncio.sleep(30)
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        try:
+            conn = await PeerConnection.open(server.sockets[0].getsockname()[:2], PeerAuth())
+            start = time.monotonic()
+            with pytest.raises(T.PeerError, match="did not answer"):
+                await conn.lookup(NS, [key(0)], 0.3)
+            assert time.monotonic() - start < 5
+            assert not conn.usable
+        finally:
+            server.close()
 
     run(main())
 

@@ -1,0 +1,442 @@
+"""This daemon in its cluster: the peer listener, membership, and block pulls and pushes.
+
+Mechanism between the store and the peer channel: the listener serves blocks out of the store
+(bringing SSD blocks to DRAM first) and stores pushed ones; pulls ask every peer how much of a
+chain it holds and fetch from the one holding the most, in order, straight into DRAM slots;
+pushes run per destination through one queue each, so a chain's blocks arrive parent first and
+in the order they were saved. Connections are pooled per peer; a transfer never outlives
+``peers.deadline_s`` and a question to a peer never outlives ``peers.lookup_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import zlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvstored.cluster.membership import EtcdMembership, Member, Membership, MembershipError, StaticMembership
+from kvstored.config import Config, ConfigError, PeersConfig
+from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound
+from kvstored.peers.transport import (
+    BlockServer,
+    PeerAuth,
+    PeerConnection,
+    PeerError,
+    PushResult,
+    Stop,
+    TLSFiles,
+    parse_address,
+)
+from kvstored.store import BlockStore, Fetched, Into, KeyRequest, Landed, LookupResult
+
+log = logging.getLogger("kvstored.peers")
+
+PUSH_CHUNK_BLOCKS = 32     # blocks per push request: bounds what a push pins in DRAM at once
+IDLE_CONNECTIONS = 4       # kept open per peer
+
+
+def auth_from_config(cfg: PeersConfig) -> PeerAuth:
+    """The peer credentials the config names; ConfigError when a file cannot be read."""
+    token = cfg.token
+    if cfg.token_file:
+        try:
+            token = Path(cfg.token_file).read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            raise ConfigError(f"peers.token_file: cannot read a token from {cfg.token_file}: {exc}") from None
+    tls = TLSFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
+    return PeerAuth(tls=tls, token=token, insecure=cfg.insecure)
+
+
+def static_members(cfg: PeersConfig) -> list[Member]:
+    return [Member(node, addr) for node, _, addr in (e.partition("=") for e in cfg.static)]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerView:
+    """One node as ``kvctl peers`` shows it."""
+
+    node_id: str
+    address: str
+    state: str          # self | up | down | unknown
+    last_error: str
+    blocks_fetched: int
+    blocks_pushed: int
+
+
+@dataclass(frozen=True, slots=True)
+class MigrateProgress:
+    total: int
+    pushed: int
+    failed: int
+    dropped: int
+    detail: str
+    done: bool
+
+
+@dataclass(slots=True, eq=False)
+class _Peer:
+    member: Member
+    idle: list[PeerConnection] = field(default_factory=list)
+    state: str = "unknown"
+    last_error: str = ""
+    fetched: int = 0
+    pushed: int = 0
+    queue: asyncio.Queue[tuple[int, list[bytes]]] | None = None
+    worker: asyncio.Task[None] | None = None
+
+
+class PeerNode:
+    """The cluster side of one daemon. ``start`` before use, ``close`` at shutdown."""
+
+    def __init__(self, config: Config, store: BlockStore, *, membership: Membership | None = None) -> None:
+        self._cfg = config.peers
+        self._store = store
+        self._auth = auth_from_config(self._cfg)
+        self.node_id = self._cfg.node_id or socket.gethostname()
+        self._server: BlockServer | None = None
+        self._membership = membership
+        self._peers: dict[str, _Peer] = {}
+        self._watch: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[object]] = set()
+        self.listen = ""
+        self.failures = 0
+        self.pushed = 0
+
+    # -- life cycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Listen (when ``peers.listen`` is set), join the membership and follow it.
+
+        Raises PeerConfigError for an unsafe listener or unusable TLS files, OSError when the
+        address cannot be bound, MembershipError when etcd cannot be reached."""
+        if self._cfg.listen:
+            host, port = parse_address(self._cfg.listen)
+            store = self._store
+            self._server = BlockServer(host, port, self._auth, store.checkout, release_block=store.checkin,
+                                       store_block=store.adopt, count_blocks=store.held,
+                                       open_namespace=store.learn_namespace)
+            await self._server.start()
+            bound_host, bound_port = self._server.address
+            self.listen = f"{bound_host}:{bound_port}"
+        advertise = self._cfg.advertise or self.listen
+        if self._membership is None:
+            if self._cfg.etcd:
+                if not advertise:
+                    raise ConfigError("peers.etcd: this node needs peers.listen (or peers.advertise) to join")
+                self._membership = EtcdMembership(self._cfg.etcd, self.node_id, advertise, self._cfg.etcd_ttl_s)
+            else:
+                self._membership = StaticMembership(static_members(self._cfg), self.node_id)
+        await self._membership.start()
+        self._set_members(await self._membership.members())
+        self._watch = asyncio.ensure_future(self._follow())
+
+    @property
+    def known_peers(self) -> list[str]:
+        """Node ids of the live peers, as the membership last said."""
+        return sorted(self._peers)
+
+    @property
+    def membership_name(self) -> str:
+        return f"etcd {self._cfg.etcd}" if self._cfg.etcd else "static"
+
+    async def _follow(self) -> None:
+        assert self._membership is not None
+        while True:
+            try:
+                async for members in self._membership.watch():
+                    self._set_members(members)
+                return
+            except MembershipError as exc:
+                log.warning("membership watch failed: %s", exc)
+                await asyncio.sleep(1.0)
+
+    def _set_members(self, members: Sequence[Member]) -> None:
+        live = {m.node_id: m for m in members if m.node_id != self.node_id}
+        for node_id in list(self._peers):
+            peer = self._peers[node_id]
+            if node_id not in live or live[node_id].address != peer.member.address:
+                log.info("peer %s left (%s)", node_id, peer.member.address)
+                self._forget(peer)
+                del self._peers[node_id]
+        for node_id, member in live.items():
+            if node_id not in self._peers:
+                log.info("peer %s joined at %s", node_id, member.address)
+                self._peers[node_id] = _Peer(member)
+
+    def _forget(self, peer: _Peer) -> None:
+        for conn in peer.idle:
+            conn.close()
+        peer.idle.clear()
+        if peer.worker is not None:
+            peer.worker.cancel()
+
+    async def close(self) -> None:
+        """Leave the cluster (etcd: at once), stop listening, end connections and queued pushes."""
+        for task in [self._watch, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        for peer in self._peers.values():
+            self._forget(peer)
+        workers = [p.worker for p in self._peers.values() if p.worker is not None]
+        for task in [self._watch, *self._tasks, *workers]:
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        if self._membership is not None:
+            await self._membership.close()
+        if self._server is not None:
+            await self._server.close()
+
+    # -- connections --------------------------------------------------------------------------
+    def _peer(self, node_id: str) -> _Peer:
+        peer = self._peers.get(node_id)
+        if peer is None:
+            known = ", ".join(sorted(self._peers)) or "none"
+            raise NotFound(f"unknown peer {node_id!r} (known peers: {known})")
+        return peer
+
+    async def _acquire(self, peer: _Peer, timeout_s: float) -> PeerConnection:
+        """A usable connection to ``peer``; raises PeerError (with the reason) when none can be had."""
+        while peer.idle:
+            conn = peer.idle.pop()
+            if conn.usable:
+                return conn
+            conn.close()
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await PeerConnection.open(peer.member.address, self._auth)
+        except TimeoutError:
+            raise PeerError(f"no connection to {peer.member.node_id} within {timeout_s:g}s") from None
+        except OSError as exc:
+            raise PeerError(f"cannot connect to {peer.member.node_id} at {peer.member.address}: {exc}") from None
+
+    def _give_back(self, peer: _Peer, conn: PeerConnection) -> None:
+        if conn.usable and len(peer.idle) < IDLE_CONNECTIONS and self._peers.get(peer.member.node_id) is peer:
+            peer.idle.append(conn)
+        else:
+            conn.close()
+
+    def _mark(self, peer: _Peer, error: str = "") -> None:
+        peer.state = "down" if error else "up"
+        if error:
+            peer.last_error = error
+            self.failures += 1
+
+    # -- questions ----------------------------------------------------------------------------
+    async def _held_by(self, peer: _Peer, namespace_id: int, keys: list[bytes]) -> int | str:
+        """How many leading keys ``peer`` holds, or why it could not say."""
+        conn = None
+        try:
+            conn = await self._acquire(peer, self._cfg.lookup_timeout_s)
+            held = await conn.lookup(namespace_id, keys, self._cfg.lookup_timeout_s)
+            self._mark(peer)
+            return held
+        except PeerError as exc:
+            self._mark(peer, str(exc))
+            return str(exc)
+        finally:
+            if conn is not None:
+                self._give_back(peer, conn)
+
+    async def holders(self, namespace_id: int, keys: list[bytes]) -> dict[str, int]:
+        """How many leading ``keys`` each peer holds (peers that hold none or do not answer in
+        time are left out)."""
+        return (await self._ask(namespace_id, keys))[0]
+
+    async def _ask(self, namespace_id: int, keys: list[bytes]) -> tuple[dict[str, int], dict[str, str]]:
+        if not keys or not self._peers:
+            return {}, {}
+        peers = list(self._peers.values())
+        answers = await asyncio.gather(*(self._held_by(p, namespace_id, keys) for p in peers))
+        held = {p.member.node_id: a for p, a in zip(peers, answers) if isinstance(a, int) and a}
+        errors = {p.member.node_id: a for p, a in zip(peers, answers) if isinstance(a, str)}
+        return held, errors
+
+    async def lookup(self, namespace_id: int, keys: KeyRequest) -> tuple[LookupResult, dict[str, int]]:
+        """The local lookup, and what each peer holds of the rest of the chain."""
+        _, chain = self._store.resolve_keys(namespace_id, keys)
+        local = await self._store.lookup(namespace_id, KeyRequest(hashes=chain))
+        return local, await self.holders(namespace_id, chain[local.blocks:])
+
+    async def probe(self) -> list[PeerView]:
+        """Every node, this one first, after asking each peer a trivial question (bounded)."""
+        peers = list(self._peers.values())
+        await asyncio.gather(*(self._held_by(p, 0, []) for p in peers))   # refreshes each state
+        views = [PeerView(self.node_id, self._cfg.advertise or self.listen, "self", "", 0, 0)]
+        views += [PeerView(p.member.node_id, p.member.address, p.state, p.last_error, p.fetched, p.pushed)
+                  for p in sorted(peers, key=lambda p: p.member.node_id)]
+        return views
+
+    # -- pulls --------------------------------------------------------------------------------
+    async def fetch(self, namespace_id: int, keys: list[bytes], into: Into, landed: Landed) -> Fetched:
+        """A :data:`kvstored.store.Fetcher`: fetch ``keys`` in order from the peer holding most of
+        them. Never raises for a peer's failure: the result says how far it got and why."""
+        holders, errors = await self._ask(namespace_id, keys)
+        if not holders:
+            if not self._peers:
+                return Fetched(0, "no_peers", "this node has no peers")
+            if errors:
+                return Fetched(0, "unreachable", "; ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
+            return Fetched(0, "missing", "no peer holds the next block")
+        node_id = max(sorted(holders), key=lambda n: holders[n])
+        peer = self._peers.get(node_id)
+        if peer is None:
+            return Fetched(0, "unreachable", f"peer {node_id} left the cluster")
+        want = keys[: holders[node_id]]
+        conn = None
+        arrived = 0
+
+        async def on_block(i: int, _view: memoryview) -> None:
+            nonlocal arrived
+            await landed(i, node_id)
+            arrived = i + 1
+
+        try:
+            conn = await self._acquire(peer, self._cfg.deadline_s)
+            result = await conn.fetch(namespace_id, want, on_block, self._cfg.deadline_s, into=into)
+        except PeerError as exc:
+            self._mark(peer, str(exc))
+            return Fetched(0, "unreachable", str(exc))
+        except KVError as exc:   # the store had no slot for the next block: the connection is dropped
+            peer.fetched += arrived
+            return Fetched(arrived, "no_room", str(exc))
+        finally:
+            if conn is not None:
+                self._give_back(peer, conn)
+        peer.fetched += result.delivered
+        if not result.complete:
+            self._mark(peer, f"fetch stopped after {result.delivered} block(s): {result.detail}")
+            return Fetched(result.delivered, result.stop.value, f"{node_id}: {result.detail}")
+        self._mark(peer)
+        if len(want) < len(keys):
+            return Fetched(len(want), "missing", f"no peer holds block {len(want)} of the rest")
+        return Fetched(len(want), "complete")
+
+    # -- pushes -------------------------------------------------------------------------------
+    def check_peer(self, node_id: str) -> None:
+        """NotFound unless ``node_id`` is a live peer (validate before doing the work)."""
+        self._peer(node_id)
+
+    def push_later(self, node_id: str, namespace_id: int, chain: list[bytes]) -> None:
+        """Queue the chain for ``node_id``; its blocks go out in order behind earlier pushes to
+        the same node, skipping those it holds. Failures are logged and counted, not raised."""
+        peer = self._peer(node_id)
+        if not chain:
+            return
+        if peer.queue is None:
+            peer.queue = asyncio.Queue()
+            peer.worker = asyncio.ensure_future(self._push_worker(peer, peer.queue))
+        peer.queue.put_nowait((namespace_id, chain))
+
+    async def _push_worker(self, peer: _Peer, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:
+        while True:
+            namespace_id, chain = await queue.get()
+            try:
+                stored, result = await self.push_chain(peer.member.node_id, namespace_id, b"", chain, skip_held=True)
+                if not result.complete:
+                    log.warning("push to %s stopped after %d of %d block(s): %s", peer.member.node_id, stored,
+                                len(chain), result.detail)
+            except Exception:   # a bug in one push must not stop later ones
+                log.exception("push to %s failed", peer.member.node_id)
+
+    async def push_chain(self, node_id: str, namespace_id: int, parent: bytes, keys: list[bytes], *,
+                         skip_held: bool = False) -> tuple[int, PushResult]:
+        """Push a run of blocks (under ``parent``, b"" = the root) to ``node_id`` in chunks;
+        returns how many the receiver holds now, and how the last exchange ended."""
+        peer = self._peer(node_id)
+        conn = None
+        done = 0
+        try:
+            conn = await self._acquire(peer, self._cfg.deadline_s)
+            await conn.open_namespace(namespace_id, self._store.namespace_description(namespace_id),
+                                      self._cfg.lookup_timeout_s)
+            if skip_held:
+                done = await conn.lookup(namespace_id, keys, self._cfg.lookup_timeout_s)
+                parent = keys[done - 1] if done else parent
+            while done < len(keys):
+                chunk = keys[done: done + PUSH_CHUNK_BLOCKS]
+                result = await self._push_chunk(conn, namespace_id, parent, chunk)
+                done += result.stored
+                peer.pushed += result.stored
+                self.pushed += result.stored
+                if not result.complete:
+                    self._mark(peer, f"push stopped: {result.detail}")
+                    return done, result
+                parent = chunk[-1]
+            self._mark(peer)
+            return done, PushResult(len(keys), len(keys), Stop.COMPLETE)
+        except (PeerError, NotFound) as exc:
+            self._mark(peer, str(exc))
+            return done, PushResult(0, 0, Stop.UNREACHABLE if isinstance(exc, PeerError) else Stop.MISSING, str(exc))
+        finally:
+            if conn is not None:
+                self._give_back(peer, conn)
+
+    async def _push_chunk(self, conn: PeerConnection, namespace_id: int, parent: bytes,
+                          keys: list[bytes]) -> PushResult:
+        """Check the blocks out of the store (pinned, in DRAM), push them, check them back in."""
+        views: list[tuple[bytes, memoryview]] = []
+        try:
+            for key in keys:
+                view = await self._store.checkout(namespace_id, key)
+                if view is None:
+                    break
+                views.append((key, view))
+            if not views:
+                return PushResult(0, 0, Stop.MISSING, f"block {keys[0].hex()[:16]}… is no longer held here")
+            result = await conn.push(namespace_id, views, self._cfg.deadline_s, parent=parent)
+            if result.complete and len(views) < len(keys):
+                return PushResult(len(views), len(views), Stop.MISSING,
+                                  f"block {keys[len(views)].hex()[:16]}… is no longer held here")
+            return result
+        finally:
+            for key, _ in views:
+                self._store.checkin(namespace_id, key)
+
+    # -- migrate and drain --------------------------------------------------------------------
+    async def migrate(self, to: str, model: str = "", namespace_id: int = 0, prefix: KeyRequest | None = None,
+                      drain: bool = False) -> AsyncIterator[MigrateProgress]:
+        """Push ``model``'s namespaces (all when empty), or one prefix chain, to ``to`` (with
+        ``drain`` and no ``to``: each tree to one of the peers), yielding progress after each
+        chunk; with ``drain``, the local copies of what the receivers stored are dropped at the
+        end. InvalidArgument / NotFound / FailedPrecondition before anything moves."""
+        if to:
+            self._peer(to)
+        elif not drain:
+            raise InvalidArgument("migrate needs a destination node (to)")
+        targets = [to] if to else sorted(self._peers)
+        if not targets:
+            raise FailedPrecondition("no peers to drain onto")
+        if prefix is not None and (prefix.hashes or prefix.token_ids):
+            _, chain = self._store.resolve_keys(namespace_id, prefix)
+            runs = [(namespace_id, b"", chain[: self._store.held(namespace_id, chain)])]
+        else:
+            runs = self._store.namespace_chains(model)
+        total = sum(len(r[2]) for r in runs)
+        pushed = failed = 0
+        detail = ""
+        moved: list[tuple[int, list[bytes]]] = []
+        root_of: dict[bytes, bytes] = {}
+        yield MigrateProgress(total, 0, 0, 0, "", False)
+        for namespace_id_, parent, keys in runs:
+            root = root_of.get(parent, parent) or keys[0]
+            for key in keys:
+                root_of[key] = root
+            # a whole tree goes to one node: a block is stored only under its parent
+            target = targets[zlib.crc32(root) % len(targets)]
+            stored, result = await self.push_chain(target, namespace_id_, parent, keys)
+            pushed += stored
+            failed += len(keys) - stored
+            moved.append((namespace_id_, keys[:stored]))
+            if not result.complete:
+                detail = f"{target}: {result.detail}"
+            yield MigrateProgress(total, pushed, failed, 0, detail, False)
+        dropped = 0
+        if drain:
+            for namespace_id_, keys in reversed(moved):
+                dropped += self._store.forget(namespace_id_, keys)
+        yield MigrateProgress(total, pushed, failed, dropped, detail, True)

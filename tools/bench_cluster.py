@@ -1,0 +1,275 @@
+"""Two kvstored daemons on loopback: block shipping throughput, and time to first vs last block.
+
+Part 1, throughput of 2 MiB blocks (``--run-bytes`` per run), runs interleaved so noise hits all
+paths alike, in this one run:
+
+* raw TCP: a sender process ``sendall``s the bytes, this process ``recv_into``s them (ceiling);
+* kvstored pull: daemon B streams a chain that only daemon A holds (``Client.stream(...).wait()``):
+  A serves from its arena, B receives straight into arena slots, verifies xxh3, seals each block;
+* kvstored push: A migrates the namespace to B (``Client.migrate``), B evicts between runs;
+* Mooncake Transfer Engine over TCP moving the same blocks (when ``.bench/venv`` has it).
+
+Part 2, pipelined load: prompts of 4k, 32k and 128k tokens (16-token blocks of ``--ttfb-block-bytes``)
+saved on A; B's engine streams them into its registered buffers. Time to first block (the first
+``BlockArrival``) against time to last block, median over ``--runs``; with ``--chart`` a PNG.
+
+    .venv/bin/python tools/bench_cluster.py [--runs 5] [--run-bytes 512MiB] [--chart out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kvstored
+from kvstored import Namespace
+from kvstored.config import parse_size
+from tools.bench.common import free_port
+from tools.bench_peers import BENCH_PYTHON, MooncakeError, MooncakeReceiver, RawReceiver, start_sender, stop_sender
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = (4096, 32768, 131072)
+
+
+class Node:
+    """A daemon with a peer channel, in a subprocess, and a client to it."""
+
+    def __init__(self, name: str, port: int, static: str, dram: int, tmp: Path) -> None:
+        self.socket = str(tmp / f"{name}.sock")
+        self.log = open(tmp / f"{name}.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstored", "--socket", self.socket, "--dram-capacity", str(dram),
+             "--set", "ssd.enabled=false", "--set", "dram.page_bytes=32MiB",
+             "--set", f"peers.listen=127.0.0.1:{port}", "--set", f"peers.node_id={name}",
+             "--set", f"peers.static={static}", "--set", "peers.token=bench", "--set", "peers.deadline_s=120",
+             "--set", "log.level=warning"], stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.client = kvstored.Client(self.socket, timeout_s=300)
+                break
+            except kvstored.DaemonNotRunning:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon {name} did not start; see {tmp / (name + '.log')}") from None
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(60)
+        self.log.close()
+
+
+def keys(n: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(32) for _ in range(n)]
+
+
+def save_chain(node: Node, ns: Namespace, chain: list[bytes], block_bytes: int) -> None:
+    """Fill A with ``chain`` in batches (distinct bytes per block, every page touched)."""
+    step = max(1, (64 << 20) // block_bytes)
+    rng = np.random.default_rng(1)
+    for i in range(0, len(chain), step):
+        part = chain[: i + step]
+        rows = rng.integers(0, 255, size=(min(step, len(chain) - i), block_bytes), dtype=np.uint8)
+        full = np.empty((len(part), block_bytes), dtype=np.uint8)
+        full[i:] = rows
+        saved = node.client.save(None, full, hashes=part, namespace=ns)
+        assert saved.present + saved.stored == len(part), f"A stored only {saved.present + saved.stored} blocks"
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def throughput(args: argparse.Namespace, a: Node, b: Node) -> dict[str, list[float]]:
+    bb = args.block_bytes
+    nblocks = max(1, args.run_bytes // bb)
+    ns = Namespace(model="bench-ship", block_bytes=bb)
+    chain = keys(nblocks, 7)
+    save_chain(a, ns, chain, bb)
+    rates: dict[str, list[float]] = {"raw TCP": [], "kvstored pull (stream)": [], "kvstored push (migrate)": []}
+    sender_args = argparse.Namespace(blocks=32, block_bytes=bb)
+    raw_proc, raw_port = start_sender("raw", sender_args)
+    raw = RawReceiver(raw_port, bb)
+    mooncake: MooncakeReceiver | None = None
+    mc_name = "Mooncake TE tcp (batch_transfer_sync_read)"
+    if not args.no_mooncake:
+        try:
+            mooncake = MooncakeReceiver(argparse.Namespace(mooncake_python=str(BENCH_PYTHON), blocks=32,
+                                                           block_bytes=bb))
+            rates[mc_name] = []
+        except MooncakeError as exc:
+            print(f"Mooncake left out: {exc}", file=sys.stderr)
+
+    def pull() -> float:
+        b.client.evict()
+        t0 = time.perf_counter()
+        out = b.client.stream(hashes=chain, namespace=ns).wait()
+        dt = time.perf_counter() - t0
+        assert out.complete, out
+        return nblocks * bb / dt
+
+    def push() -> float:
+        b.client.evict()
+        t0 = time.perf_counter()
+        last = list(a.client.migrate("b", model=ns.model))[-1]
+        dt = time.perf_counter() - t0
+        assert last["pushed_blocks"] == nblocks, last
+        return nblocks * bb / dt
+
+    try:
+        raw.run(nblocks, bb)
+        pull()
+        push()
+        if mooncake is not None:
+            mooncake.run(nblocks, "batch")
+        for i in range(args.runs):
+            print(f"throughput run {i + 1}/{args.runs}", file=sys.stderr)
+            rates["raw TCP"].append(raw.run(nblocks, bb))
+            rates["kvstored pull (stream)"].append(pull())
+            rates["kvstored push (migrate)"].append(push())
+            if mooncake is not None:
+                rates[mc_name].append(mooncake.run(nblocks, "batch"))
+    finally:
+        raw.close()
+        stop_sender(raw_proc)
+        if mooncake is not None:
+            mooncake.close()
+    b.client.evict()
+    a.client.evict()
+    return rates
+
+
+def first_last(args: argparse.Namespace, a: Node, b: Node) -> dict[int, tuple[list[float], list[float]]]:
+    bb = args.ttfb_block_bytes
+    ns = Namespace(model="bench-pd", block_bytes=bb)
+    out: dict[int, tuple[list[float], list[float]]] = {}
+    largest = max(PROMPTS) // 16
+    engine = kvstored.shm.empty((largest, bb), "uint8")
+    buffers = b.client.register_buffers([engine.numpy()], 0, namespace=ns)
+    try:
+        for tokens in PROMPTS:
+            n = tokens // 16
+            chain = keys(n, tokens)
+            save_chain(a, buffers.namespace, chain, bb)
+            firsts, lasts = [], []
+            for i in range(args.runs + 1):
+                b.client.evict()
+                t0 = time.perf_counter()
+                stream = b.client.stream(hashes=chain, buffers=buffers, block_ids=list(range(n)))
+                first = last = 0.0
+                for arrival in stream:
+                    now = time.perf_counter() - t0
+                    if arrival.index == 0:
+                        first = now
+                    last = now
+                assert stream.outcome is not None and stream.outcome.complete, stream.outcome
+                if i:   # the first run warms up
+                    firsts.append(first)
+                    lasts.append(last)
+            out[tokens] = (firsts, lasts)
+            print(f"{tokens} tokens: first {med(firsts) * 1e3:.1f} ms, last {med(lasts) * 1e3:.1f} ms",
+                  file=sys.stderr)
+            a.client.evict()
+            b.client.evict()
+    finally:
+        b.client.unregister_buffers(buffers)
+    return out
+
+
+def chart(path: str, ttfb: dict[int, tuple[list[float], list[float]]], bb: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = sorted(ttfb)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(xs, [med(ttfb[x][0]) * 1e3 for x in xs], "o-", label="time to first block")
+    ax.plot(xs, [med(ttfb[x][1]) * 1e3 for x in xs], "s-", label="time to last block")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [f"{x // 1024}k" for x in xs])
+    ax.set_xlabel("prompt tokens (16-token blocks of %d KiB)" % (bb >> 10))
+    ax.set_ylabel("ms (median)")
+    ax.set_title("Decode node streams a prompt's KV from the prefill node")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--block-bytes", type=parse_size, default=2 << 20)
+    parser.add_argument("--run-bytes", type=parse_size, default=512 << 20)
+    parser.add_argument("--ttfb-block-bytes", type=parse_size, default=128 << 10)
+    parser.add_argument("--no-mooncake", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-ttfb", action="store_true")
+    parser.add_argument("--chart", help="write the first/last block chart here (needs matplotlib)")
+    args = parser.parse_args(argv)
+    if args.runs < 5:
+        parser.error("--runs must be at least 5 (medians)")
+    dram = max(args.run_bytes + (128 << 20), max(PROMPTS) // 16 * args.ttfb_block_bytes + (256 << 20))
+    dram = -(-dram // (32 << 20)) * (32 << 20)
+    pa, pb = free_port(), free_port()
+    static = f"a=127.0.0.1:{pa},b=127.0.0.1:{pb}"
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="kvstored-cluster-") as tmp:
+        a = Node("a", pa, static, dram, Path(tmp))
+        b = Node("b", pb, static, dram, Path(tmp))
+        try:
+            if not args.skip_throughput:
+                results["throughput"] = throughput(args, a, b)
+            if not args.skip_ttfb:
+                results["ttfb"] = first_last(args, a, b)
+        finally:
+            a.close()
+            b.close()
+    print(f"\nTwo kvstored daemons on loopback, {os.cpu_count()} CPUs, medians over {args.runs} runs\n")
+    if "throughput" in results:
+        rates = results["throughput"]
+        raw = med(rates["raw TCP"])
+        print(f"Block shipping, {args.block_bytes >> 20} MiB blocks, {args.run_bytes >> 20} MiB per run\n")
+        print("| path | median GB/s | min | max | vs raw TCP |")
+        print("|---|---|---|---|---|")
+        for name, values in rates.items():
+            print(f"| {name} | {med(values) / 1e9:.2f} | {min(values) / 1e9:.2f} | {max(values) / 1e9:.2f} | "
+                  f"{med(values) / raw:.2f}x |")
+        mc = [v for k, v in rates.items() if k.startswith("Mooncake")]
+        if mc:
+            print(f"\nkvstored pull / Mooncake: {med(rates['kvstored pull (stream)']) / med(mc[0]):.2f}x; "
+                  f"push / Mooncake: {med(rates['kvstored push (migrate)']) / med(mc[0]):.2f}x")
+    if "ttfb" in results:
+        ttfb = results["ttfb"]
+        print(f"\nPipelined load into engine buffers, 16-token blocks of {args.ttfb_block_bytes >> 10} KiB\n")
+        print("| prompt | blocks | bytes | first block ms | last block ms | last / first |")
+        print("|---|---|---|---|---|---|")
+        for tokens, (firsts, lasts) in sorted(ttfb.items()):
+            n = tokens // 16
+            print(f"| {tokens // 1024}k | {n} | {n * args.ttfb_block_bytes >> 20} MiB | {med(firsts) * 1e3:.2f} | "
+                  f"{med(lasts) * 1e3:.1f} | {med(lasts) / med(firsts):.0f}x |")
+        f = [med(ttfb[t][0]) for t in sorted(ttfb)]
+        print(f"\nfirst block, largest / smallest prompt: {f[-1] / f[0]:.2f}x (target: within 2x)")
+        if args.chart:
+            chart(args.chart, ttfb, args.ttfb_block_bytes)
+            print(f"chart: {args.chart}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
