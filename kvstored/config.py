@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstored.peers.transport import is_loopback
+from kvstored.policy.registry import DEFAULT_POLICY, POLICIES
 from kvstored_client.paths import default_socket_path
 
 SYSTEM_CONFIG = Path("/etc/kvstored/kvstored.toml")
@@ -45,6 +46,7 @@ class DramConfig:
     # Keep blocks without a slower-tier copy under this share of the arena, so that eviction
     # usually finds a clean block it can drop at once.
     writeback_watermark: float = 0.75
+    policy: str = DEFAULT_POLICY     # eviction order of the arena (per slot size): lru | lfu | credit
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,7 @@ class SSDConfig:
     high_watermark: float = 0.95     # above this share of capacity, evict ...
     low_watermark: float = 0.85      # ... down to this share
     admission: str = "always"        # demote from DRAM: always | never | hit_before | cost
+    policy: str = DEFAULT_POLICY     # eviction order and admission of the SSD tier: lru | lfu | credit
     read_threads: int = 2
     sync: bool = True                # fsync each group commit (off: faster, loses recent writes on power loss)
     reader_check_interval_s: float = 30.0
@@ -196,6 +199,8 @@ def _validate(cfg: Config) -> None:
         (cfg.ssd.map_slack >= 1.1, "ssd.map_slack: must be at least 1.1"),
         (0 < cfg.ssd.low_watermark < cfg.ssd.high_watermark <= 1,
          "ssd.low_watermark: must be below ssd.high_watermark, both in (0, 1]"),
+        (cfg.dram.policy in POLICIES, f"dram.policy: must be one of {', '.join(POLICIES)}"),
+        (cfg.ssd.policy in POLICIES, f"ssd.policy: must be one of {', '.join(POLICIES)}"),
         (cfg.ssd.admission in ADMISSION_MODES,
          f"ssd.admission: must be one of {', '.join(ADMISSION_MODES)}"),
         (cfg.ssd.read_threads >= 1, "ssd.read_threads: must be at least 1"),

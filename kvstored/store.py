@@ -4,10 +4,14 @@ Every method runs on the daemon's event loop thread, so bookkeeping needs no loc
 and disk I/O run on worker threads while the blocks involved are pinned (by a lease, a
 promotion or a write-back), and nothing pinned is ever evicted, demoted twice or freed.
 
-Tiers are exclusive in their recency lists and inclusive in their bytes: a block with a DRAM slot
-sits in its size's DRAM list, one without sits in the SSD list; a block may have both a slot and
-an SSD copy ("clean"), which makes evicting it from DRAM free. The write-back task keeps the
-DRAM blocks without an SSD copy below ``dram.writeback_watermark`` of the arena.
+Tiers are exclusive in their eviction policies and inclusive in their bytes: a sealed block with a
+DRAM slot is tracked by its slot size's DRAM policy, one without by the SSD policy; a block may
+have both a slot and an SSD copy ("clean"), which makes evicting it from DRAM free. The policies
+(``dram.policy``, ``ssd.policy``; :mod:`kvstored.policy`) decide which leaf of their tier goes
+next and learn of every store, hit and removal; this module only carries their decisions out and
+never hands them a block that may not go (pinned, being written out or promoted, unsealed). The
+write-back task keeps the DRAM blocks without an SSD copy below ``dram.writeback_watermark`` of the
+arena, oldest first.
 """
 
 from __future__ import annotations
@@ -28,13 +32,20 @@ from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFou
 from kvstored.index import DEMOTING, HIT, NO_SLOT, ON_SSD, SEALED, Block, PrefixIndex, Tier
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
 from kvstored.policy.admission import admit
-from kvstored.policy.eviction import LRUOrder
+from kvstored.policy.interface import BlockPolicy
+from kvstored.policy.registry import make_policy
 from kvstored.tiers.dram import Arena, SlotAllocator, slot_size
 from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDError, SSDTier
 from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
 log = logging.getLogger("kvstored.store")
+
+# The SSD tier holds blocks of every namespace's size; its policy's ghost list is sized as if they
+# were of this many bytes (16 tokens of an 8B model at tensor parallel 2), a bound on its memory,
+# and for at least MIN_GHOST_BLOCKS blocks (a small tier of large blocks still remembers some).
+GHOST_BLOCK_BYTES = 1 << 20
+MIN_GHOST_BLOCKS = 1024
 
 
 @dataclass(slots=True, eq=False)
@@ -140,7 +151,7 @@ class Fetched:
 
 # fetcher(namespace_id, keys, into, landed): fetch ``keys`` in order from some peer; receive block i
 # into ``into(i, length)``, then await ``landed(i, peer)``. Never raises for a peer's failure.
-Into = Callable[[int, int], memoryview]
+Into = Callable[[int, int], Awaitable[memoryview]]
 Landed = Callable[[int, str], Awaitable[None]]
 Fetcher = Callable[[int, list[bytes], Into, Landed], Awaitable[Fetched]]
 
@@ -194,10 +205,13 @@ class BlockStore:
         self._allocator = SlotAllocator(arena.capacity, config.dram.page_bytes)
         self._tick = 0                                      # advances with every request that allocates
         self._page_tick = [0] * self._allocator.num_pages   # when each page was last used (sealed or hit)
-        self._dram_lru: dict[int, LRUOrder] = {}
-        self._ssd_lru = LRUOrder()
+        self._dram_policies: dict[int, BlockPolicy] = {}   # one per slot size
+        self._ssd_policy = make_policy(config.ssd.policy, clock,
+                                       max(config.ssd.capacity // GHOST_BLOCK_BYTES, MIN_GHOST_BLOCKS),
+                                       can_evict=self._ssd_can_evict)
         self._ssd_used = 0
-        self._dirty_bytes = 0   # DRAM bytes of sealed blocks without an SSD copy
+        self._dirty_bytes = 0   # DRAM bytes of sealed blocks without an SSD copy ...
+        self._dirty: dict[Block, None] = {}  # ... and those blocks, oldest first (the write-back order)
         self._namespaces: dict[int, NamespaceState] = {}
         self._sessions: dict[str, Session] = {}
         self._leases = LeaseTable(clock)
@@ -335,7 +349,7 @@ class BlockStore:
         for block in hits:
             block.flags |= HIT
         self._tick += 1
-        self._append(hits)
+        self._hit(hits)
         tiers = _tiers(hits)
         lease_id = 0
         ttl = self._config.leases.ttl_s
@@ -367,7 +381,8 @@ class BlockStore:
         """Start promoting the cached prefix's slower-tier blocks; returns (hit, promoting)."""
         state, chain = self.resolve_keys(namespace_id, keys)
         hits = state.index.match(chain)
-        self._append(hits)
+        # Not a hit for the policies: the load that follows a prefetch is. Its pages are in use.
+        self._mark_pages(hits)
         slow = sum(1 for b in hits if not b.in_dram and b not in self._promoting)
         if slow:
             self._prefetch_in_background(hits)
@@ -397,6 +412,7 @@ class BlockStore:
         make room or a copy is corrupt (that block becomes hollow and is dropped).
         """
         waits: list[tuple[int, asyncio.Future[bool]]] = []
+        started: list[tuple[Block, asyncio.Future[bool]]] = []
         cut = len(blocks)
         self._tick += 1
         loop = asyncio.get_running_loop()
@@ -414,7 +430,7 @@ class BlockStore:
             if offset is None:
                 cut = i
                 break
-            self._ssd_lru.discard(block)
+            self._ssd_policy.removed(block)
             block.offset = offset
             done: asyncio.Future[bool] = loop.create_future()
             self._promoting[block] = done
@@ -422,6 +438,9 @@ class BlockStore:
                                        self._arena.view(offset, self._block_bytes(block)))
             self._spawn(self._finish_promotion(block, read, done))
             waits.append((i, done))
+            started.append((block, done))
+        if started:
+            self._spawn(self._track_promoted(started))
         for i, fut in waits:
             if not await fut:
                 cut = min(cut, i)
@@ -444,45 +463,71 @@ class BlockStore:
             log.warning("SSD read of %s failed: %s", block.key.hex()[:16], exc)
             self._n.ssd_read_errors += 1
             self._release_slot(block)
-            self._ssd_lru.touch(block)
+            self._ssd_policy.inserted([block])
             self._promoting.pop(block, None)
             done.set_result(False)
             return
         self._promoting.pop(block, None)
-        self._dram_for(block).touch(block)
         self._n.promotions += 1
         done.set_result(True)
 
-    def _append(self, blocks: Sequence[Block]) -> None:
-        """Mark a prefix's blocks most recently used in their tier's list, deepest first, so each
-        parent is more recent than its children and eviction meets leaves first."""
+    async def _track_promoted(self, started: list[tuple[Block, asyncio.Future[bool]]]) -> None:
+        """Hand a batch of promoted blocks to their DRAM policy once all have landed, parent first:
+        reads finish in any order, and a policy told of a child before its parent would take the
+        parent for a leaf. A task of its own, so that a cancelled lookup cannot leave a slot
+        untracked (hence never evicted); the blocks are pinned until their readers are done."""
+        await asyncio.gather(*(done for _, done in started))
+        landed = [block for block, done in started if done.result() and block.offset != NO_SLOT
+                  and block.flags & SEALED and block not in self._promoting]
+        if landed:
+            self._dram_for(landed[0]).inserted(landed)
+
+    def _hit(self, blocks: Sequence[Block]) -> None:
+        """Tell the tiers' policies that a lookup hit ``blocks``, a prefix of one namespace's chain.
+
+        O(1) whatever the prefix length: the policies record a hit on the deepest block they track
+        (:mod:`kvstored.policy.usage`). A DRAM-resident prefix is closed under ancestors (only
+        leaves leave a tier), so the common case is a DRAM run, then an SSD-only run; the SSD
+        policy is only asked when the prefix ends off DRAM, so an all-DRAM hit costs it nothing.
+        """
         if not blocks:
             return
-        promoting = self._promoting
-        dram = [b for b in reversed(blocks) if b.offset != NO_SLOT and b not in promoting]
-        if dram:
-            lru = self._dram_for(dram[0])
-            if all(b.index is dram[0].index for b in (dram[0], dram[-1])):
-                lru.touch_run(dram)  # one namespace, one slot size: one list
-            else:
-                for block in dram:
-                    self._dram_for(block).touch(block)
-            page_bytes, tick = self._allocator.page_bytes, self._tick
-            for block in dram[:: max(1, len(dram) // 8)]:  # pages in use, sampled
-                self._page_tick[block.offset // page_bytes] = tick
-        if len(dram) < len(blocks):
-            for block in reversed(blocks):
-                if block.offset == NO_SLOT and block.flags & ON_SSD and block not in promoting:
-                    self._ssd_lru.touch(block)
+        if blocks[0].offset != NO_SLOT:
+            self._dram_for(blocks[0]).hit(blocks)
+        if blocks[-1].offset == NO_SLOT:
+            self._ssd_policy.hit(blocks)
+        self._mark_pages(blocks)
 
-    def _dram_for(self, block: Block) -> LRUOrder:
-        return self._lru_of_size(block.index.slot_bytes)
+    def _mark_pages(self, blocks: Sequence[Block]) -> None:
+        """Mark the arena pages of ``blocks`` used now (sampled: a chain's blocks share pages), so
+        that pages drift to the slot sizes in use (see :meth:`_reclaim_dram`)."""
+        page_bytes, tick, page_tick = self._allocator.page_bytes, self._tick, self._page_tick
+        for block in blocks[:: max(1, len(blocks) // 8)]:
+            if block.offset != NO_SLOT:
+                page_tick[block.offset // page_bytes] = tick
 
-    def _lru_of_size(self, slot_bytes: int) -> LRUOrder:
-        lru = self._dram_lru.get(slot_bytes)
-        if lru is None:
-            lru = self._dram_lru[slot_bytes] = LRUOrder()
-        return lru
+    def _dram_for(self, block: Block) -> BlockPolicy:
+        return self._policy_of_size(block.index.slot_bytes)
+
+    def _policy_of_size(self, slot_bytes: int) -> BlockPolicy:
+        policy = self._dram_policies.get(slot_bytes)
+        if policy is None:
+            policy = self._dram_policies[slot_bytes] = make_policy(
+                self._config.dram.policy, self._clock, max(self._allocator.capacity // slot_bytes, MIN_GHOST_BLOCKS),
+                can_evict=self._dram_can_evict)
+        return policy
+
+    def _dram_can_evict(self, block: Block) -> bool:
+        """May ``block`` give up its DRAM slot now? Not while pinned, being written out, promoted
+        or unsealed; with an SSD copy it just loses the slot, so it may have children in the index
+        (the policy still offers only leaves of the DRAM-resident tree); without one it would
+        leave the index, which only leaves may."""
+        return block.pins == 0 and block.flags & (SEALED | DEMOTING) == SEALED and block not in self._promoting \
+            and (block.flags & ON_SSD != 0 or block.children == 0)
+
+    def _ssd_can_evict(self, block: Block) -> bool:
+        """May an SSD-only block leave the index now (an evictable leaf not on its way to DRAM)?"""
+        return block.evictable and block.offset == NO_SLOT and block not in self._promoting
 
     def _block_bytes(self, block: Block) -> int:
         return self._namespaces[block.index.namespace_id].spec.block_bytes
@@ -545,7 +590,9 @@ class BlockStore:
         present = state.index.match(chain)
         lease = self._pin(session, LeaseKind.RESERVATION, state.namespace_id, present,
                           self._config.leases.reservation_ttl_s)
-        self._append(present)
+        # Not a hit for the policies: an engine saves a prompt after looking it up, and that lookup
+        # counted; counting again would promote every extended prefix a reuse class. Its pages are in use.
+        self._mark_pages(present)
         return lease
 
     def _reserve_next(self, lease: Lease, state: NamespaceState, key: bytes) -> str:
@@ -568,7 +615,13 @@ class BlockStore:
             existing.pins += 1
             lease.new.append(existing)
             return "ok"
-        offset = self._alloc(sb)
+        if parent is not None:
+            parent.pins += 1   # making room must not evict the block we hang this one under
+        try:
+            offset = self._alloc(sb)
+        finally:
+            if parent is not None:
+                parent.pins -= 1
         if offset is None:
             return "full"
         lease.new.append(state.index.insert(key, parent, offset))
@@ -582,28 +635,24 @@ class BlockStore:
             offset = self._allocator.alloc(sb)
         return offset
 
-    def _victim(self, lru: LRUOrder) -> Block | None:
-        """The least recently used block of one size that can give up its slot now."""
-        for block in lru.oldest():
-            if block.pins or block.flags & (SEALED | DEMOTING) != SEALED:
-                continue
-            if block.on_ssd or block.children == 0:
-                return block
-        return None
-
     def _reclaim_dram(self, sb: int) -> bool:
-        """Free one DRAM slot. The victim is this size's least recently used block, unless another
-        size's coldest block sits in a page used less recently than that: then that one goes, so
-        pages drift to the sizes in use (a page returns to the pool when its last slot is freed).
-        A block with an SSD copy just loses its slot; one without leaves the index (leaves only)."""
+        """Free one DRAM slot. The victim is this size's policy's choice, unless another size's
+        choice sits in a page used less recently than that: then that one goes, so pages drift to
+        the sizes in use (a page returns to the pool when its last slot is freed). A block with an
+        SSD copy just loses its slot (and joins the SSD policy); one without leaves the index.
+
+        DRAM admits every block (``admit`` is not asked): a block refused here would never reach
+        the SSD tier, usually far larger, through write-back, and an engine's save would store
+        less at a time when the arena is merely full of blocks that already have SSD copies.
+        The policy's admission guards the SSD tier instead (see :meth:`_write_back`)."""
         self._writeback_wanted.set()
         page_bytes = self._allocator.page_bytes
-        own = self._dram_lru.get(sb)
-        victim = self._victim(own) if own is not None else None
-        for size, lru in self._dram_lru.items():
-            if size == sb or not len(lru):
+        own = self._dram_policies.get(sb)
+        victim = own.victim() if own is not None else None
+        for size, policy in self._dram_policies.items():
+            if size == sb or not len(policy):
                 continue
-            other = self._victim(lru)
+            other = policy.victim()
             if other is not None and (victim is None or self._page_tick[other.offset // page_bytes]
                                       < self._page_tick[victim.offset // page_bytes]):
                 victim = other
@@ -611,7 +660,7 @@ class BlockStore:
             return False
         if victim.on_ssd:
             self._release_slot(victim)
-            self._ssd_lru.touch(victim)
+            self._ssd_policy.inserted([victim])
         else:
             self._remove(victim)
             self._n.dropped += 1
@@ -622,22 +671,32 @@ class BlockStore:
         """Give back a block's DRAM slot (its bytes stay wherever else they are)."""
         if block.offset == NO_SLOT:
             return
-        self._dram_for(block).discard(block)
+        self._dram_for(block).removed(block)
         if block.sealed and not block.on_ssd:
-            self._dirty_bytes -= block.index.slot_bytes
+            self._set_clean(block)
         self._allocator.free(block.offset)
         block.offset = NO_SLOT
 
     def _drop_ssd_copy(self, block: Block) -> None:
         if not block.on_ssd:
             return
-        self._ssd_lru.discard(block)
+        self._ssd_policy.removed(block)
         block.flags &= ~ON_SSD
         self._ssd_used -= self._block_bytes(block)
         if block.in_dram and block.sealed:
-            self._dirty_bytes += block.index.slot_bytes
+            self._set_dirty(block)
         if self._ssd is not None:
             self._ssd.delete(block.index.namespace_id, block.key)
+
+    def _set_dirty(self, block: Block) -> None:
+        """``block`` (sealed, in DRAM) has no SSD copy: count it, and queue it for write-back."""
+        self._dirty_bytes += block.index.slot_bytes
+        self._dirty[block] = None
+
+    def _set_clean(self, block: Block) -> None:
+        """``block`` got an SSD copy or lost its slot."""
+        self._dirty_bytes -= block.index.slot_bytes
+        self._dirty.pop(block, None)
 
     def _remove(self, block: Block) -> None:
         """Take a leaf out of the index and out of every tier; hollow ancestors follow."""
@@ -697,12 +756,8 @@ class BlockStore:
             return
         for block in lease.new:
             block.pins -= 1
-            block.flags |= SEALED
-            self._dirty_bytes += block.index.slot_bytes
-        self._append(lease.new)
+        self._sealed_now(lease.new)
         self._n.saved_blocks += len(lease.new)
-        if self._dirty_bytes > self._config.dram.writeback_watermark * self._allocator.capacity:
-            self._writeback_wanted.set()
 
     def reap(self) -> int:
         """End leases past their deadline (busy ones once their copy finishes); returns the count."""
@@ -731,7 +786,12 @@ class BlockStore:
                 log.exception("write-back round failed")
 
     async def _write_back(self, nbytes: float, force: bool, models: set[int] | None) -> int:
-        """Copy the least recently used DRAM blocks without an SSD copy to SSD (up to ``nbytes``)."""
+        """Copy the DRAM blocks without an SSD copy to SSD, longest without first (a chain's parents
+        are sealed, hence queued, before their children), up to ``nbytes``.
+
+        Without ``force``, ``ssd.admission`` and the SSD policy's ``admit`` (asked when the block
+        would need an eviction) may pass a block over: it stays in DRAM without a copy.
+        """
         if self._ssd is None:
             return 0
         chosen: list[Block] = []
@@ -739,19 +799,22 @@ class BlockStore:
         cfg = self._config.ssd
         # One round writes at most the gap between the watermarks, so room can always be made.
         batch_cap = min(256 << 20, max(1, (cfg.high_watermark - cfg.low_watermark) * cfg.capacity))
-        for lru in list(self._dram_lru.values()):
-            for block in lru.oldest():
-                if total >= nbytes or total >= batch_cap:
-                    break
-                if block.flags & (SEALED | ON_SSD | DEMOTING) != SEALED or block in self._promoting:
-                    continue
-                if models is not None and block.index.namespace_id not in models:
-                    continue
-                if not force and not admit(self._config.ssd.admission, block.depth, bool(block.flags & HIT),
-                                           self._namespaces[block.index.namespace_id].spec):
-                    continue
-                chosen.append(block)
-                total += self._block_bytes(block)
+        room = cfg.high_watermark * cfg.capacity
+        for block in self._dirty:  # not changed before the awaits below
+            if total >= nbytes or total >= batch_cap:
+                break
+            if block.flags & (SEALED | ON_SSD | DEMOTING) != SEALED or block in self._promoting:
+                continue
+            if models is not None and block.index.namespace_id not in models:
+                continue
+            size = self._block_bytes(block)
+            if not force and not (
+                    admit(cfg.admission, block.depth, bool(block.flags & HIT),
+                          self._namespaces[block.index.namespace_id].spec)
+                    and self._ssd_policy.admit(block.key, self._ssd_used + total + size > room)):
+                continue
+            chosen.append(block)
+            total += size
         if not chosen or not self._make_ssd_room(total):
             return 0
         futures = []
@@ -777,23 +840,24 @@ class BlockStore:
                     self._ssd_backoff_until = self._clock() + 1.0
                 continue
             block.flags |= ON_SSD
-            self._dirty_bytes -= block.index.slot_bytes
+            if block.in_dram:
+                self._set_clean(block)
             written += 1
         self._n.demotions += written
         return written
 
     def _make_ssd_room(self, nbytes: float) -> bool:
-        """Evict SSD-only leaves (least recent first) so ``nbytes`` more fit under the high watermark."""
+        """Evict SSD-only leaves (the SSD policy's victims) so ``nbytes`` more fit under the high watermark."""
         cfg = self._config.ssd
         if self._ssd_used + nbytes <= cfg.high_watermark * cfg.capacity:
             return True
         target = max(0.0, min(cfg.low_watermark * cfg.capacity, cfg.high_watermark * cfg.capacity - nbytes))
-        for block in self._ssd_lru.oldest():
-            if self._ssd_used <= target:
+        while self._ssd_used > target:
+            victim = self._ssd_policy.victim()
+            if victim is None:
                 break
-            if block.evictable and not block.in_dram:
-                self._remove(block)
-                self._n.ssd_evictions += 1
+            self._remove(victim)  # untracks it: the next victim is another block
+            self._n.ssd_evictions += 1
         return self._ssd_used + nbytes <= cfg.high_watermark * cfg.capacity
 
     def restore(self) -> RestoreReport:
@@ -834,8 +898,7 @@ class BlockStore:
             block.pins = 0
             self._ssd_used += rec.length
             restored.append(block)
-        for block in reversed(restored):  # deepest last inserted first: parents end up more recent
-            self._ssd_lru.touch(block)
+        self._ssd_policy.inserted(restored)  # parents first, as the policies expect
         self._n.dropped += dropped
         return RestoreReport(len(self._namespaces), len(restored), dropped)
 
@@ -855,7 +918,7 @@ class BlockStore:
             if tier is Tier.DRAM and block.in_dram:
                 if block.on_ssd:
                     self._release_slot(block)
-                    self._ssd_lru.touch(block)
+                    self._ssd_policy.inserted([block])
                 elif block.children == 0:
                     self._remove(block)
                 else:
@@ -1076,7 +1139,7 @@ class BlockStore:
             block.pins -= 1
             self._remove_if_hollow(block)
             return None
-        self._append([block])
+        self._hit([block])
         self._n.peer_served += 1
         return self._arena.view(block.offset, self._block_bytes(block)).data
 
@@ -1130,12 +1193,30 @@ class BlockStore:
         self._n.peer_received += 1
         return True
 
+    def _drop_clean_slots(self, blocks: Sequence[Block], most: int) -> int:
+        """Free the DRAM slots of up to ``most`` of ``blocks`` (in order) that have an SSD copy and
+        nothing holding them; their bytes stay on SSD. Returns how many were freed."""
+        freed = 0
+        for block in blocks:
+            if freed == most:
+                break
+            if block.in_dram and block.on_ssd and not block.pins and not block.flags & DEMOTING \
+                    and block not in self._promoting:
+                self._release_slot(block)
+                self._ssd_policy.inserted([block])
+                self._n.dram_evictions += 1
+                freed += 1
+        return freed
+
     def _sealed_now(self, blocks: list[Block]) -> None:
-        """Blocks whose bytes just landed in their DRAM slots become visible."""
+        """Blocks of one chain whose bytes just landed in their DRAM slots become visible."""
+        if not blocks:
+            return
         for block in blocks:
             block.flags |= SEALED
-            self._dirty_bytes += block.index.slot_bytes
-        self._append(blocks)
+            self._set_dirty(block)
+        self._dram_for(blocks[0]).inserted(blocks)  # one chain: one namespace, one slot size
+        self._mark_pages(blocks)
         if self._dirty_bytes > self._config.dram.writeback_watermark * self._allocator.capacity:
             self._writeback_wanted.set()
 
@@ -1230,13 +1311,23 @@ class BlockStore:
         block_bytes = state.spec.block_bytes
         sealed = 0
 
-        def into(i: int, length: int) -> memoryview:
+        async def into(i: int, length: int) -> memoryview:
             # Slots are taken as blocks arrive, not up front: the first block of a long prompt
             # does not wait for thousands of reservations.
             if length != block_bytes:
                 raise ValueError(f"peer sent block {start + i} of {length} bytes; expected {block_bytes}")
             assert i == len(new), "blocks must arrive in order"
             outcome = self._reserve_next(reservation, state, chain[start + i])
+            for _ in range(3):
+                # DRAM is full of this stream's own chain (a prompt larger than DRAM, each block
+                # already in the engine's buffers): sink its oldest blocks to SSD and let them give
+                # up their slots. The eviction policy cannot: they are interior blocks of a chain.
+                if outcome != "full" or self._ssd is None:
+                    break
+                await self._write_back(8 * block_bytes, True, {state.namespace_id})
+                if not self._drop_clean_slots(new[:i], 8):
+                    break
+                outcome = self._reserve_next(reservation, state, chain[start + i])
             if outcome != "ok":
                 raise ResourceExhausted(f"no DRAM slot for block {start + i}: " + (
                     "another client is writing it" if outcome == "blocked" else "every block that could "
@@ -1264,7 +1355,7 @@ class BlockStore:
     # -- introspection and shutdown ---------------------------------------------------------
     def stats(self) -> StoreStats:
         index_blocks = sum(len(s.index) for s in self._namespaces.values())
-        dram_blocks = sum(len(lru) for lru in self._dram_lru.values())
+        dram_blocks = sum(len(policy) for policy in self._dram_policies.values())
         tiers = [TierStats("dram", self._allocator.capacity, self._allocator.used_bytes,
                            dram_blocks, self._n.dram_evictions)]
         if self._ssd is not None:

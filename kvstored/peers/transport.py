@@ -89,7 +89,7 @@ StoreBlock = Callable[[int, bytes, bytes, memoryview], "bool | Awaitable[bool]"]
 CountBlocks = Callable[[int, list[bytes]], "int | Awaitable[int]"]
 OpenNamespace = Callable[[int, bytes], "str | Awaitable[str]"]
 OnBlock = Callable[[int, memoryview], "Awaitable[None] | None"]
-Into = Callable[[int, int], memoryview]
+Into = Callable[[int, int], "memoryview | Awaitable[memoryview]"]
 
 
 # -- errors and results ---------------------------------------------------------------------------
@@ -799,7 +799,7 @@ class PeerConnection:
 
         ``payload`` is valid until ``on_block`` returns (or its awaitable is done): copy what you keep.
         With ``into(index, length)`` the payload is received straight into the writable memoryview
-        it returns (exactly ``length`` bytes); if the result's ``delivered`` is ``i``, the buffer for
+        it returns or resolves to (exactly ``length`` bytes); if the result's ``delivered`` is ``i``, the buffer for
         block ``i`` (if one was asked for) holds unverified bytes and must be discarded.
         The deadline covers the whole transfer, ``on_block`` included."""
         progress = _Progress()
@@ -842,7 +842,7 @@ class PeerConnection:
                     if length > self._limits.max_block_bytes:
                         self._break()
                         return FetchResult(i, n, Stop.PEER_ERROR, f"block {i} of {length} bytes exceeds the limit")
-                    dest = self._destination(i, length, into)
+                    dest = await self._destination(i, length, into)
                     await s.read_into(dest, f"reading block {i}")
                     if checksum(dest) != check:
                         self._break()
@@ -861,9 +861,10 @@ class PeerConnection:
                 raise
             raise AssertionError("unreachable")
 
-    def _destination(self, index: int, length: int, into: Into | None) -> memoryview:
+    async def _destination(self, index: int, length: int, into: Into | None) -> memoryview:
         if into is not None:
-            dest = _as_bytes_view(into(index, length))
+            place = into(index, length)
+            dest = _as_bytes_view(await place if inspect.isawaitable(place) else place)
             if dest.readonly or dest.nbytes != length:
                 raise ValueError(f"into({index}, {length}) must return a writable buffer of exactly {length} bytes")
             return dest

@@ -2,7 +2,8 @@
 
 Both admit every block. Recency is a logical counter (one tick per call), not a clock, so runs
 are exact and repeatable. ``can_evict`` is the tier's predicate for "may leave now" (see
-:mod:`kvstored.policy.leafheap`).
+:mod:`kvstored.policy.leafheap`). Hits are recorded lazily (:mod:`kvstored.policy.usage`): a
+lookup costs O(1) here whatever the length of its prefix.
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvstored.index import Block
-from kvstored.policy.leafheap import LeafHeap, index_leaf
+from kvstored.policy.leafheap import LeafHeap, Priority, index_leaf
+from kvstored.policy.usage import Use, UseLog
 
 
 class _HeapPolicy:
-    """What LRU and LFU share: an admit-all policy over a heap of evictable leaves."""
+    """What LRU and LFU share: an admit-all policy over a heap of evictable leaves, ordered by a
+    priority computed from each block's use record."""
 
     def __init__(self, can_evict: Callable[[Block], bool] = index_leaf) -> None:
-        self._heap = LeafHeap(can_evict)
+        self._uses = UseLog()
+        self._heap = LeafHeap(can_evict, refresh=self._current)
         self._tick = 0
 
     def __len__(self) -> int:
@@ -26,16 +30,28 @@ class _HeapPolicy:
     def __contains__(self, block: object) -> bool:
         return block in self._heap
 
+    def _priority(self, use: Use) -> Priority:
+        raise AssertionError("subclasses define _priority")
+
+    def _current(self, block: Block) -> Priority:
+        use = self._uses.get(block)
+        assert use is not None, "a block in the heap has a use record"
+        return self._priority(use)
+
     def admit(self, key: bytes, full: bool) -> bool:
         return True
 
     def inserted(self, blocks: Sequence[Block]) -> None:
-        self.hit(blocks)
+        self._tick += 1
+        for block in blocks:
+            self._heap.set(block, self._priority(self._uses.stored(block, float(self._tick))))
 
     def hit(self, blocks: Sequence[Block]) -> None:
-        raise AssertionError("subclasses define hit")
+        self._tick += 1
+        self._uses.hit(blocks, float(self._tick))
 
     def removed(self, block: Block) -> None:
+        self._uses.forget(block)
         self._heap.discard(block)
 
     def victim(self) -> Block | None:
@@ -47,29 +63,15 @@ class LRUPolicy(_HeapPolicy):
 
     name = "lru"
 
-    def hit(self, blocks: Sequence[Block]) -> None:
-        self._tick += 1
-        prio = (float(self._tick), 0.0)
-        for block in blocks:
-            self._heap.set(block, prio)
+    def _priority(self, use: Use) -> Priority:
+        return (use.last_use, 0.0)
 
 
 class LFUPolicy(_HeapPolicy):
-    """Least frequently used leaf first (uses since stored), least recent among equals."""
+    """Least frequently used leaf first (uses since stored: the storing and each hit), least
+    recent among equals."""
 
     name = "lfu"
 
-    def __init__(self, can_evict: Callable[[Block], bool] = index_leaf) -> None:
-        super().__init__(can_evict)
-        self._uses: dict[Block, int] = {}
-
-    def hit(self, blocks: Sequence[Block]) -> None:
-        self._tick += 1
-        uses = self._uses
-        for block in blocks:
-            n = uses[block] = uses.get(block, 0) + 1
-            self._heap.set(block, (float(n), float(self._tick)))
-
-    def removed(self, block: Block) -> None:
-        self._uses.pop(block, None)
-        super().removed(block)
+    def _priority(self, use: Use) -> Priority:
+        return (float(1 + use.hits), use.last_use)

@@ -23,7 +23,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvstored.index import Block
-from kvstored.policy.leafheap import LeafHeap, index_leaf
+from kvstored.policy.leafheap import LeafHeap, Priority, index_leaf
+from kvstored.policy.usage import Use, UseLog
 
 DEFAULT_TAU_S = 300.0
 DEFAULT_CLASS_WEIGHTS = (1.0, 1.7, 2.9, 4.0)  # never hit, hit once, twice, three times or more
@@ -47,8 +48,8 @@ class CreditPolicy:
         self._clock = clock
         self._credit = [tau_s * math.log(w) for w in class_weights]
         self._top = len(class_weights) - 1
-        self._heap = LeafHeap(can_evict)
-        self._class: dict[Block, int] = {}
+        self._uses = UseLog()
+        self._heap = LeafHeap(can_evict, refresh=self._current)
         self._ghost: OrderedDict[bytes, int] = OrderedDict()
         self._ghost_entries = ghost_entries
 
@@ -59,8 +60,26 @@ class CreditPolicy:
         return block in self._heap
 
     def reuse_class(self, block: Block) -> int | None:
-        """0 = never hit since stored (or since it came back), up to ``len(class_weights) - 1``."""
-        return self._class.get(block)
+        """0 = never hit since stored (or since it came back), up to ``len(class_weights) - 1``.
+
+        Hits are recorded on the deepest block of each hit prefix (:mod:`kvstored.policy.usage`),
+        so a block with tracked children may not count its latest hits yet; a leaf's is exact.
+        """
+        use = self._uses.get(block)
+        return None if use is None else self._class_of(use)
+
+    def _class_of(self, use: Use) -> int:
+        return min(use.base + use.hits, self._top)
+
+    def _priority(self, use: Use) -> Priority:
+        # Ties (equal times: one request's blocks, or a frozen test clock) go to the entry pushed
+        # first, as in the eager policy the trace replay chose, so its figures still hold.
+        return (use.last_use + self._credit[self._class_of(use)], 0.0)
+
+    def _current(self, block: Block) -> Priority:
+        use = self._uses.get(block)
+        assert use is not None, "a block in the heap has a use record"
+        return self._priority(use)
 
     def _returning(self, key: bytes) -> int:
         """The class a block named ``key`` enters with: new, or one above its class when evicted."""
@@ -82,23 +101,16 @@ class CreditPolicy:
         for block in blocks:
             c = self._returning(block.key)
             self._ghost.pop(block.key, None)
-            self._class[block] = c
-            self._heap.set(block, (now + self._credit[c], 0.0))
+            self._heap.set(block, self._priority(self._uses.stored(block, now, base=c)))
 
     def hit(self, blocks: Sequence[Block]) -> None:
-        now = self._clock()
-        for block in blocks:
-            c = self._class.get(block)
-            if c is None:
-                continue  # not tracked (e.g. not sealed through this policy): nothing to credit
-            c = self._class[block] = min(c + 1, self._top)
-            self._heap.set(block, (now + self._credit[c], 0.0))
+        self._uses.hit(blocks, self._clock())  # untracked blocks (not stored through this policy) are skipped
 
     def removed(self, block: Block) -> None:
-        c = self._class.pop(block, None)
-        if c is not None and self._ghost_entries:
+        use = self._uses.forget(block)
+        if use is not None and self._ghost_entries:
             ghost = self._ghost
-            ghost[block.key] = c
+            ghost[block.key] = self._class_of(use)
             ghost.move_to_end(block.key)
             while len(ghost) > self._ghost_entries:
                 ghost.popitem(last=False)

@@ -7,7 +7,13 @@ candidate may actually go now is a predicate, by default ``Block.evictable`` (se
 no child in the index at all); a tier whose blocks have a copy elsewhere can pass a looser one.
 Entries are never updated in place: a new priority pushes a new entry and old ones are dropped
 when they surface (lazy deletion); the heap is rebuilt when stale entries pile up. Ties go to the
-entry pushed first.
+entry pushed first. A policy whose priorities only grow may also leave them stale on purpose and
+pass ``refresh`` (the current priority of a block): an entry is checked against it when it
+surfaces and pushed again with the current value when that is higher, so a hit costs nothing here.
+
+Tracking need not follow the tree order in a tier whose blocks come and go one by one (a parent
+may lose its slot before its child, or be given one after it): the counts of tracked children
+then err on the side of "leaf", and ``can_evict`` keeps such a block safe to evict anyway.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ class LeafHeap:
     """Tracked blocks with a priority each; ``peek`` = the tracked leaf of least priority that
     ``can_evict`` accepts."""
 
-    __slots__ = ("_can_evict", "_counted", "_heap", "_kids", "_prio", "_seq")
+    __slots__ = ("_can_evict", "_counted", "_heap", "_kids", "_prio", "_refresh", "_seq")
 
-    def __init__(self, can_evict: Callable[[Block], bool] = index_leaf) -> None:
+    def __init__(self, can_evict: Callable[[Block], bool] = index_leaf,
+                 refresh: Callable[[Block], Priority] | None = None) -> None:
         self._can_evict = can_evict
+        self._refresh = refresh
         self._prio: dict[Block, Priority] = {}
         self._kids: dict[Block, int] = {}   # tracked children of a tracked block, when any
         self._counted: set[Block] = set()   # blocks counted in their parent's _kids
@@ -47,6 +55,8 @@ class LeafHeap:
         return block in self._prio
 
     def priority(self, block: Block) -> Priority | None:
+        """The priority ``block`` was last pushed with: exact for the block ``peek`` just
+        returned, a lower bound of ``refresh(block)`` for the others."""
         return self._prio.get(block)
 
     def set(self, block: Block, prio: Priority) -> None:
@@ -70,10 +80,10 @@ class LeafHeap:
             self._counted.discard(block)
             parent = block.parent
             assert parent is not None
-            left = self._kids[parent] - 1
-            if left:
+            left = self._kids.get(parent, 0) - 1
+            if left > 0:
                 self._kids[parent] = left
-            else:
+            elif parent in self._kids:  # not there: the parent stopped being tracked first
                 del self._kids[parent]
                 prio = self._prio.get(parent)
                 if prio is not None:
@@ -81,7 +91,7 @@ class LeafHeap:
 
     def peek(self) -> Block | None:
         """The tracked leaf of least priority that may go now, or None. Does not remove it."""
-        heap, prios, kids = self._heap, self._prio, self._kids
+        heap, prios, kids, refresh = self._heap, self._prio, self._kids, self._refresh
         held: list[tuple[Priority, int, Block]] = []
         found: Block | None = None
         while heap:
@@ -89,6 +99,12 @@ class LeafHeap:
             if prios.get(block) != prio or block in kids:
                 heapq.heappop(heap)  # stale: re-prioritised, untracked, or no longer a leaf
                 continue
+            if refresh is not None:
+                current = refresh(block)
+                if current > prio:  # used since this entry was pushed: back in at its place
+                    prios[block] = current
+                    heapq.heapreplace(heap, (current, next(self._seq), block))
+                    continue
             if self._can_evict(block):
                 found = block
                 break

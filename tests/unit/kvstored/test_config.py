@@ -8,6 +8,7 @@ import pytest
 
 from kvstored import config
 from kvstored.config import ConfigError
+from kvstored.policy.registry import DEFAULT_POLICY
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -50,6 +51,8 @@ def test_example_config_in_systemd_dir_is_valid() -> None:
     ('[log]\nlevel = "loud"\n', "log.level"),
     ('[server]\ntcp = "0.0.0.0:7070"\n', "server.tcp"),
     ("[dram]\nprefault = 3\n", "dram.prefault"),
+    ('[dram]\npolicy = "fifo"\n', "dram.policy: must be one of lru, lfu, credit"),
+    ('[ssd]\npolicy = "arc"\n', "ssd.policy: must be one of lru, lfu, credit"),
     ("[dram]\ncapacity = \"1MiB\"\npage_bytes = \"2MiB\"\n", "dram.capacity"),
 ])
 def test_bad_values_name_the_key(tmp_path: Path, toml: str, needle: str) -> None:
@@ -57,6 +60,13 @@ def test_bad_values_name_the_key(tmp_path: Path, toml: str, needle: str) -> None
     path.write_text(toml)
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         config.load(str(path))
+
+
+def test_policies_per_tier_default_to_the_trace_winner() -> None:
+    cfg = config.Config()
+    assert cfg.dram.policy == cfg.ssd.policy == DEFAULT_POLICY
+    cfg = config.load(None, ["dram.policy=lru", "ssd.policy=lfu"])
+    assert (cfg.dram.policy, cfg.ssd.policy) == ("lru", "lfu")
 
 
 def test_insecure_tcp_must_be_explicit() -> None:

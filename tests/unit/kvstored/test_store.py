@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 from kvstored import config
 from kvstored.copy import CopyEngine
 from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstored.policy.credit import DEFAULT_TAU_S
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored_client.hashing import block_hashes
@@ -28,18 +31,31 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
-    cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False},
-                        "leases": {"ttl_s": 10.0, "reservation_ttl_s": 20.0}})
+@contextlib.contextmanager
+def _store(tmp_path: Path, extra: dict[str, dict[str, object]] | None = None) -> Iterator[tuple[BlockStore, Clock]]:
+    """A store over an 8-block arena in pages of 4 blocks, DRAM only, with ``extra`` config."""
+    values: dict[str, dict[str, object]] = {
+        "dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False},
+        "leases": {"ttl_s": 10.0, "reservation_ttl_s": 20.0}}
+    for section, table in (extra or {}).items():
+        values.setdefault(section, {}).update(table)
+    cfg = config.build(values)
     arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
     copy = CopyEngine(arena)
     clock = Clock()
     ids = iter(range(1, 1000))
     store = BlockStore(cfg, arena, copy, clock=clock, new_session_id=lambda: f"s{next(ids)}")
-    yield store, clock
-    copy.close()
-    arena.close()
+    try:
+        yield store, clock
+    finally:
+        copy.close()
+        arena.close()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
+    with _store(tmp_path) as made:
+        yield made
 
 
 def lookup(store: BlockStore, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
@@ -180,13 +196,14 @@ def test_churn_never_orphans_and_respects_capacity(env: tuple[BlockStore, Clock]
 
 
 def test_pages_drift_to_the_block_size_in_use(env: tuple[BlockStore, Clock]) -> None:
-    store, _ = env
+    store, clock = env
     s = store.open_session("t", 1)
     small = store.open_namespace(Namespace(model="small")).namespace_id
     big = store.open_namespace(Namespace(model="big")).namespace_id
     r = store.reserve(s.session_id, small, KeyRequest(hashes=chain(8)), 1024)
     store.seal(s.session_id, r.reservation_id)  # 8 x 1 KiB: half of page 0
     for round_ in range(4):  # the big size keeps working; small is never used again
+        clock.now += 1.0  # (a frozen clock ties every credit priority: chains would interleave)
         r = store.reserve(s.session_id, big, KeyRequest(hashes=chain(4, 1000 * round_)), BLOCK)
         assert len(r.offsets) == 4
         store.seal(s.session_id, r.reservation_id)
@@ -238,10 +255,7 @@ def test_batch_limit_and_hash_length(env: tuple[BlockStore, Clock]) -> None:
         lookup(store, ns, KeyRequest(hashes=chain(1), token_ids=list(range(16))))
 
 
-def test_new_blocks_outlive_older_read_ones(env: tuple[BlockStore, Clock]) -> None:
-    """Regression: under CLOCK, blocks just written must not lose to older blocks that were read
-    once (a benchmark writing passes of blocks and reading each pass back lost part of every pass)."""
-    store, _ = env
+def _passes(store: BlockStore, clock: Clock, gap_s: float) -> None:
     s = store.open_session("t", 1)
     ns = store.open_namespace(Namespace()).namespace_id
     for p in range(4):  # passes of 6 one-block prompts through an 8-block arena
@@ -249,3 +263,17 @@ def test_new_blocks_outlive_older_read_ones(env: tuple[BlockStore, Clock]) -> No
         for k in keys:
             save(store, s.session_id, ns, k)
         assert [lookup(store, ns, KeyRequest(hashes=k)).blocks for k in keys] == [1] * 6, f"pass {p}"
+        clock.now += gap_s
+
+
+def test_new_blocks_outlive_older_read_ones(tmp_path: Path) -> None:
+    """Regression: under CLOCK, blocks just written must not lose to older blocks that were read
+    once (a benchmark writing passes of blocks and reading each pass back lost part of every pass).
+    Under LRU that holds at once; under credit once the read blocks' credit has run out (a block
+    read once keeps its place against new unread ones for tau * ln 1.7, about 159 s, by design)."""
+    with _store(tmp_path, {"dram": {"policy": "lru"}}) as (store, clock):
+        _passes(store, clock, gap_s=0.0)
+    with _store(tmp_path, {"dram": {"policy": "credit"}}) as (store, clock):
+        _passes(store, clock, gap_s=DEFAULT_TAU_S * math.log(1.7) + 1.0)
+    with _store(tmp_path, {"dram": {"policy": "credit"}}) as (store, clock), pytest.raises(AssertionError):
+        _passes(store, clock, gap_s=1.0)

@@ -1,0 +1,214 @@
+"""The store under each eviction policy: per-tier config honoured, leases and pins never evicted,
+pages still drift between slot sizes, SSD admission by the policy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstored import config
+from kvstored.copy import CopyEngine
+from kvstored.errors import ResourceExhausted
+from kvstored.index import Tier
+from kvstored.policy.registry import POLICIES
+from kvstored.store import BlockStore, KeyRequest
+from kvstored.tiers.dram import Arena
+from kvstored.tiers.ssd import SSDTier
+from kvstored_client.hashing import block_hashes
+from kvstored_client.namespace import Namespace
+
+BLOCK = 4096  # bytes per block; pages of 16 KiB hold 4 blocks, the arena 8
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@contextlib.contextmanager
+def make_store(tmp_path: Path, dram: str, ssd: str | None = None, ssd_blocks: int = 8,
+               ) -> Iterator[tuple[BlockStore, Clock]]:
+    """An 8-block arena under policy ``dram``; with ``ssd``, an SSD tier of ``ssd_blocks`` blocks
+    under that policy (evicting above 95% of it, down to 50%)."""
+    values: dict[str, dict[str, object]] = {
+        "dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False, "policy": dram},
+        "ssd": {"enabled": ssd is not None, "capacity": ssd_blocks * BLOCK, "policy": ssd or "lru",
+                "high_watermark": 0.95, "low_watermark": 0.5, "sync": False}}
+    cfg = config.build(values)
+    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
+    copy = CopyEngine(arena)
+    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False) if ssd is not None else None
+    clock = Clock()
+    ids = iter(range(1, 1000))
+    store = BlockStore(cfg, arena, copy, tier, clock=clock, new_session_id=lambda: f"s{next(ids)}")
+    try:
+        yield store, clock
+    finally:
+        if tier is not None:
+            tier.close()
+        copy.close()
+        arena.close()
+
+
+def chain(n: int, start: int = 0) -> list[bytes]:
+    return block_hashes(list(range(start, start + 16 * n)))
+
+
+def save(store: BlockStore, sid: str, ns: int, keys: list[bytes]) -> int:
+    r = store.reserve(sid, ns, KeyRequest(hashes=keys), BLOCK)
+    return store.seal(sid, r.reservation_id)
+
+
+def cached(store: BlockStore, ns: int, keys: list[bytes]) -> int:
+    return asyncio.run(store.lookup(ns, KeyRequest(hashes=keys))).blocks
+
+
+# Does a block hit twice survive a burst of never-hit blocks that fills the arena twice over?
+SURVIVES = {"lru": False, "lfu": True, "credit": True}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_dram_policy_decides_what_a_burst_evicts(tmp_path: Path, policy: str) -> None:
+    with make_store(tmp_path, dram=policy) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        hot = chain(1, 999_000)
+        save(store, s, ns, hot)
+        for _ in range(2):
+            clock.now += 1.0
+            assert cached(store, ns, hot) == 1
+        for i in range(16):  # one-block prompts, each read never
+            clock.now += 1.0
+            assert save(store, s, ns, chain(1, 1000 * i)) == 1  # DRAM admits every save
+        assert cached(store, ns, hot) == int(SURVIVES[policy])
+        assert store.stats().tiers[0].blocks == 8  # the arena stays full, nothing leaks
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_leaf_first_under_every_policy(tmp_path: Path, policy: str) -> None:
+    with make_store(tmp_path, dram=policy) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        ns_state = store.open_namespace(Namespace())
+        ns = ns_state.namespace_id
+        long = chain(6)
+        save(store, s, ns, long)
+        clock.now += 1.0
+        save(store, s, ns, chain(3, 50_000))  # needs one slot: the long chain's leaf goes
+        assert cached(store, ns, long) == 5
+        assert all(b.children <= 1 for b in ns_state.index)  # still chains: nothing orphaned
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_pins_and_leases_are_never_evicted(tmp_path: Path, policy: str) -> None:
+    """Random saves, leased lookups and releases over a small arena: a leased block is always
+    readable at its offset, and the arena never holds more than it can."""
+    rng = random.Random(hash(policy) & 0xFFFF)
+    with make_store(tmp_path, dram=policy) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        ns_state = store.open_namespace(Namespace())
+        ns = ns_state.namespace_id
+        prompts = [chain(rng.randrange(1, 4), 10_000 * p) for p in range(12)]
+        held: list[tuple[int, list[bytes], list[int]]] = []
+        for _ in range(300):
+            clock.now += rng.random() * 50
+            keys = rng.choice(prompts)
+            op = rng.random()
+            if op < 0.45:
+                with contextlib.suppress(ResourceExhausted):  # every block that could go is leased
+                    save(store, s, ns, keys)
+            elif op < 0.75 and len(held) < 3:
+                r = asyncio.run(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s))
+                if r.blocks:
+                    held.append((r.lease_id, keys[: r.blocks], r.offsets))
+            elif op < 0.9:
+                cached(store, ns, keys)
+            elif held:
+                store.release(s, held.pop(rng.randrange(len(held)))[0])
+            for _, keys_held, offsets in held:
+                for key, offset in zip(keys_held, offsets):
+                    block = ns_state.index.get(key)
+                    assert block is not None and block.offset == offset and block.pins > 0
+            assert store.stats().tiers[0].used_bytes <= 8 * BLOCK
+            for block in ns_state.index:
+                assert block.parent is None or ns_state.index.get(block.parent.key) is block.parent
+        assert store.stats().tiers[0].evictions > 20  # the arena was under pressure throughout
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_pages_drift_between_slot_sizes(tmp_path: Path, policy: str) -> None:
+    with make_store(tmp_path, dram=policy) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        small = store.open_namespace(Namespace(model="small")).namespace_id
+        big = store.open_namespace(Namespace(model="big")).namespace_id
+        r = store.reserve(s, small, KeyRequest(hashes=chain(8)), 1024)
+        store.seal(s, r.reservation_id)  # 8 x 1 KiB: half of page 0
+        for round_ in range(4):  # the big size keeps working; small is never used again
+            clock.now += 1.0
+            r = store.reserve(s, big, KeyRequest(hashes=chain(4, 1000 * round_)), BLOCK)
+            assert len(r.offsets) == 4
+            store.seal(s, r.reservation_id)
+        assert cached(store, small, chain(8)) == 0  # its page went to big
+        assert cached(store, big, chain(4, 3000)) == 4
+        assert cached(store, big, chain(4, 2000)) == 4  # two pages of big now
+
+
+def _hit_on_ssd(store: BlockStore, ns: int, keys: list[bytes]) -> None:
+    """Look ``keys`` up while they are on SSD only: a hit, and a promotion to DRAM, awaited."""
+    async def run() -> None:
+        await store.lookup(ns, KeyRequest(hashes=keys))
+        await store.drain()
+    asyncio.run(run())
+    assert asyncio.run(store.lookup(ns, KeyRequest(hashes=keys))).tiers == [Tier.DRAM] * len(keys)
+
+
+def _to_ssd_only(store: BlockStore, s: str, ns: int, keys: list[bytes]) -> None:
+    """Store ``keys`` and leave them on SSD only (written down, then dropped from DRAM)."""
+    save(store, s, ns, keys)
+    asyncio.run(store.flush())
+    store.evict(tier=Tier.DRAM)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_ssd_policy_is_its_own(tmp_path: Path, policy: str) -> None:
+    """The SSD tier follows ``ssd.policy`` whatever ``dram.policy`` says: a block that came back
+    from DRAM after a hit earns credit on SSD under credit only (LRU and LFU start it afresh)."""
+    with make_store(tmp_path, dram="lru", ssd=policy) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        hot = chain(1, 999_000)
+        _to_ssd_only(store, s, ns, hot)
+        _hit_on_ssd(store, ns, hot)
+        store.evict(tier=Tier.DRAM)  # back on SSD only
+        for i in range(10):  # the SSD tier holds 7 blocks at most
+            clock.now += 1.0
+            _to_ssd_only(store, s, ns, chain(1, 1000 * i))
+        assert store.stats().tiers[1].used_bytes <= 0.95 * 8 * BLOCK
+        assert cached(store, ns, hot) == int(policy == "credit")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_ssd_admission_is_the_policys(tmp_path: Path, policy: str) -> None:
+    """A write-back round (not a flush) asks the SSD policy: credit refuses a block that would
+    evict one worth more, and the refused block just stays in DRAM without a copy."""
+    with make_store(tmp_path, dram="lru", ssd=policy, ssd_blocks=2) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        hot = chain(1, 999_000)
+        _to_ssd_only(store, s, ns, hot)
+        _hit_on_ssd(store, ns, hot)   # credit: reused
+        store.evict(tier=Tier.DRAM)  # back on SSD only
+        assert store.stats().tiers[1].blocks == 1
+        new = chain(1, 5000)
+        save(store, s, ns, new)
+        clock.now += 1.0
+        written = asyncio.run(store._write_back(float(BLOCK), force=False, models=None))
+        assert written == int(policy != "credit")
+        assert cached(store, ns, new) == 1 and cached(store, ns, hot) == int(policy == "credit")
