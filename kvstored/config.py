@@ -228,6 +228,9 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"peers.listen: {p.listen} is not a loopback address and no peer authentication is "
                           "configured (peers.token_file or peers.tls_*); set peers.insecure = true to accept that "
                           "explicitly")
+    if p.etcd and p.listen and not p.advertise and p.listen.rpartition(":")[0].strip("[]") in ("", "0.0.0.0", "::"):
+        raise ConfigError(f"peers.advertise: peers.listen {p.listen} is a wildcard address that other nodes cannot "
+                          "dial; set peers.advertise to this node's host:port for etcd")
     for entry in p.static:
         node, sep, addr = entry.partition("=")
         checks.append((bool(sep and node and "/" not in node and hostport.match(addr)),

@@ -1183,8 +1183,13 @@ class BlockStore:
         """Give a hollow block (its bytes were lost, its children kept) the bytes a peer sent."""
         if block in self._promoting:
             return False
-        offset = self._alloc(block.index.slot_bytes)
+        block.pins += 1   # making room may evict its last child; that must not take the block along
+        try:
+            offset = self._alloc(block.index.slot_bytes)
+        finally:
+            block.pins -= 1
         if offset is None:
+            self._remove_if_hollow(block)
             return False
         self._arena.view(offset, payload.nbytes)[:] = payload
         block.offset = offset

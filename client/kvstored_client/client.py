@@ -459,8 +459,12 @@ class Client:
         """This node and its peers as the daemon sees them (see ``kvctl peers``); asks each peer
         a quick question first, so states are fresh."""
         resp = self._call(self._stub.Peers, pb.PeersRequest())
-        return json_format.MessageToDict(resp, preserving_proto_field_name=True,
-                                         always_print_fields_with_no_presence=True)
+        out = json_format.MessageToDict(resp, preserving_proto_field_name=True,
+                                        always_print_fields_with_no_presence=True)
+        for row in out["peers"]:   # protobuf's JSON mapping writes 64-bit integers as strings
+            for key in ("blocks_fetched", "blocks_pushed"):
+                row[key] = int(row[key])
+        return out
 
     def migrate(self, to: str = "", *, model: str = "", tokens: Any = None, hashes: Sequence[bytes] | None = None,
                 namespace: Namespace | None = None, drain: bool = False) -> Iterator[dict[str, Any]]:

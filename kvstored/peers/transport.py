@@ -283,7 +283,10 @@ class _Stream(asyncio.BufferedProtocol):
     # protocol callbacks -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)   # uvloop's transports are not subclasses
-        self.transport.set_write_buffer_limits(high=0, low=0)   # pause as soon as anything is queued
+        # Pause as soon as anything is queued. uvloop's TLS transport pauses at size >= high, so
+        # high=0 would pause it after every write, even a fully sent one, until the next read.
+        tls = transport.get_extra_info("ssl_object") is not None
+        self.transport.set_write_buffer_limits(high=1 if tls else 0, low=0)
         sock = transport.get_extra_info("socket")
         if sock is not None and self._limits.socket_buffer_bytes:
             with contextlib.suppress(OSError):

@@ -359,9 +359,6 @@ def test_mutual_tls_between_daemons(daemon_factory: Factory, certs: Certs) -> No
         assert ca.stats()["peer_served_blocks"] == 5   # b's stream only
 
 
-@pytest.mark.xfail(strict=True, reason="bug: under uvloop a TLS transport pauses writing at size >= high water "
-                   "(0) with nothing queued and never resumes, so _Stream.drain waits forever: a push over mutual TLS "
-                   "stalls after its first block until peers.deadline_s")
 def test_push_and_migrate_over_mutual_tls(daemon_factory: Factory, certs: Certs) -> None:
     pa, pb = free_ports(2)
     static = f"a=127.0.0.1:{pa},b=127.0.0.1:{pb}"

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 import kvstored
 
@@ -163,8 +162,6 @@ def test_migrate_to_an_unknown_peer_fails(daemon_factory) -> None:  # type: igno
         assert cb.stats()["index_blocks"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Client.peers() returns the uint64 counters as strings (protobuf's JSON "
-                   "mapping), unlike Client.stats(); so does `kvctl peers --json`")
 def test_peers_json_counts_are_numbers(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     a, _b = _two_nodes(daemon_factory)
     data = json.loads(kvctl(a.socket, "peers", "--json").stdout)

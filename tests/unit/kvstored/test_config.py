@@ -211,8 +211,6 @@ def test_peers_flags_are_coerced() -> None:
         "127.0.0.1:0", True, 2, 5.0, "127.0.0.1:2379", "n1")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a wildcard peers.listen with etcd and no peers.advertise is accepted, "
-                   "and the node registers 0.0.0.0:port in etcd, an address no other host can dial")
 @pytest.mark.parametrize("listen", ["0.0.0.0:7100", "[::]:7100"])
 def test_etcd_with_a_wildcard_listener_needs_advertise(listen: str) -> None:
     with pytest.raises(ConfigError, match=r"peers\.advertise"):
