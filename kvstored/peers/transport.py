@@ -68,6 +68,7 @@ OP_LOOKUP = 3
 OP_NAMESPACE = 4
 
 FLAG_PARENT = 1          # PUSH: keys[0] is the parent of the pushed chain, not a pushed block
+FLAG_FIXED = 2           # the body is one length byte, then the keys back to back (all that long)
 MAX_NAMESPACE_BYTES = 64 << 10
 
 BLOCK = 1
@@ -410,6 +411,14 @@ def _frame(kind: int, key: bytes = b"", index: int = 0, length: int = 0, check: 
 def _encode_request(op: int, namespace_id: int, keys: Sequence[bytes], limits: Limits, flags: int = 0) -> bytes:
     if len(keys) > limits.max_keys:
         raise ValueError(f"{len(keys)} keys in one request; at most {limits.max_keys}")
+    sizes = set(map(len, keys))
+    if len(sizes) == 1:   # the usual case (one hash algorithm): no Python loop over the keys
+        size = sizes.pop()
+        if not 0 < size <= limits.max_key_bytes:
+            raise ValueError(f"a key must be 1..{limits.max_key_bytes} bytes, got {size}")
+        body_bytes = 1 + size * len(keys)
+        return _REQUEST.pack(op, flags | FLAG_FIXED, 0, len(keys), namespace_id, body_bytes) + bytes([size]) \
+            + b"".join(keys)
     body = bytearray()
     for key in keys:
         if not 0 < len(key) <= limits.max_key_bytes:
@@ -419,7 +428,12 @@ def _encode_request(op: int, namespace_id: int, keys: Sequence[bytes], limits: L
     return _REQUEST.pack(op, flags, 0, len(keys), namespace_id, len(body)) + bytes(body)
 
 
-def _decode_keys(body: bytes, count: int) -> list[bytes]:
+def _decode_keys(body: bytes, count: int, flags: int = 0) -> list[bytes]:
+    if flags & FLAG_FIXED:
+        if not body or body[0] == 0 or len(body) != 1 + body[0] * count:
+            raise ValueError("malformed fixed-size key list")
+        size = body[0]
+        return [body[i: i + size] for i in range(1, len(body), size)]
     keys, pos = [], 0
     for _ in range(count):
         if pos >= len(body):
@@ -547,7 +561,7 @@ class BlockServer:
                     await self._error(stream, f"request too large: {count} keys, {key_bytes} key bytes")
                     return
                 try:
-                    keys = _decode_keys(await stream.read_exact(key_bytes, "reading keys"), count)
+                    keys = _decode_keys(await stream.read_exact(key_bytes, "reading keys"), count, flags)
                 except ValueError as exc:
                     await self._error(stream, str(exc))
                     return
@@ -912,6 +926,11 @@ class PeerConnection:
         except (_Closed, ConnectionError, ssl.SSLError) as exc:
             self._break()
             raise PeerError(f"peer {self._addr[0]}:{self._addr[1]}: {exc}") from None
+        except PeerError:
+            raise           # the peer answered (with a refusal): the connection is in step
+        except BaseException:
+            self._break()   # cancelled mid-exchange: the answer would be read by the next request
+            raise
 
     async def push(self, namespace_id: int, blocks: Sequence[tuple[bytes, memoryview | bytes]],
                    deadline_s: float, *, parent: bytes = b"") -> PushResult:
@@ -950,12 +969,18 @@ class PeerConnection:
                 await s.drain()
             except (_Closed, ConnectionError, ssl.SSLError):
                 pass   # the receiver may have stopped early: its answer says why
+            except BaseException:
+                self._break()   # cancelled mid-push: the stream is out of step
+                raise
             try:
                 kind, _, _, stored, length, _ = _FRAME.unpack(await s.read_exact(_FRAME.size, "waiting for the ack"))
                 message = (await s.read_exact(min(length, 4096), "reading the ack")).decode(errors="replace")
             except (_Closed, ConnectionError, ssl.SSLError) as exc:
                 self._break()
                 return PushResult(0, sent, Stop.PEER_CLOSED, str(exc))
+            except BaseException:
+                self._break()
+                raise
             if kind == ACK and stored == n:
                 return PushResult(n, n, Stop.COMPLETE)
             self._break()

@@ -468,6 +468,46 @@ def test_lookup_and_namespace_requests() -> None:
     run(main())
 
 
+def test_cancelled_lookup_does_not_leave_its_answer_for_the_next_request() -> None:
+    """Regression: a lookup cancelled while its answer was in flight left the connection usable,
+    and the next fetch on it read that ACK as its first frame ("unexpected frame")."""
+    keys, data = chain(3)
+    gate = asyncio.Event()
+
+    async def slow_count(namespace_id: int, ks: list[bytes]) -> int:
+        await gate.wait()
+        return len(ks)
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks(data).serve, count_blocks=slow_count) as srv:
+            conn = await PeerConnection.open(srv.address, PeerAuth())
+            try:
+                task = asyncio.ensure_future(conn.lookup(NS, keys, 5))
+                await asyncio.sleep(0.1)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                gate.set()
+                assert not conn.usable
+                res = await conn.fetch(NS, keys, Collector(), 5)
+                assert res.stop is Stop.PEER_CLOSED and res.delivered == 0
+            finally:
+                conn.close()
+
+    run(main())
+
+
+def test_fixed_and_mixed_length_keys_decode_alike() -> None:
+    limits = T.Limits()
+    for keys in ([key(i) for i in range(5)], [b"a", b"bb", key(3)]):
+        raw = T._encode_request(T.OP_FETCH, NS, keys, limits)
+        _op, flags, _, count, _, body_bytes = T._REQUEST.unpack(raw[: T._REQUEST.size])
+        body = raw[T._REQUEST.size:]
+        assert len(body) == body_bytes and T._decode_keys(body, count, flags) == keys
+    with pytest.raises(ValueError):
+        T._decode_keys(bytes([32]) + b"x" * 40, 2, T.FLAG_FIXED)
+
+
 def test_lookup_of_a_silent_peer_fails_within_its_deadline() -> None:
     async def main() -> None:
         async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
