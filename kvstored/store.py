@@ -29,6 +29,7 @@ from kvstored.buffers import RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
 from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound, ResourceExhausted
+from kvstored.handover import Arrival, Handover
 from kvstored.index import DEMOTING, HIT, NO_SLOT, ON_SSD, SEALED, Block, PrefixIndex, Tier
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
 from kvstored.policy.admission import admit
@@ -114,17 +115,6 @@ class StoreStats:
     peer_fetched_blocks: int = 0
     peer_served_blocks: int = 0
     peer_received_blocks: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """Block ``index`` of a streamed chain is in place (in the engine's buffers, or at ``offset``
-    of the arena under the stream's lease); ``peer``: the node it was fetched from."""
-
-    index: int
-    tier: Tier
-    peer: str = ""
-    offset: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1004,10 +994,10 @@ class BlockStore:
                          block_ids: Sequence[int]) -> None:
         if len(block_ids) != len(chain):
             raise InvalidArgument(f"{len(block_ids)} block ids for {len(chain)} blocks")
-        for i, b in enumerate(block_ids):
-            if b >= buffers.num_blocks:
-                raise InvalidArgument(f"block_ids[{i}] = {b} out of range (buffers hold "
-                                      f"{buffers.num_blocks} blocks)")
+        if block_ids and max(block_ids) >= buffers.num_blocks:   # one C-level pass in the usual case
+            i = next(i for i, b in enumerate(block_ids) if b >= buffers.num_blocks)
+            raise InvalidArgument(f"block_ids[{i}] = {block_ids[i]} out of range (buffers hold "
+                                  f"{buffers.num_blocks} blocks)")
 
     async def save_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
                           keys: KeyRequest, block_ids: Sequence[int]) -> tuple[int, int]:
@@ -1251,30 +1241,20 @@ class BlockStore:
         self._busy.add(read.lease_id)
         stop, detail = "complete", ""
         handed_lease = 0
-
-        async def hand_over(first: int, blocks: list[Block], tiers: list[Tier], peer: str) -> None:
-            if buffers is not None and blocks:
-                await self._copy.from_arena(buffers, block_ids[first: first + len(blocks)],
-                                            [b.offset for b in blocks], None)
-                # In the engine's buffers now: unpin at once, so a prompt larger than DRAM streams.
-                assert read.pinned[-len(blocks):] == blocks, "handed-over blocks are the lease's newest"
-                for block in blocks:
-                    block.pins -= 1
-                del read.pinned[-len(blocks):]
-            for i, (block, tier) in enumerate(zip(blocks, tiers)):
-                emit(Arrival(first + i, tier, peer, block.offset if buffers is None else 0))
-
+        handover = Handover(emit, self._copy, buffers, block_ids) if buffers is not None else Handover(emit)
         try:
-            await hand_over(0, list(read.pinned), local.tiers, "")   # the leased local prefix
+            handover.give(0, read.pinned, local.tiers)   # the leased local prefix
             delivered = local.blocks
             if delivered < len(chain) and fetcher is None:
                 stop, detail = "missing", f"block {delivered} is not cached on this node"
             elif delivered < len(chain) and fetcher is not None:
                 reservation, delivered, stop, detail = await self._fetch_rest(
-                    session, state, chain, read, delivered, hand_over, fetcher)
+                    session, state, chain, read, delivered, handover, buffers is None, fetcher)
+            await handover.finish()
             handed_lease = read.lease_id if buffers is None and read.pinned else 0
             return StreamEnd(delivered, len(chain), stop, detail, handed_lease, ttl)
         finally:
+            await handover.close()
             for lease in (reservation, read):
                 if lease is None:
                     continue
@@ -1286,11 +1266,12 @@ class BlockStore:
                               aborted=True)
 
     async def _fetch_rest(self, session: Session, state: NamespaceState, chain: list[bytes], read: Lease,
-                          delivered: int, hand_over: Callable[[int, list[Block], list[Tier], str], Awaitable[None]],
+                          delivered: int, handover: Handover, lease_arrivals: bool,
                           fetcher: Fetcher) -> tuple[Lease | None, int, str, str]:
         """Reserve the chain's missing blocks and let ``fetcher`` fill them in order; each block
-        that lands is sealed, leased in ``read`` and handed over. Returns the reservation (still
-        to be ended), how many blocks were handed over in all, and why it stopped."""
+        that lands is sealed, handed over (and with ``lease_arrivals`` leased in ``read``).
+        Returns the reservation (still to be ended), how many blocks were handed over in all,
+        and why it stopped."""
         if not state.spec.block_bytes:
             return None, delivered, "no_room", ("this node does not know the namespace's block size yet "
                                                 "(give Namespace.block_bytes, or register buffers first)")
@@ -1306,7 +1287,7 @@ class BlockStore:
             for block in extra[ready:]:
                 block.pins -= 1
             del read.pinned[len(read.pinned) - len(extra) + ready:]
-            await hand_over(delivered, extra[:ready], _tiers(extra[:ready]), "")
+            handover.give(delivered, extra[:ready], _tiers(extra[:ready]))
             if ready < len(extra):
                 return reservation, delivered + ready, "corrupt", f"block {delivered + ready} could not be read here"
             delivered = start
@@ -1343,13 +1324,14 @@ class BlockStore:
             nonlocal sealed
             assert i == sealed, "blocks must land in order"
             block = new[i]
-            block.pins -= 1              # the reservation's: it is stored now ...
+            block.pins -= 1              # the reservation's: it is stored now
             self._sealed_now([block])
-            block.pins += 1              # ... and leased for the reader
-            read.pinned.append(block)
+            if lease_arrivals:
+                block.pins += 1
+                read.pinned.append(block)
             sealed += 1
             self._n.peer_fetched += 1
-            await hand_over(start + i, [block], [Tier.PEER], peer)
+            handover.give(start + i, [block], [Tier.PEER], peer)
 
         try:
             got = await fetcher(state.namespace_id, chain[start:], into, landed)

@@ -37,6 +37,8 @@ from kvstored.store import BlockStore, Fetched, Into, KeyRequest, Landed, Lookup
 log = logging.getLogger("kvstored.peers")
 
 PUSH_CHUNK_BLOCKS = 32     # blocks per push request: bounds what a push pins in DRAM at once
+FIRST_WINDOW = 64          # keys peers are asked about before a fetch starts
+MAX_FETCH_KEYS = 4096      # keys per fetch request after the first window
 IDLE_CONNECTIONS = 4       # kept open per peer
 
 
@@ -273,48 +275,78 @@ class PeerNode:
 
     # -- pulls --------------------------------------------------------------------------------
     async def fetch(self, namespace_id: int, keys: list[bytes], into: Into, landed: Landed) -> Fetched:
-        """A :data:`kvstored.store.Fetcher`: fetch ``keys`` in order from the peer holding most of
-        them. Never raises for a peer's failure: the result says how far it got and why."""
-        holders, errors = await self._ask(namespace_id, keys)
-        if not holders:
-            if not self._peers:
-                return Fetched(0, "no_peers", "this node has no peers")
-            if errors:
-                return Fetched(0, "unreachable", "; ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
-            return Fetched(0, "missing", "no peer holds the next block")
-        node_id = max(sorted(holders), key=lambda n: holders[n])
-        peer = self._peers.get(node_id)
-        if peer is None:
-            return Fetched(0, "unreachable", f"peer {node_id} left the cluster")
-        want = keys[: holders[node_id]]
+        """A :data:`kvstored.store.Fetcher`: fetch ``keys`` in order from the peers. Never raises
+        for a peer's failure: the result says how far it got and why.
+
+        The peers are asked about the next :data:`FIRST_WINDOW` keys only, so the first block
+        does not wait for every peer to match a whole long prompt; the chosen peer then sends
+        the rest of the chain until it lacks a block, and the next peer is found the same way.
+        The whole fetch ends within ``peers.deadline_s``."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self._cfg.deadline_s
+        done = 0
+        while done < len(keys):
+            holders, errors = await self._ask(namespace_id, keys[done: done + FIRST_WINDOW])
+            if not holders:
+                if not self._peers:
+                    return Fetched(done, "no_peers", "this node has no peers")
+                if errors:
+                    return Fetched(done, "unreachable", "; ".join(f"{n}: {e}" for n, e in sorted(errors.items())))
+                return Fetched(done, "missing", f"no peer holds block {done}")
+            node_id = max(sorted(holders), key=lambda n: holders[n])
+            peer = self._peers.get(node_id)
+            if peer is None:
+                return Fetched(done, "unreachable", f"peer {node_id} left the cluster")
+            # what the peer said it holds first (the first block comes at once), then the rest
+            parts = [keys[done: done + holders[node_id]]]
+            if holders[node_id] == FIRST_WINDOW:
+                parts += [keys[i: i + MAX_FETCH_KEYS] for i in range(done + FIRST_WINDOW, len(keys), MAX_FETCH_KEYS)]
+            before = done
+            for part in parts:
+                got, stop, detail = await self._fetch_from(peer, namespace_id, part, done, into, landed,
+                                                           max(0.0, end - loop.time()))
+                done += got
+                if stop == "missing":
+                    break      # this peer's run ends here: ask who holds the next block
+                if stop != "complete":
+                    return Fetched(done, stop, f"{node_id}: {detail}")
+            if done == before:   # it lost the block between the question and the fetch
+                return Fetched(done, "missing", f"no peer holds block {done}")
+        return Fetched(done, "complete")
+
+    async def _fetch_from(self, peer: _Peer, namespace_id: int, keys: list[bytes], first: int, into: Into,
+                          landed: Landed, deadline_s: float) -> tuple[int, str, str]:
+        """One fetch request; keys[0] is block ``first`` of the caller's chain."""
+        node_id = peer.member.node_id
         conn = None
         arrived = 0
 
         async def on_block(i: int, _view: memoryview) -> None:
             nonlocal arrived
-            await landed(i, node_id)
+            await landed(first + i, node_id)
             arrived = i + 1
 
         try:
-            conn = await self._acquire(peer, self._cfg.deadline_s)
-            result = await conn.fetch(namespace_id, want, on_block, self._cfg.deadline_s, into=into)
+            conn = await self._acquire(peer, deadline_s)
+            result = await conn.fetch(namespace_id, keys, on_block, deadline_s,
+                                      into=lambda i, length: into(first + i, length))
         except PeerError as exc:
             self._mark(peer, str(exc))
-            return Fetched(0, "unreachable", str(exc))
+            return 0, "unreachable", str(exc)
         except KVError as exc:   # the store had no slot for the next block: the connection is dropped
             peer.fetched += arrived
-            return Fetched(arrived, "no_room", str(exc))
+            return arrived, "no_room", str(exc)
         finally:
             if conn is not None:
                 self._give_back(peer, conn)
         peer.fetched += result.delivered
+        if result.stop is Stop.MISSING:
+            return result.delivered, "missing", result.detail
         if not result.complete:
             self._mark(peer, f"fetch stopped after {result.delivered} block(s): {result.detail}")
-            return Fetched(result.delivered, result.stop.value, f"{node_id}: {result.detail}")
+            return result.delivered, result.stop.value, result.detail
         self._mark(peer)
-        if len(want) < len(keys):
-            return Fetched(len(want), "missing", f"no peer holds block {len(want)} of the rest")
-        return Fetched(len(want), "complete")
+        return result.delivered, "complete", ""
 
     # -- pushes -------------------------------------------------------------------------------
     def check_peer(self, node_id: str) -> None:

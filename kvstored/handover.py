@@ -1,0 +1,106 @@
+"""Handing a streamed chain's blocks to their reader, in order, each as soon as it is in place.
+
+Arena readers get each block at once (it stays leased in the arena). For engine buffers a
+copier task copies the blocks that have landed since its last copy in one batch, then reports
+them, so the network keeps receiving while earlier blocks are copied; each block is pinned from
+the moment it is handed over until its copy is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvstored.buffers import RegisteredBuffers
+from kvstored.copy import CopyEngine
+from kvstored.index import Block, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """Block ``index`` of a streamed chain is in place (in the engine's buffers, or at ``offset``
+    of the arena under the stream's lease); ``peer``: the node it was fetched from."""
+
+    index: int
+    tier: Tier
+    peer: str = ""
+    offset: int = 0
+
+
+class Handover:
+    """``give`` blocks in chain order; ``finish`` when the chain ends (waits for the last copy);
+    ``close`` always (cancels what is left and unpins it, after any copy in flight)."""
+
+    def __init__(self, emit: Callable[[Arrival], None], copy: CopyEngine | None = None,
+                 buffers: RegisteredBuffers | None = None, block_ids: Sequence[int] = ()) -> None:
+        assert (copy is None) == (buffers is None), "engine buffers need the copy engine"
+        self._emit = emit
+        self._copy = copy
+        self._buffers = buffers
+        self._block_ids = block_ids
+        self._queue: list[tuple[int, Block, Tier, str]] = []
+        self._copying: list[tuple[int, Block, Tier, str]] = []
+        self._wake = asyncio.Event()
+        self._ending = False
+        self._inflight: asyncio.Future[None] | None = None
+        self._task = asyncio.ensure_future(self._copier()) if buffers is not None else None
+
+    def give(self, first: int, blocks: Sequence[Block], tiers: Sequence[Tier], peer: str = "") -> None:
+        """Blocks ``first``, ``first + 1``, ... are readable in the arena now."""
+        if self._buffers is None:
+            for i, (block, tier) in enumerate(zip(blocks, tiers)):
+                self._emit(Arrival(first + i, tier, peer, block.offset))
+            return
+        for i, (block, tier) in enumerate(zip(blocks, tiers)):
+            block.pins += 1   # until its bytes are in the engine's buffers
+            self._queue.append((first + i, block, tier, peer))
+        self._wake.set()
+
+    async def _copier(self) -> None:
+        assert self._copy is not None and self._buffers is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._copying, self._queue = self._queue, []
+            if self._copying:
+                inflight = asyncio.ensure_future(self._copy.from_arena(  # noqa: RUF006 - kept in _inflight
+                    self._buffers, [self._block_ids[i] for i, _, _, _ in self._copying],
+                    [b.offset for _, b, _, _ in self._copying]))
+                self._inflight = inflight
+                try:
+                    await asyncio.shield(inflight)
+                finally:
+                    if inflight.done():   # else close() unpins once the copy is out of the slots
+                        self._unpin(self._copying)
+                        done, self._copying = self._copying, []
+                for i, _, tier, peer in done:
+                    self._emit(Arrival(i, tier, peer, 0))
+            if self._ending and not self._queue:
+                return
+
+    @staticmethod
+    def _unpin(items: list[tuple[int, Block, Tier, str]]) -> None:
+        for _, block, _, _ in items:
+            block.pins -= 1
+
+    async def finish(self) -> None:
+        """Wait until every block given so far is copied and reported (raises a copy's error)."""
+        if self._task is not None:
+            self._ending = True
+            self._wake.set()
+            await self._task
+
+    async def close(self) -> None:
+        """Stop: unpin what was never copied, once no copy is touching those slots."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        if self._inflight is not None and not self._inflight.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._inflight)
+        self._unpin(self._copying)
+        self._unpin(self._queue)
+        self._copying, self._queue = [], []
