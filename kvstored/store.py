@@ -335,6 +335,11 @@ class BlockStore:
         """
         session = self._session(session_id) if lease else None
         state, chain = self.resolve_keys(namespace_id, keys)
+        return await self._lookup_chain(state, chain, session)
+
+    async def _lookup_chain(self, state: NamespaceState, chain: list[bytes], session: Session | None) -> LookupResult:
+        """:meth:`lookup` of a resolved chain (``session``: lease the hits for it)."""
+        namespace_id = state.namespace_id
         hits = state.index.match(chain)
         for block in hits:
             block.flags |= HIT
@@ -1036,9 +1041,9 @@ class BlockStore:
         """
         session = self._session(session_id)
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id)
-        _, chain = self.resolve_keys(namespace_id, keys)
+        state, chain = self.resolve_keys(namespace_id, keys)
         self._check_block_ids(buffers, chain, block_ids)
-        result = await self.lookup(namespace_id, KeyRequest(hashes=chain), lease=True, session_id=session_id)
+        result = await self._lookup_chain(state, chain, session)
         if started is not None:
             started(result.tiers)
         if not result.blocks:
@@ -1233,7 +1238,7 @@ class BlockStore:
         if buffers is not None:
             self._check_block_ids(buffers, chain, block_ids)
         ttl = self._config.leases.ttl_s
-        local = await self.lookup(namespace_id, KeyRequest(hashes=chain), lease=True, session_id=session_id)
+        local = await self._lookup_chain(state, chain, session)
         read = self._leases.get(local.lease_id) if local.lease_id else None
         if read is None:
             read = self._pin(session, LeaseKind.READ, namespace_id, [], ttl)
