@@ -23,6 +23,7 @@ from kvstored_client.version import __version__
 from kvstored_client.wire import namespace_from_pb, namespace_to_pb
 
 log = logging.getLogger("kvstored.server")
+STREAM_GATHER_S = 0.002
 _TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD, Tier.PEER: pb.TIER_PEER}
 _TIER_FROM_PB = {pb.TIER_UNSPECIFIED: None, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
 
@@ -211,9 +212,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 events.put_nowait(exc)
 
         task = asyncio.ensure_future(run())
+        first = True
         try:
             while True:
-                # one message carries every block that landed while the previous one was sent
+                if not first:
+                    # the first block goes out at once; later ones are gathered for a moment, so a
+                    # long stream costs the client (and us) a message per few blocks, not per block
+                    await asyncio.sleep(STREAM_GATHER_S)
+                first = False
                 items = [await events.get()]
                 while not events.empty():
                     items.append(events.get_nowait())
