@@ -19,6 +19,7 @@ saved on A; B's engine streams them into its registered buffers. Time to first b
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -189,26 +190,14 @@ def first_last(args: argparse.Namespace, a: Node, b: Node) -> dict[int, tuple[li
     return out
 
 
-def chart(path: str, ttfb: dict[int, tuple[list[float], list[float]]], bb: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = sorted(ttfb)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(xs, [med(ttfb[x][0]) * 1e3 for x in xs], "o-", label="time to first block")
-    ax.plot(xs, [med(ttfb[x][1]) * 1e3 for x in xs], "s-", label="time to last block")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xticks(xs, [f"{x // 1024}k" for x in xs])
-    ax.set_xlabel(f"prompt tokens (16-token blocks of {bb >> 10} KiB)")
-    ax.set_ylabel("ms (median)")
-    ax.set_title("Decode node streams a prompt's KV from the prefill node")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def chart(results_json: str, png: str) -> str:
+    """Draw the first/last block chart with matplotlib, here or in the peers' venv; "" or why not."""
+    script = str(Path(__file__).with_name("bench_cluster_chart.py"))
+    for python in (sys.executable, str(BENCH_PYTHON)):
+        if Path(python).exists() and subprocess.run([python, script, results_json, png],
+                                                     capture_output=True).returncode == 0:
+            return ""
+    return "no python with matplotlib (the peers' venv .bench/venv has it: python -m tools.bench once)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-mooncake", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-ttfb", action="store_true")
-    parser.add_argument("--chart", help="write the first/last block chart here (needs matplotlib)")
+    parser.add_argument("--out", help="directory for results.json and chart.png")
     args = parser.parse_args(argv)
     if args.runs < 5:
         parser.error("--runs must be at least 5 (medians)")
@@ -265,9 +254,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{med(lasts) * 1e3:.1f} | {med(lasts) / med(firsts):.0f}x |")
         f = [med(ttfb[t][0]) for t in sorted(ttfb)]
         print(f"\nfirst block, largest / smallest prompt: {f[-1] / f[0]:.2f}x (target: within 2x)")
-        if args.chart:
-            chart(args.chart, ttfb, args.ttfb_block_bytes)
-            print(f"chart: {args.chart}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        data = {"runs": args.runs, "block_bytes": args.block_bytes, "run_bytes": args.run_bytes,
+                "ttfb_block_bytes": args.ttfb_block_bytes, "throughput_bytes_s": results.get("throughput", {}),
+                "ttfb": {str(t): {"first_s": f, "last_s": last} for t, (f, last) in results.get("ttfb", {}).items()}}
+        (out / "results.json").write_text(json.dumps(data, indent=2))
+        print(f"\nresults: {out / 'results.json'}")
+        if "ttfb" in results:
+            why = chart(str(out / "results.json"), str(out / "chart.png"))
+            print(f"chart: {out / 'chart.png'}" if not why else f"no chart: {why}")
     return 0
 
 
