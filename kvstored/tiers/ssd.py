@@ -64,9 +64,6 @@ class BlockRecord:
     slot: int = 0
 
 
-SPLIT_READ_BYTES = 1 << 20   # payloads this large are read as two concurrent halves
-
-
 def checksum(data: memoryview | bytes | np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]
 
@@ -132,10 +129,9 @@ class _SlotFile:
                 raise OSError(28, "No space left on device")
             done += n
 
-    def read(self, slot: int, dst: np.ndarray, at: int = 0) -> int:
-        """Read ``dst.nbytes`` bytes of slot ``slot`` from byte ``at`` of its payload."""
-        fd = self.direct if self.direct is not None and _aligned(dst) and at % ALIGN == 0 else self.buffered
-        return os.preadv(fd, [memoryview(dst).cast("B")], slot * self.stride + at)  # type: ignore[arg-type]
+    def read(self, slot: int, dst: np.ndarray) -> int:
+        fd = self.direct if self.direct is not None and _aligned(dst) else self.buffered
+        return os.preadv(fd, [memoryview(dst).cast("B")], slot * self.stride)  # type: ignore[arg-type]
 
     def sync(self) -> None:
         os.fdatasync(self.buffered)
@@ -184,7 +180,6 @@ class SSDTier:
         self._writer = threading.Thread(target=self._write_loop, name="kvstored-ssd-writer", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="kvstored-ssd-read")
-        self._assist = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="kvstored-ssd-read2")
         self.write_errors = 0
         self.checksum_failures = 0
 
@@ -329,22 +324,13 @@ class SSDTier:
         rec = decode_meta(bytes(raw), key)
         if dst.nbytes != rec.length:
             raise Corrupt(f"payload has {rec.length} bytes, expected {dst.nbytes}")
-        file = self._file(rec.length)
-        # A large payload is read in two halves at once, and the first half is checksummed while
-        # the second is still coming: the checksum no longer adds to the read's latency.
-        half = rec.length // 2 // ALIGN * ALIGN if rec.length >= SPLIT_READ_BYTES else 0
         try:
-            second = self._assist.submit(file.read, rec.slot, dst[half:], half) if half else None
-            n = file.read(rec.slot, dst[:half] if half else dst)
-            digest = xxhash.xxh3_64(dst[:half] if half else dst)  # type: ignore[arg-type]
-            if second is not None:
-                n += second.result()
-                digest.update(dst[half:])  # type: ignore[arg-type]
+            n = self._file(rec.length).read(rec.slot, dst)
         except OSError as exc:
             raise Corrupt(f"payload read failed: {exc.strerror or exc}") from None
         if n != rec.length:
             raise Corrupt(f"payload truncated: {n} of {rec.length} bytes")
-        if digest.intdigest() != rec.checksum:
+        if checksum(dst) != rec.checksum:
             self.checksum_failures += 1
             raise Corrupt("checksum mismatch")
 
@@ -374,7 +360,6 @@ class SSDTier:
         self._ops.put(None)
         self._writer.join()
         self._readers.shutdown(wait=True)
-        self._assist.shutdown(wait=True)
         self._env.close()
         for f in self._files.values():
             f.close()

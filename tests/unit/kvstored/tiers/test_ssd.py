@@ -55,45 +55,6 @@ def test_corrupt_payload_is_reported_not_returned(tmp_path: Path) -> None:
         ssd.close()
 
 
-@pytest.mark.parametrize("size", [2 << 20, (2 << 20) + 100])   # split reads; aligned and not
-@pytest.mark.parametrize("where", ["first half", "second half"])
-def test_large_payloads_read_in_halves_are_verified_whole(tmp_path: Path, size: int, where: str) -> None:
-    ssd = SSDTier(str(tmp_path), 64 << 20)
-    try:
-        blocks = [payload(i, size) for i in range(3)]
-        for i, b in enumerate(blocks):
-            ssd.put(1, bytes([i]) * 32, b"", 0, b).result(10)
-        out = np.zeros(size, dtype=np.uint8)
-        for i, b in enumerate(blocks):
-            ssd.read_into(1, bytes([i]) * 32, out).result(10)
-            assert np.array_equal(out, b)
-        stride = -(-size // 4096) * 4096
-        offset = stride * 1 + (1000 if where == "first half" else size - 10)
-        with open(tmp_path / f"payload-{size}.dat", "r+b") as fh:
-            fh.seek(offset)
-            byte = fh.read(1)
-            fh.seek(offset)
-            fh.write(bytes([byte[0] ^ 0xFF]))
-        os_sync_drop(tmp_path / f"payload-{size}.dat")
-        with pytest.raises(Corrupt, match="checksum"):
-            ssd.read_into(1, bytes([1]) * 32, out).result(10)
-        ssd.read_into(1, bytes([2]) * 32, out).result(10)
-        assert np.array_equal(out, blocks[2])
-    finally:
-        ssd.close()
-
-
-def os_sync_drop(path: Path) -> None:
-    """Flush our buffered write so the tier's O_DIRECT read sees it."""
-    import os
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def test_full_index_map_fails_cleanly(tmp_path: Path) -> None:
     ssd = SSDTier(str(tmp_path), 0)  # the smallest index map
     ssd._env.set_mapsize(64 << 10)
