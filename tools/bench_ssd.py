@@ -4,8 +4,10 @@
   SSD tier write: SSDTier.put of the same blocks (one writer thread, group commit, fsync).
 - raw read: random O_DIRECT reads, queue depth 1; SSD tier read: SSDTier.read_into (checksum
   verified) in random order, cold: the environment is closed (unmapped), the file's pages are
-  dropped from the page cache (posix_fadvise DONTNEED) and it is opened again, so both read from
-  the device.
+  dropped from the page cache (posix_fadvise DONTNEED) and it is opened again (and its index read
+  once, as the daemon's restore does), so both read payloads from the device. Reads alternate
+  block by block, raw then tier, each timed on its own: this disk's speed swings by 1.5x within
+  seconds, and alternating per block puts both under the same conditions.
 - the same SSD-tier figures again after writing 3x the tier's capacity in churn (deletes +
   puts), where LMDB's reuse of freed pages for large values decides the speed.
 
@@ -51,10 +53,14 @@ def drop_cache(path: Path) -> None:
 
 
 def cold(ssd: SSDTier, base: Path, capacity: int) -> SSDTier:
-    """Close (unmap) the tier, drop its pages from the page cache, open it again."""
+    """Close (unmap) the tier, drop its pages from the page cache, open it again and read its
+    index once, as the daemon's restore does at start: payload reads are cold, the index is not."""
     ssd.close()
     drop_cache(base / "lmdb")
-    return SSDTier(str(base / "lmdb"), int(capacity * 1.5))
+    ssd = SSDTier(str(base / "lmdb"), int(capacity * 1.5))
+    for _ in ssd.scan():
+        pass
+    return ssd
 
 
 def raw_write(path: Path, blocks: int, src: mmap.mmap) -> float:
@@ -71,19 +77,6 @@ def raw_write(path: Path, blocks: int, src: mmap.mmap) -> float:
         os.close(fd)
 
 
-def raw_read(path: Path, blocks: int, dst: mmap.mmap) -> float:
-    order = list(range(blocks))
-    random.Random(1).shuffle(order)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        t = time.perf_counter()
-        for i in order:
-            os.preadv(fd, [dst], i * BLOCK)
-        return blocks * BLOCK / (time.perf_counter() - t) / 1e9
-    finally:
-        os.close(fd)
-
-
 def tier_write(ssd: SSDTier, blocks: int, src: np.ndarray, start: int) -> float:
     t = time.perf_counter()
     futures = [ssd.put(1, (start + i).to_bytes(32, "big"), b"", 0, src) for i in range(blocks)]
@@ -92,13 +85,26 @@ def tier_write(ssd: SSDTier, blocks: int, src: np.ndarray, start: int) -> float:
     return blocks * BLOCK / (time.perf_counter() - t) / 1e9
 
 
-def tier_read(ssd: SSDTier, keys: list[int], dst: np.ndarray) -> float:
+def paired_reads(raw_path: Path, raw_blocks: int, ssd: SSDTier, keys: list[int], raw_dst: mmap.mmap,
+                 out: np.ndarray) -> tuple[float, float]:
+    """Alternate one raw O_DIRECT read and one tier read per key (random order); (raw, tier) GB/s."""
     order = list(keys)
     random.Random(2).shuffle(order)
-    t = time.perf_counter()
-    for k in order:
-        ssd.read_into(1, k.to_bytes(32, "big"), dst).result(60)
-    return len(order) * BLOCK / (time.perf_counter() - t) / 1e9
+    raw_order = [random.Random(k).randrange(raw_blocks) for k in order]
+    fd = os.open(raw_path, os.O_RDONLY | os.O_DIRECT)
+    raw_s = tier_s = 0.0
+    try:
+        for k, r in zip(order, raw_order):
+            t = time.perf_counter()
+            os.preadv(fd, [raw_dst], r * BLOCK)
+            raw_s += time.perf_counter() - t
+            t = time.perf_counter()
+            ssd.read_into(1, k.to_bytes(32, "big"), out).result(60)
+            tier_s += time.perf_counter() - t
+    finally:
+        os.close(fd)
+    n = len(order) * BLOCK
+    return n / raw_s / 1e9, n / tier_s / 1e9
 
 
 def main() -> int:
@@ -115,16 +121,20 @@ def main() -> int:
     capacity = args.blocks * BLOCK
     ssd = SSDTier(str(base / "lmdb"), int(capacity * 1.5))
     rows: dict[str, list[float]] = {k: [] for k in ("raw write", "tier write", "raw read", "tier read",
-                                                      "tier write after churn", "tier read after churn")}
+                                                      "tier write after churn", "raw read after churn",
+                                                      "tier read after churn")}
     try:
         for run in range(args.runs):
             rows["raw write"].append(raw_write(base / "raw", args.blocks, src))
             drop_cache(base)
-            rows["raw read"].append(raw_read(base / "raw", args.blocks, dst))
             first = run * args.blocks * 10
             rows["tier write"].append(tier_write(ssd, args.blocks, payload, first))
             ssd = cold(ssd, base, capacity)
-            rows["tier read"].append(tier_read(ssd, list(range(first, first + args.blocks)), out))
+            drop_cache(base)
+            raw_rate, tier_rate = paired_reads(base / "raw", args.blocks, ssd, list(range(first, first + args.blocks)),
+                                               dst, out)
+            rows["raw read"].append(raw_rate)
+            rows["tier read"].append(tier_rate)
             for i in range(first, first + args.blocks):
                 ssd.delete(1, i.to_bytes(32, "big"))
         # churn: 3x capacity of deletes and puts through the same map
@@ -145,7 +155,10 @@ def main() -> int:
             rows["tier write after churn"].append(tier_write(ssd, len(fresh), payload, fresh[0]))
             live.extend(fresh)
             ssd = cold(ssd, base, capacity)
-            rows["tier read after churn"].append(tier_read(ssd, fresh, out))
+            drop_cache(base)
+            raw_rate, tier_rate = paired_reads(base / "raw", args.blocks, ssd, fresh, dst, out)
+            rows["raw read after churn"].append(raw_rate)
+            rows["tier read after churn"].append(tier_rate)
         size = sum(f.stat().st_blocks * 512 for f in (base / "lmdb").iterdir() if f.is_file())
     finally:
         ssd.close()
@@ -154,7 +167,7 @@ def main() -> int:
     print("| operation | GB/s median | min | max | vs raw |")
     print("|---|---|---|---|---|")
     for name, values in rows.items():
-        raw = med["raw write"] if "write" in name else med["raw read"]
+        raw = med["raw write"] if "write" in name else med["raw read after churn" if "churn" in name else "raw read"]
         print(f"| {name} | {med[name]:.2f} | {min(values):.2f} | {max(values):.2f} | "
               f"{med[name] / raw:.2f} |")
     print(f"\nSSD tier files after churn: {size / 2**20:.0f} MiB on disk for {capacity / 2**20:.0f} MiB "
