@@ -52,6 +52,12 @@ def test_quick_run_without_peers_writes_the_table(tmp_path: Path) -> None:
                 for batch in ("1", "32"):
                     assert any(r.startswith(f"| {op} | {size} | {batch} | {contender} |") for r in rows), \
                         (contender, op, size, batch, table)
+    # Regression: with the credit policy the put/get daemons evicted each pass's new blocks before
+    # their get, and the table showed misses as throughput. Every kvstored get must find its blocks.
+    for r in results["putget"]:
+        if r["contender"].startswith("kvstored"):
+            for row in r["results"]:
+                assert row["short_blocks"] == 0 and row["wrong_rows"] == 0, (r["contender"], row)
     for section in ("## Limits: streaming", "## Prefix reuse", "## Trace replay", "## Small-call round trip",
                     "## Index memory", "## Targets"):
         assert section in table, section

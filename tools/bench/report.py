@@ -73,7 +73,8 @@ def markdown(results: dict[str, Any]) -> str:
       f"{results.get('runs')} timed runs after a warm-up run, all contenders in this one run. "
       f"Put/get working set: {results.get('working_set_bytes', 0) >> 20} MiB of distinct rows per block size. "
       "Each kvstored daemon is fresh (own socket, empty state directory), started with "
-      f"`--dram-capacity` sized to the working set, `dram.page_bytes=32MiB`"
+      f"`--dram-capacity` sized to the working set, `dram.page_bytes=32MiB` (put/get daemons also "
+      "`dram.policy=lru`: each pass writes fresh keys and relies on eviction of the oldest)"
       f"{''.join(', ' + x for x in results.get('daemon_set', []))}; otherwise its defaults.\n")
 
     # -- workload 1 ---------------------------------------------------------------------------
