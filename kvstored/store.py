@@ -25,6 +25,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from kvstored.buffers import RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
@@ -607,6 +609,7 @@ class BlockStore:
                 return "full"
             existing.offset = offset
             existing.flags = 0
+            existing.check = None
             existing.pins += 1
             lease.new.append(existing)
             return "ok"
@@ -1121,10 +1124,11 @@ class BlockStore:
         state = self._namespaces.get(namespace_id)
         return len(state.index.match(keys)) if state is not None else 0
 
-    async def checkout(self, namespace_id: int, key: bytes) -> memoryview | None:
-        """Pin a block for a peer to read, bringing it to DRAM first; its bytes, or None when this
-        node does not hold it (or its SSD copy failed its checksum). Each view needs one
-        :meth:`checkin`."""
+    async def checkout(self, namespace_id: int, key: bytes) -> tuple[memoryview, int] | None:
+        """Pin a block for a peer to read, bringing it to DRAM first; its bytes and their xxh3-64
+        checksum (computed once per block: a hot prefix served to many peers is hashed once), or
+        None when this node does not hold it (or its SSD copy failed its checksum). Each view
+        needs one :meth:`checkin`."""
         state = self._namespaces.get(namespace_id)
         block = state.index.get(key) if state is not None else None
         if block is None or not block.readable:
@@ -1136,7 +1140,10 @@ class BlockStore:
             return None
         self._hit([block])
         self._n.peer_served += 1
-        return self._arena.view(block.offset, self._block_bytes(block)).data
+        view = self._arena.view(block.offset, self._block_bytes(block)).data
+        if block.check is None:
+            block.check = xxhash.xxh3_64_intdigest(view)
+        return view, block.check
 
     def checkin(self, namespace_id: int, key: bytes) -> None:
         """A peer is done reading a block :meth:`checkout` returned."""
@@ -1189,6 +1196,7 @@ class BlockStore:
         self._arena.view(offset, payload.nbytes)[:] = payload
         block.offset = offset
         block.flags = 0
+        block.check = None
         self._sealed_now([block])
         self._n.peer_received += 1
         return True

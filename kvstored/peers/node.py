@@ -414,10 +414,10 @@ class PeerNode:
         views: list[tuple[bytes, memoryview]] = []
         try:
             for key in keys:
-                view = await self._store.checkout(namespace_id, key)
-                if view is None:
+                served = await self._store.checkout(namespace_id, key)
+                if served is None:
                     break
-                views.append((key, view))
+                views.append((key, served[0]))
             if not views:
                 return PushResult(0, 0, Stop.MISSING, f"block {keys[0].hex()[:16]}… is no longer held here")
             result = await conn.push(namespace_id, views, self._cfg.deadline_s, parent=parent)

@@ -84,7 +84,7 @@ WELCOME_BAD_VERSION = 3
 
 _SPILL_BYTES = 256 << 10   # received ahead of the reader before reading pauses
 
-ServeBlock = Callable[[int, bytes], Awaitable[memoryview | None]]
+ServeBlock = Callable[[int, bytes], Awaitable["memoryview | tuple[memoryview, int] | None"]]
 ReleaseBlock = Callable[[int, bytes], None]
 StoreBlock = Callable[[int, bytes, bytes, memoryview], "bool | Awaitable[bool]"]
 CountBlocks = Callable[[int, list[bytes]], "int | Awaitable[int]"]
@@ -453,10 +453,11 @@ def _decode_keys(body: bytes, count: int, flags: int = 0) -> list[bytes]:
 class BlockServer:
     """Serves blocks by key to authenticated peers, and optionally stores pushed blocks.
 
-    ``serve_block(namespace_id, key)`` returns the block's bytes, or None if this node does not
-    have it. The view must stay valid and unchanged until ``release_block(namespace_id, key)`` is
-    called for it: exactly once per non-None view, once its bytes are in the kernel or the transfer
-    was abandoned. While block ``i`` is being written, ``serve_block`` for ``i + 1`` already runs,
+    ``serve_block(namespace_id, key)`` returns the block's bytes (or the bytes and their xxh3-64
+    checksum, when the caller knows it: it is sent as is), or None if this node does not have it.
+    The view must stay valid and unchanged until ``release_block(namespace_id, key)`` is called
+    for it: exactly once per non-None view, once its bytes are in the kernel or the transfer was
+    abandoned. While block ``i`` is being written, ``serve_block`` for ``i + 1`` already runs,
     so a slow tier (SSD) overlaps with the network.
 
     ``store_block(namespace_id, parent, key, payload)`` (optional) takes a pushed block whose
@@ -620,7 +621,7 @@ class BlockServer:
 
     async def _send_blocks(self, stream: _Stream, namespace_id: int, keys: list[bytes]) -> bool:
         """Stream ``keys`` in order; True if the connection can take another request."""
-        upcoming: tuple[bytes, asyncio.Future[memoryview | None]] | None = None
+        upcoming: tuple[bytes, asyncio.Future[memoryview | tuple[memoryview, int] | None]] | None = None
         if keys:
             upcoming = (keys[0], asyncio.ensure_future(self._serve_block(namespace_id, keys[0])))
         try:
@@ -640,8 +641,9 @@ class BlockServer:
                 try:
                     if i + 1 < len(keys):
                         upcoming = (keys[i + 1], asyncio.ensure_future(self._serve_block(namespace_id, keys[i + 1])))
-                    view = _as_bytes_view(raw)
-                    stream.write(_frame(BLOCK, key, i, view.nbytes, checksum(view)))
+                    known = raw[1] if isinstance(raw, tuple) else None
+                    view = _as_bytes_view(raw[0] if isinstance(raw, tuple) else raw)
+                    stream.write(_frame(BLOCK, key, i, view.nbytes, checksum(view) if known is None else known))
                     stream.write(view)
                     await stream.drain()
                 finally:
@@ -653,7 +655,8 @@ class BlockServer:
             if upcoming is not None:
                 await self._abandon(namespace_id, *upcoming)
 
-    async def _abandon(self, namespace_id: int, key: bytes, fut: asyncio.Future[memoryview | None]) -> None:
+    async def _abandon(self, namespace_id: int, key: bytes,
+                       fut: asyncio.Future[memoryview | tuple[memoryview, int] | None]) -> None:
         """A block served ahead but never sent: cancel it, or release it if it already came back."""
         if not fut.done():
             fut.cancel()

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from kvstored import config
 from kvstored.copy import CopyEngine
@@ -56,9 +57,11 @@ def adopt_chain(store: BlockStore, ns: int, keys: list[bytes], parent: bytes = b
 def read(store: BlockStore, ns: int, key: bytes) -> bytes:
     """The block's bytes as a peer would read them (checkout + copy + checkin)."""
     async def main() -> bytes:
-        view = await store.checkout(ns, key)
-        assert view is not None, "block not held"
+        served = await store.checkout(ns, key)
+        assert served is not None, "block not held"
         try:
+            view, check = served
+            assert check == xxhash.xxh3_64_intdigest(view), "the checksum served is not the bytes'"
             return bytes(view)
         finally:
             store.checkin(ns, key)
@@ -182,6 +185,17 @@ def test_adopt_refills_a_hollow_block(store: BlockStore) -> None:
     assert store.held(ns, keys) == 3 and read(store, ns, keys[0]) == bytes(payload(7))
 
 
+def test_served_checksum_is_recomputed_after_a_refill(store: BlockStore) -> None:
+    """The checksum cached when a block is first served must not outlive the bytes it was taken of."""
+    ns = store.open_namespace(NS).namespace_id
+    keys = chain(3)
+    adopt_chain(store, ns, keys, seed=0)
+    assert read(store, ns, keys[0]) == bytes(payload(0))       # served: its checksum is cached
+    make_hollow(store, ns, keys[0])
+    assert store.adopt(ns, b"", keys[0], payload(7)) is True   # other bytes under the same key
+    assert read(store, ns, keys[0]) == bytes(payload(7))       # read() checks the served checksum
+
+
 def test_adopt_refill_under_pressure_keeps_the_block_indexed(store: BlockStore) -> None:
     """A full arena whose least recently used block is the hollow block's only child: making room
     for the refill evicts that child. The refilled block must stay in the index (or be refused),
@@ -288,9 +302,9 @@ def test_checkout_pins_the_block_until_checkin(store: BlockStore) -> None:
     assert store.adopt(ns, b"", key, payload(42))
 
     async def checkout() -> memoryview:
-        view = await store.checkout(ns, key)
-        assert view is not None
-        return view
+        served = await store.checkout(ns, key)
+        assert served is not None
+        return served[0]
 
     view = asyncio.run(checkout())
     assert store.stats().peer_served_blocks == 1
