@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from loopback import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,3 +110,58 @@ def client(daemon: Daemon) -> Iterator[object]:
     c = kvstored.Client(daemon.socket)
     yield c
     c.close()
+
+
+# -- etcd, for membership tests ------------------------------------------------------------------
+def etcd_binary() -> str | None:
+    return shutil.which("etcd") or (str(Path("/usr/bin/etcd")) if Path("/usr/bin/etcd").exists() else None)
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[str]:
+    """A fresh single-node etcd; yields its client endpoint ``127.0.0.1:port``."""
+    binary = etcd_binary()
+    if binary is None:
+        pytest.skip("etcd binary not found (install Debian's etcd-server: tools/ci/install-etcd.sh)")
+    for _attempt in range(3):   # a random port may be taken between choosing and binding it
+        client, peer = free_ports(2)
+        log = tmp_path / f"etcd-{client}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [binary, "--name", "default", "--data-dir", str(tmp_path / f"data-{client}"),
+                 "--listen-client-urls", f"http://127.0.0.1:{client}",
+                 "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-cluster", f"default=http://127.0.0.1:{peer}",
+                 "--listen-metrics-urls", "",
+                 "--log-level", "warn"],
+                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            if _wait_healthy(client, proc, timeout=20):
+                yield f"127.0.0.1:{client}"
+                return
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+    pytest.fail(f"etcd did not start; last log:\n{log.read_text(errors='replace')[-2000:]}")
+
+
+def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                if resp.status == 200 and b"true" in resp.read():
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.1)
+    return False

@@ -11,19 +11,17 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import shutil
 import signal
-import socket
 import subprocess
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from loopback import free_ports
 
 import kvstored
 from kvstored import Namespace
@@ -44,17 +42,6 @@ Factory = Callable[..., Any]
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def rows(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 255, size=(n, BLOCK), dtype=np.uint8)
 
@@ -85,60 +72,6 @@ def exits_with(daemon: Any, timeout: float = 30.0) -> int:
         return int(daemon.proc.wait(timeout))
     except subprocess.TimeoutExpired:
         raise AssertionError(f"the daemon is still running after {timeout:g}s:\n{daemon.log()[-3000:]}") from None
-
-
-# -- etcd ----------------------------------------------------------------------------------------
-def _etcd_binary() -> str | None:
-    return shutil.which("etcd") or ("/usr/bin/etcd" if Path("/usr/bin/etcd").exists() else None)
-
-
-def _etcd_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
-                if resp.status == 200 and b"true" in resp.read():
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.1)
-    return False
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[str]:
-    """A fresh single-node etcd on loopback (as in test_membership.py); yields ``127.0.0.1:port``."""
-    binary = _etcd_binary()
-    if binary is None:
-        pytest.skip("etcd binary not found (install Debian's etcd-server: tools/ci/install-etcd.sh)")
-    log = tmp_path / "etcd.log"
-    for _attempt in range(3):   # a random port may be taken between choosing and binding it
-        client, peer = free_ports(2)
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [binary, "--name", "default", "--data-dir", str(tmp_path / f"etcd-{client}"),
-                 "--listen-client-urls", f"http://127.0.0.1:{client}",
-                 "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-cluster", f"default=http://127.0.0.1:{peer}",
-                 "--listen-metrics-urls", "", "--log-level", "warn"],
-                stdout=out, stderr=subprocess.STDOUT)
-        try:
-            if _etcd_healthy(client, proc, timeout=20):
-                yield f"127.0.0.1:{client}"
-                return
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
-    pytest.fail(f"etcd did not start; last log:\n{log.read_text(errors='replace')[-2000:]}")
 
 
 def etcd_node(daemon_factory: Factory, endpoint: str, node_id: str, ttl_s: int = TTL_S, *extra: str) -> Any:

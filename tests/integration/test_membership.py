@@ -7,82 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from loopback import free_ports
 
 from kvstored.cluster.membership import EtcdMembership, Member, MembershipError, StaticMembership
 
 ROOT = Path(__file__).resolve().parents[2]
 TTL_S = 2
-
-
-def etcd_binary() -> str | None:
-    return shutil.which("etcd") or (str(Path("/usr/bin/etcd")) if Path("/usr/bin/etcd").exists() else None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[str]:
-    """A fresh single-node etcd; yields its client endpoint ``127.0.0.1:port``."""
-    binary = etcd_binary()
-    if binary is None:
-        pytest.skip("etcd binary not found (install Debian's etcd-server: tools/ci/install-etcd.sh)")
-    for _attempt in range(3):   # a random port may be taken between choosing and binding it
-        client, peer = free_port(), free_port()
-        log = tmp_path / f"etcd-{client}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [binary, "--name", "default", "--data-dir", str(tmp_path / f"data-{client}"),
-                 "--listen-client-urls", f"http://127.0.0.1:{client}",
-                 "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-cluster", f"default=http://127.0.0.1:{peer}",
-                 "--listen-metrics-urls", "",
-                 "--log-level", "warn"],
-                stdout=out, stderr=subprocess.STDOUT)
-        try:
-            if _wait_healthy(client, proc, timeout=20):
-                yield f"127.0.0.1:{client}"
-                return
-        finally:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
-    pytest.fail(f"etcd did not start; last log:\n{log.read_text(errors='replace')[-2000:]}")
-
-
-def _wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
-                if resp.status == 200 and b"true" in resp.read():
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.1)
-    return False
 
 
 async def next_change(it: AsyncIterator[tuple[Member, ...]], timeout: float) -> tuple[Member, ...]:
@@ -193,7 +131,7 @@ def test_lost_lease_is_renewed(etcd: str) -> None:
 
 def test_unreachable_etcd_is_a_clear_error() -> None:
     async def main() -> None:
-        m = EtcdMembership(f"127.0.0.1:{free_port()}", "node-a", "127.0.0.1:7001", ttl_s=TTL_S, timeout_s=2)
+        m = EtcdMembership(f"127.0.0.1:{free_ports(1)[0]}", "node-a", "127.0.0.1:7001", ttl_s=TTL_S, timeout_s=2)
         t0 = time.monotonic()
         with pytest.raises(MembershipError, match="cannot register"):
             await m.start()

@@ -8,30 +8,19 @@ from __future__ import annotations
 
 import itertools
 import signal
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from loopback import free_ports
 
 import kvstored
 from kvstored import Namespace
 
 BLOCK = 64 << 10
 NS = Namespace(model="peer-test", block_bytes=BLOCK)
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def rows(n: int, seed: int = 0, width: int = BLOCK) -> np.ndarray:
