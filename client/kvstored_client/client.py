@@ -247,6 +247,16 @@ class Client:
             raise InvalidArgument(str(exc)) from None
         return pb.BlockKeys(hashes=chain), len(chain)
 
+    def _settle_releases(self) -> None:
+        """Wait for the releases sent in the background, so a call that acts on what is leased
+        (evict, migrate) sees them done: the daemon may serve calls out of order."""
+        for fut in self._pending_releases:
+            try:
+                fut.result(timeout=self._timeout)
+            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                pass   # the lease expires by itself; nothing the caller can do about it
+        self._pending_releases.clear()
+
     def _release_later(self, lease_id: int) -> None:
         self._pending_releases = [f for f in self._pending_releases if not f.done()]
         self._pending_releases.append(self._stub.Release.future(
@@ -472,6 +482,7 @@ class Client:
         or ``hashes``), to node ``to``; with ``drain`` (and no ``to``) everything goes to the
         peers and the local copies are dropped. Yields progress dicts (total_blocks,
         pushed_blocks, failed_blocks, dropped_blocks, detail, done)."""
+        self._settle_releases()
         request = pb.MigrateRequest(to=to, model=model, drain=drain)
         if tokens is not None or hashes is not None:
             ns_id, spec = self._ns(namespace)
@@ -503,6 +514,7 @@ class Client:
         tiers = {None: pb.TIER_UNSPECIFIED, "dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD}
         if tier not in tiers:
             raise InvalidArgument(f"unknown tier {tier!r}; expected dram or ssd")
+        self._settle_releases()
         return int(self._call(self._stub.Evict, pb.EvictRequest(model=model, tier=tiers[tier])).blocks)
 
     def flush(self, model: str = "") -> int:
@@ -512,12 +524,7 @@ class Client:
 
     def close(self) -> None:
         """End the session (the daemon releases its leases and buffers) and the channel."""
-        for fut in self._pending_releases:
-            try:
-                fut.result(timeout=self._timeout)
-            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
-                pass
-        self._pending_releases.clear()
+        self._settle_releases()
         self._session_done.set()
         if self._session_call is not None:
             self._session_call.cancel()

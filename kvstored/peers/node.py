@@ -412,15 +412,17 @@ class PeerNode:
                           keys: list[bytes]) -> PushResult:
         """Check the blocks out of the store (pinned, in DRAM), push them, check them back in."""
         views: list[tuple[bytes, memoryview]] = []
+        checks: list[int | None] = []
         try:
             for key in keys:
                 served = await self._store.checkout(namespace_id, key)
                 if served is None:
                     break
                 views.append((key, served[0]))
+                checks.append(served[1])
             if not views:
                 return PushResult(0, 0, Stop.MISSING, f"block {keys[0].hex()[:16]}… is no longer held here")
-            result = await conn.push(namespace_id, views, self._cfg.deadline_s, parent=parent)
+            result = await conn.push(namespace_id, views, self._cfg.deadline_s, parent=parent, checksums=checks)
             if result.complete and len(views) < len(keys):
                 return PushResult(len(views), len(views), Stop.MISSING,
                                   f"block {keys[len(views)].hex()[:16]}… is no longer held here")

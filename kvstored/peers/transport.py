@@ -83,6 +83,7 @@ WELCOME_AUTH_REJECTED = 2
 WELCOME_BAD_VERSION = 3
 
 _SPILL_BYTES = 256 << 10   # received ahead of the reader before reading pauses
+_HASH_SLICE_BYTES = 256 << 10   # a checksummed read lands this much at a time (stays in cache)
 
 ServeBlock = Callable[[int, bytes], Awaitable["memoryview | tuple[memoryview, int] | None"]]
 ReleaseBlock = Callable[[int, bytes], None]
@@ -273,6 +274,7 @@ class _Stream(asyncio.BufferedProtocol):
         self._pending = bytearray()
         self._target: memoryview | None = None
         self._filled = 0
+        self._hasher: xxhash.xxh3_64 | None = None
         self._read_waiter: asyncio.Future[None] | None = None
         self._write_waiter: asyncio.Future[None] | None = None
         self._write_paused = False
@@ -298,11 +300,15 @@ class _Stream(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
-            return self._target[self._filled:]
+            # Hashed reads take a slice at a time, so each is checksummed while still in cache.
+            end = len(self._target) if self._hasher is None else self._filled + _HASH_SLICE_BYTES
+            return self._target[self._filled:end]
         return memoryview(self._spill)
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._target is not None:
+            if self._hasher is not None:
+                self._hasher.update(self._target[self._filled:self._filled + nbytes])
             self._filled += nbytes
             if self._filled == len(self._target):
                 self._target = None
@@ -339,8 +345,10 @@ class _Stream(asyncio.BufferedProtocol):
             raise _Closed(f"connection lost while {what}: {self._error}") from self._error
         raise _Closed(f"connection closed by the peer while {what}")
 
-    async def read_into(self, view: memoryview, what: str = "reading") -> None:
-        """Fill ``view`` completely or raise :class:`_Closed`."""
+    async def read_into(self, view: memoryview, what: str = "reading",
+                        hasher: xxhash.xxh3_64 | None = None) -> None:
+        """Fill ``view`` completely or raise :class:`_Closed`; with ``hasher``, feed it every byte
+        as it lands (the digest equals :func:`checksum` of ``view`` once this returns)."""
         n = len(view)
         got = 0
         if self._pending:
@@ -348,12 +356,15 @@ class _Stream(asyncio.BufferedProtocol):
             with memoryview(self._pending) as pending:   # one copy, not a slice and then a copy
                 view[:got] = pending[:got]
             del self._pending[:got]
+            if hasher is not None:
+                hasher.update(view[:got])
         if got == n:
             return
         if self._eof:
             self._raise_closed(what)
         self._target = view
         self._filled = got
+        self._hasher = hasher
         self._read_waiter = asyncio.get_running_loop().create_future()
         if self._read_paused and self.transport is not None:
             self._read_paused = False
@@ -363,6 +374,7 @@ class _Stream(asyncio.BufferedProtocol):
         finally:
             self._read_waiter = None
             self._target = None
+            self._hasher = None
         if self._filled != n:
             self._raise_closed(what)
 
@@ -695,8 +707,9 @@ class BlockServer:
             if len(scratch) < length:
                 scratch = bytearray(length)
             view = memoryview(scratch)[:length]
-            await stream.read_into(view, "reading a block")
-            if checksum(view) != check:
+            hasher = xxhash.xxh3_64()
+            await stream.read_into(view, "reading a block", hasher)
+            if hasher.intdigest() != check:
                 log.warning("pushed block %d (%s) failed its checksum: dropped", i, key.hex()[:16])
                 await self._ack(stream, stored, ERROR, f"block {i} failed its checksum: dropped")
                 return False
@@ -863,8 +876,9 @@ class PeerConnection:
                         self._break()
                         return FetchResult(i, n, Stop.PEER_ERROR, f"block {i} of {length} bytes exceeds the limit")
                     dest = await self._destination(i, length, into)
-                    await s.read_into(dest, f"reading block {i}")
-                    if checksum(dest) != check:
+                    hasher = xxhash.xxh3_64()
+                    await s.read_into(dest, f"reading block {i}", hasher)
+                    if hasher.intdigest() != check:
                         self._break()
                         log.warning("block %d (%s) from %s:%d failed its checksum: dropped", i, keys[i].hex()[:16],
                                     *self._addr)
@@ -936,21 +950,25 @@ class PeerConnection:
             raise
 
     async def push(self, namespace_id: int, blocks: Sequence[tuple[bytes, memoryview | bytes]],
-                   deadline_s: float, *, parent: bytes = b"") -> PushResult:
+                   deadline_s: float, *, parent: bytes = b"",
+                   checksums: Sequence[int | None] | None = None) -> PushResult:
         """Send ``(key, payload)`` blocks in order for the peer to store; it verifies each one and
         stops at the first bad or refused block. ``parent``: the key of the block before the first
-        (b"" when the chain starts at the root). The payloads are not copied: keep them unchanged
-        until this returns."""
+        (b"" when the chain starts at the root). ``checksums``: the payloads' xxh3-64 where already
+        known (None entries are computed). The payloads are not copied: keep them unchanged until
+        this returns."""
         n = len(blocks)
+        if checksums is not None and len(checksums) != n:
+            raise ValueError(f"{len(checksums)} checksums for {n} blocks")
         try:
             async with asyncio.timeout(deadline_s):
-                return await self._push(namespace_id, blocks, parent)
+                return await self._push(namespace_id, blocks, parent, checksums)
         except TimeoutError:
             self._break()
             return PushResult(0, n, Stop.TIMEOUT, f"deadline of {deadline_s:g}s passed")
 
     async def _push(self, namespace_id: int, blocks: Sequence[tuple[bytes, memoryview | bytes]],
-                    parent: bytes) -> PushResult:
+                    parent: bytes, checksums: Sequence[int | None] | None) -> PushResult:
         n = len(blocks)
         keys = [k for k, _ in blocks]
         request = _encode_request(OP_PUSH, namespace_id, [parent, *keys] if parent else keys, self._limits,
@@ -964,7 +982,8 @@ class PeerConnection:
                 s.write(request)
                 for i, (key, payload) in enumerate(blocks):
                     view = _as_bytes_view(memoryview(payload))
-                    s.write(_frame(BLOCK, key, i, view.nbytes, checksum(view)))
+                    known = None if checksums is None else checksums[i]
+                    s.write(_frame(BLOCK, key, i, view.nbytes, checksum(view) if known is None else known))
                     s.write(view)
                     await s.drain()
                     sent = i + 1

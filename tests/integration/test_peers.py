@@ -70,6 +70,20 @@ def test_stream_fetches_blocks_from_the_peer_in_order(daemon_factory) -> None:  
         assert stats["peer_fetched_blocks"] == 9 and a.stats()["peer_served_blocks"] >= 9
 
 
+def test_evict_right_after_a_stream_drops_the_streamed_blocks(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    # Regression: the stream's lease was released in the background, and an evict that overtook
+    # the release found the chain pinned and dropped nothing (one time in two).
+    d = cluster(daemon_factory, ["a", "b"])
+    kv = rows(8, seed=3)
+    tokens = prompt(8)
+    with kvstored.Client(d["a"].socket, namespace=NS) as a, kvstored.Client(d["b"].socket, namespace=NS) as b:
+        assert a.save(tokens, kv).stored == 8
+        for _ in range(6):
+            assert b.stream(tokens).wait().complete
+            assert b.evict() == 8
+            assert b.lookup(tokens).blocks == 0
+
+
 def test_stream_into_engine_buffers_each_block_in_place_on_arrival(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """Prefill on a, decode on b: b's engine sees block i in its buffers when block i's event comes."""
     d = cluster(daemon_factory, ["a", "b"])

@@ -259,6 +259,56 @@ def test_corrupt_block_is_dropped_and_ends_the_transfer() -> None:
     run(main())
 
 
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize("where", [0, 300_000, (3 << 20) - 1], ids=["first-byte", "middle", "last-byte"])
+def test_corruption_anywhere_in_a_large_block_is_caught(where: int, use_uvloop: bool) -> None:
+    # Blocks are checksummed piece by piece as they land (a piece may come from the read-ahead
+    # spill, the rest straight into the slot): a flip in any piece must still fail the block.
+    keys, data = chain(3, 3 << 20)
+    sizes = [len(data[k]) for k in keys]
+
+    async def main() -> None:
+        blocks = Blocks(data)
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), blocks.serve, release_block=blocks.release) as srv, \
+                Proxy(srv.address, Fault("flip", block_offset(sizes, 1) + where)) as proxy:
+            dest = {i: bytearray(n) for i, n in enumerate(sizes)}
+            res = await fetch(proxy.address, PeerAuth(), NS, keys, lambda i, v: None, 10,
+                              into=lambda i, n: memoryview(dest[i]))
+            assert (res.delivered, res.stop) == (1, Stop.CORRUPT)
+            assert bytes(dest[0]) == data[keys[0]]
+            res = await fetch(srv.address, PeerAuth(), NS, keys, lambda i, v: None, 10,
+                              into=lambda i, n: memoryview(dest[i]))
+            assert res.complete and all(bytes(dest[i]) == data[k] for i, k in enumerate(keys))
+
+    run(main(), use_uvloop)
+
+
+def test_push_with_known_checksums_sends_them_and_checks_their_count() -> None:
+    keys, data = chain(3)
+    stored: dict[bytes, bytes] = {}
+
+    async def store(namespace_id: int, parent: bytes, k: bytes, view: memoryview) -> bool:
+        stored[k] = bytes(view)
+        return True
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve, store_block=store) as srv:
+            conn = await PeerConnection.open(srv.address, PeerAuth())
+            blocks = [(k, data[k]) for k in keys]
+            with pytest.raises(ValueError, match="checksums"):
+                await conn.push(NS, blocks, 10, checksums=[None])
+            known = [T.checksum(data[keys[0]]), None, T.checksum(data[keys[2]])]
+            res = await conn.push(NS, blocks, 10, checksums=known)
+            assert res.complete and stored == data
+            # a stale checksum (the bytes changed since it was taken) is caught by the receiver
+            stored.clear()
+            res = await conn.push(NS, blocks, 10, checksums=[known[0], known[0], None])
+            assert (res.stored, res.stop) == (1, Stop.CORRUPT) and list(stored) == [keys[0]]
+            conn.close()
+
+    run(main())
+
+
 def test_peer_connection_cut_mid_block_keeps_complete_blocks() -> None:
     keys, data = chain(6)
     sizes = [len(data[k]) for k in keys]
