@@ -181,6 +181,35 @@ def _tiers(blocks: Sequence[Block]) -> list[Tier]:
     return [Tier.DRAM if b.offset != NO_SLOT else Tier.SSD for b in blocks]
 
 
+class PeerLanding:
+    """A DRAM slot a pushed block is being received into (see :meth:`BlockStore.land`)."""
+
+    __slots__ = ("_done", "_store", "key", "offset", "parent", "state", "view")
+
+    def __init__(self, store: BlockStore, state: NamespaceState, parent: Block | None, key: bytes, offset: int,
+                 view: memoryview) -> None:
+        self._store = store
+        self.state = state
+        self.parent = parent
+        self.key = key
+        self.offset = offset
+        self.view = view
+        self._done = False
+
+    def commit(self) -> bool:
+        """The bytes in ``view`` passed their checksum: store the block. False when the chain
+        changed while they arrived (the slot is freed; nothing is stored)."""
+        assert not self._done, "a landing is committed or aborted once"
+        self._done = True
+        return self._store._landed(self, True)
+
+    def abort(self) -> None:
+        """The bytes did not arrive or failed their checksum: free the slot."""
+        assert not self._done, "a landing is committed or aborted once"
+        self._done = True
+        self._store._landed(self, False)
+
+
 class BlockStore:
     """The daemon's domain. Expected failures raise :mod:`kvstored.errors` types and change nothing."""
 
@@ -1180,6 +1209,45 @@ class BlockStore:
         self._sealed_now([block])
         self._n.peer_received += 1
         return True
+
+    def land(self, namespace_id: int, parent: bytes, key: bytes, length: int) -> PeerLanding | None:
+        """A DRAM slot for a pushed block to be received straight into (no copy after it lands),
+        or None when this is not the plain case (unknown namespace, wrong size, key already
+        indexed, parent missing, no room): the caller then receives into a buffer of its own and
+        offers it to :meth:`adopt`, which decides. The parent stays pinned until the landing is
+        committed or aborted; exactly one of the two must follow."""
+        state = self._namespaces.get(namespace_id)
+        if state is None or length != state.spec.block_bytes or not state.index.slot_bytes \
+                or state.index.get(key) is not None:
+            return None
+        above = state.index.get(parent) if parent else None
+        if parent and (above is None or not above.sealed):
+            return None
+        if above is not None:
+            above.pins += 1   # making room (now or while the bytes arrive) must not evict the parent
+        self._tick += 1
+        offset = self._alloc(state.index.slot_bytes)
+        if offset is None:
+            if above is not None:
+                above.pins -= 1
+            return None
+        return PeerLanding(self, state, above, key, offset, self._arena.view(offset, length).data)
+
+    def _landed(self, landing: PeerLanding, ok: bool) -> bool:
+        """Finish a landing: with ``ok`` (its checksum passed) the block joins the index, sealed;
+        otherwise, or when the chain changed meanwhile, its slot is freed."""
+        state, above = landing.state, landing.parent
+        if above is not None:
+            above.pins -= 1
+        if ok and state.index.get(landing.key) is None and (above is None or state.index.get(above.key) is above):
+            block = state.index.insert(landing.key, above, landing.offset)
+            block.pins = 0
+            self._sealed_now([block])
+            self._n.peer_received += 1
+            return True
+        self._allocator.free(landing.offset)
+        existing = state.index.get(landing.key)
+        return ok and existing is not None and existing.readable   # another push stored it meanwhile
 
     def _refill(self, block: Block, payload: memoryview) -> bool:
         """Give a hollow block (its bytes were lost, its children kept) the bytes a peer sent."""

@@ -119,7 +119,7 @@ class PeerNode:
             host, port = parse_address(self._cfg.listen)
             store = self._store
             self._server = BlockServer(host, port, self._auth, store.checkout, release_block=store.checkin,
-                                       store_block=store.adopt, count_blocks=store.held,
+                                       store_block=store.adopt, land_block=store.land, count_blocks=store.held,
                                        open_namespace=store.learn_namespace)
             await self._server.start()
             bound_host, bound_port = self._server.address

@@ -48,7 +48,7 @@ import ssl
 import struct
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 import xxhash
 
@@ -88,6 +88,19 @@ _HASH_SLICE_BYTES = 256 << 10   # a checksummed read lands this much at a time (
 ServeBlock = Callable[[int, bytes], Awaitable["memoryview | tuple[memoryview, int] | None"]]
 ReleaseBlock = Callable[[int, bytes], None]
 StoreBlock = Callable[[int, bytes, bytes, memoryview], "bool | Awaitable[bool]"]
+
+
+class Landing(Protocol):
+    """Where a pushed block's payload is received (see ``BlockServer``'s ``land_block``)."""
+
+    view: memoryview
+
+    def commit(self) -> bool: ...
+
+    def abort(self) -> None: ...
+
+
+LandBlock = Callable[[int, bytes, bytes, int], "Landing | None"]
 CountBlocks = Callable[[int, list[bytes]], "int | Awaitable[int]"]
 OpenNamespace = Callable[[int, bytes], "str | Awaitable[str]"]
 OnBlock = Callable[[int, memoryview], "Awaitable[None] | None"]
@@ -477,6 +490,11 @@ class BlockServer:
     ``payload`` is valid only until it returns (or its awaitable is done). It returns False to
     refuse the block, which ends the push.
 
+    ``land_block(namespace_id, parent, key, length)`` (optional, with ``store_block``) gives a
+    :class:`Landing` to receive the pushed payload straight into: after the bytes arrive its
+    ``commit()`` (checksum passed; False refuses the block) or ``abort()`` (anything else) is
+    called, exactly once. None: receive into a buffer here and offer it to ``store_block``.
+
     ``count_blocks(namespace_id, keys)`` (optional) answers LOOKUP: how many leading keys this node
     holds. ``open_namespace(namespace_id, description)`` (optional) learns a namespace before
     blocks of it are pushed; it returns "" or why it refuses.
@@ -484,7 +502,8 @@ class BlockServer:
 
     def __init__(self, host: str, port: int, auth: PeerAuth, serve_block: ServeBlock, *,
                  release_block: ReleaseBlock | None = None, store_block: StoreBlock | None = None,
-                 count_blocks: CountBlocks | None = None, open_namespace: OpenNamespace | None = None,
+                 land_block: LandBlock | None = None, count_blocks: CountBlocks | None = None,
+                 open_namespace: OpenNamespace | None = None,
                  limits: Limits | None = None) -> None:
         self._host = host
         self._port = port
@@ -492,6 +511,7 @@ class BlockServer:
         self._serve_block = serve_block
         self._release_block = release_block
         self._store_block = store_block
+        self._land_block = land_block
         self._count_blocks = count_blocks
         self._open_namespace = open_namespace
         self._limits = limits or Limits()
@@ -704,16 +724,28 @@ class BlockServer:
             if kind != BLOCK or index != i or fkey != key or length > self._limits.max_block_bytes:
                 await self._ack(stream, stored, ERROR, f"malformed block frame at {i}")
                 return False
-            if len(scratch) < length:
-                scratch = bytearray(length)
-            view = memoryview(scratch)[:length]
+            landing = self._land_block(namespace_id, parent, key, length) if self._land_block else None
+            if landing is not None:
+                view = landing.view
+            else:
+                if len(scratch) < length:
+                    scratch = bytearray(length)
+                view = memoryview(scratch)[:length]
             hasher = xxhash.xxh3_64()
-            await stream.read_into(view, "reading a block", hasher)
+            try:
+                await stream.read_into(view, "reading a block", hasher)
+            except BaseException:
+                if landing is not None:
+                    landing.abort()
+                raise
             if hasher.intdigest() != check:
+                if landing is not None:
+                    landing.abort()
                 log.warning("pushed block %d (%s) failed its checksum: dropped", i, key.hex()[:16])
                 await self._ack(stream, stored, ERROR, f"block {i} failed its checksum: dropped")
                 return False
-            ok = self._store_block(namespace_id, parent, key, view)
+            ok: bool | Awaitable[bool] = landing.commit() if landing is not None else \
+                self._store_block(namespace_id, parent, key, view)
             if inspect.isawaitable(ok):
                 ok = await ok
             if not ok:

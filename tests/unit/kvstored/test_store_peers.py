@@ -166,6 +166,69 @@ def test_adopt_with_no_room_is_refused(store: BlockStore) -> None:
     assert store.adopt(ns, b"", chain(1)[0], payload(0)) is True   # the leaf of the pinned chain made room
 
 
+# -- land: a pushed block received straight into its slot -----------------------------------------
+def test_land_then_commit_stores_the_bytes_received_into_the_slot(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).namespace_id
+    keys = chain(2)
+    for i, (parent, key) in enumerate(zip([b"", keys[0]], keys)):
+        landing = store.land(ns, parent, key, BLOCK)
+        assert landing is not None and landing.view.nbytes == BLOCK
+        assert store.held(ns, [key]) == 0                  # invisible while its bytes arrive
+        landing.view[:] = payload(20 + i)
+        assert landing.commit() is True
+    assert store.held(ns, keys) == 2
+    assert [read(store, ns, k) for k in keys] == [bytes(payload(20)), bytes(payload(21))]
+    st = store.stats()
+    assert st.peer_received_blocks == 2 and st.tiers[0].used_bytes == 2 * BLOCK
+
+
+def test_abort_frees_the_slot_and_stores_nothing(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).namespace_id
+    before = store.stats()
+    for _ in range(3 * SLOTS):                  # would run out of slots if an abort leaked one
+        landing = store.land(ns, b"", chain(1)[0], BLOCK)
+        assert landing is not None
+        landing.abort()
+    assert store.stats() == before and not _present(store, ns, chain(1)[0])
+
+
+def test_land_leaves_the_odd_cases_to_adopt(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).namespace_id
+    keys = chain(2)
+    assert store.land(Namespace(model="never-opened").identity(), b"", keys[0], BLOCK) is None
+    assert store.land(ns, b"", keys[0], BLOCK - 1) is None           # wrong size
+    assert store.land(ns, keys[0], keys[1], BLOCK) is None           # parent not here
+    adopt_chain(store, ns, keys[:1])
+    assert store.land(ns, b"", keys[0], BLOCK) is None               # already held: adopt answers
+    assert store.stats().tiers[0].used_bytes == BLOCK
+
+
+def test_landing_pins_its_parent_until_it_ends(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).namespace_id
+    keys = chain(2)
+    adopt_chain(store, ns, keys[:1])
+    landing = store.land(ns, keys[0], keys[1], BLOCK)
+    assert landing is not None
+    fill_with_other_blocks(store, ns, 3 * SLOTS)        # heavy churn while the bytes "arrive"
+    assert store.held(ns, keys[:1]) == 1                # the parent survived it
+    landing.view[:] = payload(7)
+    assert landing.commit() is True
+    assert store.held(ns, keys) == 2 and read(store, ns, keys[1]) == bytes(payload(7))
+    assert store._namespaces[ns].index.get(keys[0]).pins == 0   # type: ignore[union-attr]
+
+
+def test_commit_after_another_push_stored_the_block_keeps_one_copy(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).namespace_id
+    key = chain(1)[0]
+    landing = store.land(ns, b"", key, BLOCK)
+    assert landing is not None
+    assert store.adopt(ns, b"", key, payload(1))        # a second push of the same block won the race
+    landing.view[:] = payload(2)
+    assert landing.commit() is True                     # held: the push goes on
+    st = store.stats()
+    assert st.index_blocks == 1 and st.tiers[0].used_bytes == BLOCK and read(store, ns, key) == bytes(payload(1))
+
+
 def make_hollow(store: BlockStore, ns: int, key: bytes) -> None:
     """The block loses its bytes but keeps its children, as after a corrupt SSD read of an interior
     block (reached through the store's internals: a unit test has no SSD to corrupt)."""

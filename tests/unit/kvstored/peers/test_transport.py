@@ -462,6 +462,61 @@ def test_push_stores_verified_blocks_and_drops_a_corrupt_one() -> None:
     run(main())
 
 
+class Landings:
+    """A ``land_block`` that hands out buffers and records how each landing ended."""
+
+    def __init__(self) -> None:
+        self.stored: dict[bytes, bytes] = {}
+        self.ended: list[tuple[bytes, str]] = []
+
+    def land(self, namespace_id: int, parent: bytes, key: bytes, length: int) -> object:
+        outer = self
+
+        class _Landing:
+            view = memoryview(bytearray(length))
+
+            def commit(self) -> bool:
+                outer.stored[key] = bytes(self.view)
+                outer.ended.append((key, "commit"))
+                return True
+
+            def abort(self) -> None:
+                outer.ended.append((key, "abort"))
+        return _Landing()
+
+
+def test_push_lands_blocks_in_place_and_aborts_a_corrupt_or_cut_one() -> None:
+    keys, data = chain(4)
+
+    async def refuse(*_: object) -> bool:
+        raise AssertionError("every block has a landing: the copy path is not used")
+
+    async def main() -> None:
+        landings = Landings()
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve, store_block=refuse,
+                               land_block=landings.land) as srv:  # type: ignore[arg-type]
+            res = await push(srv.address, PeerAuth(), NS, [(k, data[k]) for k in keys], 10)
+            assert res.complete and landings.stored == data
+            assert landings.ended == [(k, "commit") for k in keys]
+            request = T._REQUEST.size + sum(1 + len(k) for k in keys)
+            block1 = T._HELLO.size + request + T._FRAME.size + 32 + len(data[keys[0]]) + T._FRAME.size + 32
+            for fault in (Fault("flip", block1 + 9, upstream=True), Fault("cut", block1 + 9, upstream=True)):
+                landings.ended.clear()
+                async with Proxy(srv.address, fault) as proxy:
+                    res = await push(proxy.address, PeerAuth(), NS, [(k, data[k]) for k in keys], 10)
+                if fault.action == "flip":   # the receiver's answer says how far it got
+                    assert (res.stored, res.stop) == (1, Stop.CORRUPT)
+                else:                          # the connection is gone, and the answer with it
+                    assert res.stop == Stop.PEER_CLOSED
+                for _ in range(100):   # the server notices a cut connection on its own time
+                    if len(landings.ended) == 2:
+                        break
+                    await asyncio.sleep(0.02)
+                assert landings.ended == [(keys[0], "commit"), (keys[1], "abort")], fault.action
+
+    run(main())
+
+
 def test_push_names_each_blocks_parent() -> None:
     keys, data = chain(4)
     seen: list[tuple[bytes, bytes]] = []
