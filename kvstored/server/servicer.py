@@ -23,7 +23,9 @@ from kvstored_client.version import __version__
 from kvstored_client.wire import namespace_from_pb, namespace_to_pb
 
 log = logging.getLogger("kvstored.server")
-STREAM_GATHER_S = 0.002
+# After a stream's first block (sent at once), later blocks are gathered this long per message: a
+# long stream costs the client, and this daemon, a message per many blocks instead of per block.
+STREAM_GATHER_S = 0.008
 _TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD, Tier.PEER: pb.TIER_PEER}
 _TIER_FROM_PB = {pb.TIER_UNSPECIFIED: None, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
 
@@ -215,10 +217,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         first = True
         try:
             while True:
-                if not first:
-                    # the first block goes out at once; later ones are gathered for a moment, so a
-                    # long stream costs the client (and us) a message per few blocks, not per block
-                    await asyncio.sleep(STREAM_GATHER_S)
+                if not first and not task.done():
+                    await asyncio.wait((task,), timeout=STREAM_GATHER_S)   # the end is not held back
                 first = False
                 items = [await events.get()]
                 while not events.empty():
