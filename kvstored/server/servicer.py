@@ -23,9 +23,11 @@ from kvstored_client.version import __version__
 from kvstored_client.wire import namespace_from_pb, namespace_to_pb
 
 log = logging.getLogger("kvstored.server")
-# After a stream's first block (sent at once), later blocks are gathered this long per message: a
-# long stream costs the client, and this daemon, a message per many blocks instead of per block.
-STREAM_GATHER_S = 0.008
+# After a stream's first block (sent at once), later blocks are gathered for a tenth of the time
+# the stream has run, within these bounds: a long stream costs the client, and this daemon, a
+# message per many blocks instead of per block, while a short one is not held back.
+STREAM_GATHER_MIN_S = 0.001
+STREAM_GATHER_MAX_S = 0.008
 _TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD, Tier.PEER: pb.TIER_PEER}
 _TIER_FROM_PB = {pb.TIER_UNSPECIFIED: None, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
 
@@ -214,11 +216,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 events.put_nowait(exc)
 
         task = asyncio.ensure_future(run())
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         first = True
         try:
             while True:
                 if not first and not task.done():
-                    await asyncio.wait((task,), timeout=STREAM_GATHER_S)   # the end is not held back
+                    gather = min(STREAM_GATHER_MAX_S, max(STREAM_GATHER_MIN_S, 0.1 * (loop.time() - started)))
+                    await asyncio.wait((task,), timeout=gather)   # the end is not held back
                 first = False
                 items = [await events.get()]
                 while not events.empty():
