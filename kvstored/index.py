@@ -29,7 +29,7 @@ class Tier(enum.IntEnum):
 class Block:
     """One cached block. Mutable bookkeeping, kept small."""
 
-    __slots__ = ("check", "children", "depth", "flags", "index", "key", "lru_next", "lru_prev", "offset",
+    __slots__ = ("check", "children", "depth", "flags", "index", "key", "offset",
                  "parent", "pins")
 
     def __init__(self, key: bytes, parent: Block | None, index: PrefixIndex, offset: int, depth: int) -> None:
@@ -42,9 +42,6 @@ class Block:
         self.offset = offset
         self.depth = depth
         self.check: int | None = None  # xxh3-64 of the bytes once computed (serving it to peers)
-        # One recency list at a time: the DRAM list while it has a slot, else the SSD list.
-        self.lru_prev: Block | None = None
-        self.lru_next: Block | None = None
 
     @property
     def sealed(self) -> bool:

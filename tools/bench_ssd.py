@@ -8,6 +8,11 @@
   once, as the daemon's restore does), so both read payloads from the device. Reads alternate
   block by block, raw then tier, each timed on its own: this disk's speed swings by 1.5x within
   seconds, and alternating per block puts both under the same conditions.
+- the same reads at queue depth 2, as the daemon reads (its read pool has ``ssd.read_threads`` = 2
+  threads): two blocks at a time, raw through a pool of two threads doing the same O_DIRECT reads,
+  tier through ``read_into``; pairs alternate raw then tier. At depth 1 the tier pays two thread
+  hand-offs (caller to read thread and back) that the raw read in the caller's thread does not;
+  at depth 2 both pay them.
 - the same SSD-tier figures again after writing 3x the tier's capacity in churn (deletes +
   puts), where LMDB's reuse of freed pages for large values decides the speed.
 
@@ -24,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +113,35 @@ def paired_reads(raw_path: Path, raw_blocks: int, ssd: SSDTier, keys: list[int],
     return n / raw_s / 1e9, n / tier_s / 1e9
 
 
+def paired_reads_depth2(raw_path: Path, raw_blocks: int, ssd: SSDTier, keys: list[int],
+                        raw_dst: list[mmap.mmap], out: list[np.ndarray]) -> tuple[float, float]:
+    """Alternate two raw O_DIRECT reads (on a pool of two threads) and two tier reads, per pair
+    of keys (random order); (raw, tier) GB/s."""
+    order = list(keys)
+    random.Random(4).shuffle(order)
+    raw_order = [random.Random(k + 1).randrange(raw_blocks) for k in order]
+    fd = os.open(raw_path, os.O_RDONLY | os.O_DIRECT)
+    raw_s = tier_s = 0.0
+    pool = ThreadPoolExecutor(2)
+    try:
+        for i in range(0, len(order) - 1, 2):
+            t = time.perf_counter()
+            reads = [pool.submit(os.preadv, fd, [raw_dst[j]], raw_order[i + j] * BLOCK) for j in range(2)]
+            for r in reads:
+                r.result(60)
+            raw_s += time.perf_counter() - t
+            t = time.perf_counter()
+            futs = [ssd.read_into(1, order[i + j].to_bytes(32, "big"), out[j]) for j in range(2)]
+            for f in futs:
+                f.result(60)
+            tier_s += time.perf_counter() - t
+    finally:
+        pool.shutdown()
+        os.close(fd)
+    n = (len(order) // 2) * 2 * BLOCK
+    return n / raw_s / 1e9, n / tier_s / 1e9
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
@@ -118,9 +153,12 @@ def main() -> int:
     dst = aligned(BLOCK)
     payload = np.frombuffer(src, dtype=np.uint8)
     out = np.frombuffer(aligned(BLOCK), dtype=np.uint8)  # like an arena slot: page aligned
+    dst2 = [aligned(BLOCK), aligned(BLOCK)]
+    out2 = [np.frombuffer(aligned(BLOCK), dtype=np.uint8) for _ in range(2)]
     capacity = args.blocks * BLOCK
     ssd = SSDTier(str(base / "lmdb"), int(capacity * 1.5))
     rows: dict[str, list[float]] = {k: [] for k in ("raw write", "tier write", "raw read", "tier read",
+                                                      "raw read, depth 2", "tier read, depth 2",
                                                       "tier write after churn", "raw read after churn",
                                                       "tier read after churn")}
     try:
@@ -135,6 +173,12 @@ def main() -> int:
                                                dst, out)
             rows["raw read"].append(raw_rate)
             rows["tier read"].append(tier_rate)
+            ssd = cold(ssd, base, capacity)
+            drop_cache(base)
+            raw_rate, tier_rate = paired_reads_depth2(base / "raw", args.blocks, ssd,
+                                                      list(range(first, first + args.blocks)), dst2, out2)
+            rows["raw read, depth 2"].append(raw_rate)
+            rows["tier read, depth 2"].append(tier_rate)
             for i in range(first, first + args.blocks):
                 ssd.delete(1, i.to_bytes(32, "big"))
         # churn: 3x capacity of deletes and puts through the same map
@@ -167,7 +211,8 @@ def main() -> int:
     print("| operation | GB/s median | min | max | vs raw |")
     print("|---|---|---|---|---|")
     for name, values in rows.items():
-        raw = med["raw write"] if "write" in name else med["raw read after churn" if "churn" in name else "raw read"]
+        raw = med["raw write"] if "write" in name else med[
+            "raw read after churn" if "churn" in name else "raw read, depth 2" if "depth 2" in name else "raw read"]
         print(f"| {name} | {med[name]:.2f} | {min(values):.2f} | {max(values):.2f} | "
               f"{med[name] / raw:.2f} |")
     print(f"\nSSD tier files after churn: {size / 2**20:.0f} MiB on disk for {capacity / 2**20:.0f} MiB "

@@ -189,9 +189,11 @@ def markdown(results: dict[str, Any]) -> str:
     ix = results.get("index")
     if ix:
         w("## Index memory\n")
-        w(f"`PrefixIndex` + `Block` (sealed, in the LRU order) with 32-byte keys, {ix['blocks']:,} blocks in "
+        policy = (f"; with the records of the default eviction policy (`{ix['policy']}`) tracking every "
+                  f"block: {ix['with_policy_bytes_per_block']:.0f} B/block") if "policy" in ix else ""
+        w(f"`PrefixIndex` + `Block` (sealed) with 32-byte keys, {ix['blocks']:,} blocks in "
           f"chains of 2,048, counted by tracemalloc: **{ix['bytes_per_block']:.0f} B/block** "
-          f"(built in {ix['build_s']:.1f} s under tracemalloc).\n")
+          f"(built in {ix['build_s']:.1f} s under tracemalloc){policy}.\n")
 
     # -- targets ------------------------------------------------------------------------------
     w("## Targets (goals, not assertions)\n")
