@@ -196,18 +196,19 @@ class PeerLanding:
         self.view = view
         self._done = False
 
-    def commit(self) -> bool:
-        """The bytes in ``view`` passed their checksum: store the block. False when the chain
-        changed while they arrived (the slot is freed; nothing is stored)."""
+    def commit(self, checksum: int) -> bool:
+        """The bytes in ``view`` passed their xxh3-64 ``checksum`` (kept with the block, so serving
+        it on is not a second hash): store the block. False when the chain changed while they
+        arrived (the slot is freed; nothing is stored)."""
         assert not self._done, "a landing is committed or aborted once"
         self._done = True
-        return self._store._landed(self, True)
+        return self._store._landed(self, checksum)
 
     def abort(self) -> None:
         """The bytes did not arrive or failed their checksum: free the slot."""
         assert not self._done, "a landing is committed or aborted once"
         self._done = True
-        self._store._landed(self, False)
+        self._store._landed(self, None)
 
 
 class BlockStore:
@@ -1225,29 +1226,39 @@ class BlockStore:
             return None
         if above is not None:
             above.pins += 1   # making room (now or while the bytes arrive) must not evict the parent
-        self._tick += 1
-        offset = self._alloc(state.index.slot_bytes)
-        if offset is None:
-            if above is not None:
+        offset: int | None = None
+        try:
+            self._tick += 1
+            offset = self._alloc(state.index.slot_bytes)
+        finally:
+            if offset is None and above is not None:
                 above.pins -= 1
+                self._remove_if_hollow(above)
+        if offset is None:
             return None
         return PeerLanding(self, state, above, key, offset, self._arena.view(offset, length).data)
 
-    def _landed(self, landing: PeerLanding, ok: bool) -> bool:
-        """Finish a landing: with ``ok`` (its checksum passed) the block joins the index, sealed;
-        otherwise, or when the chain changed meanwhile, its slot is freed."""
+    def _landed(self, landing: PeerLanding, checksum: int | None) -> bool:
+        """Finish a landing: with a ``checksum`` (the bytes passed it) the block joins the index,
+        sealed; otherwise, or when the chain changed meanwhile, its slot is freed."""
         state, above = landing.state, landing.parent
         if above is not None:
             above.pins -= 1
-        if ok and state.index.get(landing.key) is None and (above is None or state.index.get(above.key) is above):
+        # While the bytes arrived, a reservation or another push may have indexed the key (the
+        # push then counts it held if its bytes are readable), or the parent may have gone.
+        if checksum is not None and state.index.get(landing.key) is None \
+                and (above is None or state.index.get(above.key) is above):
             block = state.index.insert(landing.key, above, landing.offset)
             block.pins = 0
+            block.check = checksum
             self._sealed_now([block])
             self._n.peer_received += 1
             return True
         self._allocator.free(landing.offset)
+        if above is not None:
+            self._remove_if_hollow(above)   # a hollow parent kept only for children it no longer has
         existing = state.index.get(landing.key)
-        return ok and existing is not None and existing.readable   # another push stored it meanwhile
+        return checksum is not None and existing is not None and existing.readable
 
     def _refill(self, block: Block, payload: memoryview) -> bool:
         """Give a hollow block (its bytes were lost, its children kept) the bytes a peer sent."""

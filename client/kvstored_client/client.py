@@ -250,12 +250,12 @@ class Client:
     def _settle_releases(self) -> None:
         """Wait for the releases sent in the background, so a call that acts on what is leased
         (evict, migrate) sees them done: the daemon may serve calls out of order."""
-        for fut in self._pending_releases:
+        pending, self._pending_releases = self._pending_releases, []   # one swap: other threads may add
+        for fut in pending:
             try:
                 fut.result(timeout=self._timeout)
             except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
                 pass   # the lease expires by itself; nothing the caller can do about it
-        self._pending_releases.clear()
 
     def _release_later(self, lease_id: int) -> None:
         self._pending_releases = [f for f in self._pending_releases if not f.done()]

@@ -204,7 +204,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def StreamBlocks(self, request: pb.StreamBlocksRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BlockEvent]:
-        events: asyncio.Queue[Arrival | StreamEnd | KVError] = asyncio.Queue()
+        events: asyncio.Queue[Arrival | StreamEnd | Exception] = asyncio.Queue()
 
         async def run() -> None:
             try:
@@ -212,7 +212,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 events.put_nowait(await self._store.stream_blocks(
                     request.session_id, request.namespace_id, _keys(request.keys), request.buffers_id,
                     request.block_ids, events.put_nowait, fetcher))
-            except KVError as exc:
+            except Exception as exc:   # handed to the response loop, which ends the call with it
                 events.put_nowait(exc)
 
         task = asyncio.ensure_future(run())
@@ -230,9 +230,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     items.append(events.get_nowait())
                 msg = pb.BlockEvent()
                 for item in items:
-                    if isinstance(item, KVError):
-                        await context.abort(code_for(item), str(item))
-                    elif isinstance(item, StreamEnd):
+                    if isinstance(item, Exception):
+                        if msg.blocks:
+                            yield msg   # the blocks already in place still reach the client
+                        if isinstance(item, KVError):
+                            await context.abort(code_for(item), str(item))
+                        raise item
+                    if isinstance(item, StreamEnd):
                         msg.end.CopyFrom(pb.BlockStreamEnd(
                             blocks=item.blocks, requested=item.requested, stop=item.stop, detail=item.detail,
                             lease_id=item.lease_id, lease_ttl_ms=int(item.lease_ttl_s * 1000)))

@@ -175,7 +175,7 @@ def test_land_then_commit_stores_the_bytes_received_into_the_slot(store: BlockSt
         assert landing is not None and landing.view.nbytes == BLOCK
         assert store.held(ns, [key]) == 0                  # invisible while its bytes arrive
         landing.view[:] = payload(20 + i)
-        assert landing.commit() is True
+        assert landing.commit(xxhash.xxh3_64_intdigest(landing.view)) is True
     assert store.held(ns, keys) == 2
     assert [read(store, ns, k) for k in keys] == [bytes(payload(20)), bytes(payload(21))]
     st = store.stats()
@@ -212,7 +212,7 @@ def test_landing_pins_its_parent_until_it_ends(store: BlockStore) -> None:
     fill_with_other_blocks(store, ns, 3 * SLOTS)        # heavy churn while the bytes "arrive"
     assert store.held(ns, keys[:1]) == 1                # the parent survived it
     landing.view[:] = payload(7)
-    assert landing.commit() is True
+    assert landing.commit(xxhash.xxh3_64_intdigest(landing.view)) is True
     assert store.held(ns, keys) == 2 and read(store, ns, keys[1]) == bytes(payload(7))
     assert store._namespaces[ns].index.get(keys[0]).pins == 0   # type: ignore[union-attr]
 
@@ -224,9 +224,34 @@ def test_commit_after_another_push_stored_the_block_keeps_one_copy(store: BlockS
     assert landing is not None
     assert store.adopt(ns, b"", key, payload(1))        # a second push of the same block won the race
     landing.view[:] = payload(2)
-    assert landing.commit() is True                     # held: the push goes on
+    assert landing.commit(xxhash.xxh3_64_intdigest(landing.view)) is True   # held: the push goes on
     st = store.stats()
     assert st.index_blocks == 1 and st.tiers[0].used_bytes == BLOCK and read(store, ns, key) == bytes(payload(1))
+
+
+def test_a_landed_block_keeps_the_checksum_it_arrived_with(store: BlockStore) -> None:
+    ns = store.open_namespace(NS).namespace_id
+    key = chain(1)[0]
+    landing = store.land(ns, b"", key, BLOCK)
+    assert landing is not None
+    landing.view[:] = payload(3)
+    assert landing.commit(xxhash.xxh3_64_intdigest(payload(3)))
+    assert store._namespaces[ns].index.get(key).check == xxhash.xxh3_64_intdigest(payload(3))  # type: ignore[union-attr]
+    assert read(store, ns, key) == bytes(payload(3))   # and what a peer is served matches it
+
+
+def test_an_aborted_landing_does_not_strand_a_hollow_parent(store: BlockStore) -> None:
+    # Regression: the landing pinned its parent while the bytes arrived; a hollow parent (kept
+    # only for its children) whose last child left meanwhile stayed in the index for good.
+    ns = store.open_namespace(NS).namespace_id
+    keys = chain(2)
+    adopt_chain(store, ns, keys)
+    make_hollow(store, ns, keys[0])
+    landing = store.land(ns, keys[0], chain(1, 7000)[0], BLOCK)
+    assert landing is not None
+    assert store.evict() == 1                    # the child goes; the pinned hollow parent stays
+    landing.abort()
+    assert store.stats().index_blocks == 0 and store.stats().tiers[0].used_bytes == 0
 
 
 def make_hollow(store: BlockStore, ns: int, key: bytes) -> None:

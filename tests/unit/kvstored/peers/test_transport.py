@@ -498,7 +498,8 @@ class Landings:
         class _Landing:
             view = memoryview(bytearray(length))
 
-            def commit(self) -> bool:
+            def commit(self, checksum: int) -> bool:
+                assert checksum == T.checksum(self.view), "commit gets the checksum the bytes passed"
                 outer.stored[key] = bytes(self.view)
                 outer.ended.append((key, "commit"))
                 return True
@@ -538,6 +539,27 @@ def test_push_lands_blocks_in_place_and_aborts_a_corrupt_or_cut_one() -> None:
                 assert landings.ended == [(keys[0], "commit"), (keys[1], "abort")], fault.action
 
     run(main())
+
+
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize("refuse", [0, 1])
+def test_a_push_refused_on_a_fresh_connection_says_how_far_and_why(refuse: int, use_uvloop: bool) -> None:
+    # Regression: reading stayed paused after the handshake, so when the receiver refused a large
+    # push early and closed, the pusher never read the answer: "peer closed" instead of "refused".
+    keys, data = chain(3, 4 << 20)
+
+    async def store(namespace_id: int, parent: bytes, k: bytes, view: memoryview) -> bool:
+        return k != keys[refuse]
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve, store_block=store) as srv:
+            for _ in range(3):
+                conn = await PeerConnection.open(srv.address, PeerAuth())
+                res = await conn.push(NS, [(k, data[k]) for k in keys], 10)
+                conn.close()
+                assert (res.stored, res.stop) == (refuse, Stop.REFUSED), res
+
+    run(main(), use_uvloop)
 
 
 def test_push_names_each_blocks_parent() -> None:
