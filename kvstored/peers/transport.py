@@ -83,6 +83,7 @@ WELCOME_AUTH_REJECTED = 2
 WELCOME_BAD_VERSION = 3
 
 _SPILL_BYTES = 256 << 10   # received ahead of the reader before reading pauses
+_LINGER_S = 5.0            # how long a refused push is drained, waiting for the pusher to close
 _HASH_SLICE_BYTES = 256 << 10   # a checksummed read lands this much at a time (stays in cache)
 
 ServeBlock = Callable[[int, bytes], Awaitable["memoryview | tuple[memoryview, int] | None"]]
@@ -339,6 +340,7 @@ class _Stream(asyncio.BufferedProtocol):
         if len(self._pending) >= _SPILL_BYTES and not self._read_paused and self.transport is not None:
             self._read_paused = True
             self.transport.pause_reading()
+        _wake(self._read_waiter)   # a ``read_some`` takes whatever arrived
 
     def eof_received(self) -> bool | None:
         self._eof = True
@@ -398,6 +400,30 @@ class _Stream(asyncio.BufferedProtocol):
             self._hasher = None
         if self._filled != n:
             self._raise_closed(what)
+
+    async def read_some(self, view: memoryview) -> int:
+        """Read what has arrived (at least one byte) into ``view``; :class:`_Closed` at the end."""
+        if not self._pending:
+            if self._eof:
+                self._raise_closed("discarding")
+            self._read_waiter = asyncio.get_running_loop().create_future()
+            if self._read_paused and self.transport is not None:
+                self._read_paused = False
+                self.transport.resume_reading()
+            try:
+                await self._read_waiter
+            finally:
+                self._read_waiter = None
+            if not self._pending:
+                self._raise_closed("discarding")
+        n = min(len(view), len(self._pending))
+        with memoryview(self._pending) as pending:
+            view[:n] = pending[:n]
+        del self._pending[:n]
+        if self._read_paused and len(self._pending) < _SPILL_BYTES and self.transport is not None:
+            self._read_paused = False
+            self.transport.resume_reading()
+        return n
 
     async def read_exact(self, n: int, what: str = "reading") -> bytes:
         buf = bytearray(n)
@@ -625,6 +651,7 @@ class BlockServer:
                             return
                         parent, keys = keys[0], keys[1:]
                     if not await self._receive_blocks(stream, namespace_id, parent, keys):
+                        await self._discard_until_closed(stream)
                         return
                 elif op == OP_LOOKUP and self._count_blocks is not None:
                     counted = self._count_blocks(namespace_id, keys)
@@ -638,6 +665,17 @@ class BlockServer:
         finally:
             stream.close()
             self._streams.discard(stream)
+
+    async def _discard_until_closed(self, stream: _Stream) -> None:
+        """After refusing a push midway: drop what the pusher still sends until it closes (it does
+        once it has read our answer), for at most ``_LINGER_S``. Closing with its bytes unread
+        would make the kernel reset the connection, and the reset can destroy the answer before
+        the pusher reads it."""
+        sink = memoryview(bytearray(_SPILL_BYTES))
+        with contextlib.suppress(_Closed, ConnectionError, TimeoutError, ssl.SSLError):
+            async with asyncio.timeout(_LINGER_S):
+                while True:
+                    await stream.read_some(sink)
 
     async def _hello(self, stream: _Stream) -> bool:
         magic, version, _flags, token_len = _HELLO.unpack(await stream.read_exact(_HELLO.size, "reading hello"))

@@ -451,6 +451,24 @@ def test_peer_error_and_bad_requests() -> None:
             conn = await PeerConnection.open(srv.address, PeerAuth())
             res = await conn.fetch(NS, [key(0), key(1)], Collector(), 5)
             assert res.stop is Stop.PEER_ERROR and "disk on fire" in res.detail
+            conn.close()
+        # failing after the first block: the error frame comes where a block was expected
+        keys, data = chain(4)
+        served: list[bytes] = []
+
+        async def fails_at_2(namespace_id: int, k: bytes) -> memoryview | None:
+            served.append(k)
+            if k == keys[2]:
+                raise OSError("bad sector")
+            return memoryview(data[k])
+
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), fails_at_2) as srv:
+            conn = await PeerConnection.open(srv.address, PeerAuth())
+            got = Collector()
+            res = await conn.fetch(NS, keys, got, 5)
+            assert (res.delivered, res.stop) == (2, Stop.PEER_ERROR) and "bad sector" in res.detail
+            assert [i for i, _ in got.got] == [0, 1]
+            assert conn.usable and (await conn.fetch(NS, keys[:2], got, 5)).complete   # still in step
             with pytest.raises(ValueError, match="key"):
                 await conn.fetch(NS, [b""], Collector(), 5)
             with pytest.raises(ValueError, match="keys"):
@@ -543,18 +561,24 @@ def test_push_lands_blocks_in_place_and_aborts_a_corrupt_or_cut_one() -> None:
 
 @pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
 @pytest.mark.parametrize("refuse", [0, 1])
-def test_a_push_refused_on_a_fresh_connection_says_how_far_and_why(refuse: int, use_uvloop: bool) -> None:
-    # Regression: reading stayed paused after the handshake, so when the receiver refused a large
-    # push early and closed, the pusher never read the answer: "peer closed" instead of "refused".
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "tls"])
+def test_a_push_refused_on_a_fresh_connection_says_how_far_and_why(pki: PKI, secure: bool, refuse: int,
+                                                                    use_uvloop: bool) -> None:
+    # Regressions: reading stayed paused after the handshake, so when the receiver refused a
+    # large push early and closed, the pusher never read the answer ("peer closed" instead of
+    # "refused"); and a receiver that closed with the rest of the push unread could have the
+    # kernel reset the connection over its answer (it now drains the push until the pusher closes).
     keys, data = chain(3, 4 << 20)
 
     async def store(namespace_id: int, parent: bytes, k: bytes, view: memoryview) -> bool:
         return k != keys[refuse]
 
     async def main() -> None:
-        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve, store_block=store) as srv:
-            for _ in range(3):
-                conn = await PeerConnection.open(srv.address, PeerAuth())
+        server_auth = tls(pki.ca, pki.server) if secure else PeerAuth()
+        client_auth = tls(pki.ca, pki.client) if secure else PeerAuth()
+        async with BlockServer("127.0.0.1", 0, server_auth, Blocks({}).serve, store_block=store) as srv:
+            for _ in range(5):
+                conn = await PeerConnection.open(srv.address, client_auth)
                 res = await conn.push(NS, [(k, data[k]) for k in keys], 10)
                 conn.close()
                 assert (res.stored, res.stop) == (refuse, Stop.REFUSED), res
