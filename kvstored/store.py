@@ -181,6 +181,10 @@ def _tiers(blocks: Sequence[Block]) -> list[Tier]:
     return [Tier.DRAM if b.offset != NO_SLOT else Tier.SSD for b in blocks]
 
 
+def _ignore_arrival(arrival: Arrival) -> None:
+    """A pull's handover: the blocks are only brought to this node."""
+
+
 class PeerLanding:
     """A DRAM slot a pushed block is being received into (see :meth:`BlockStore.land`)."""
 
@@ -1308,7 +1312,7 @@ class BlockStore:
             self._writeback_wanted.set()
 
     async def stream_blocks(self, session_id: str, namespace_id: int, keys: KeyRequest, buffers_id: int,
-                            block_ids: Sequence[int], emit: Callable[[Arrival], None],
+                            block_ids: Sequence[int], emit: Callable[[Arrival], None] | None,
                             fetcher: Fetcher | None) -> StreamEnd:
         """Hand a chain's blocks over one by one, in order, as each is in place: the cached prefix
         first, then (with ``fetcher``) the rest as a peer sends it, each block stored here and
@@ -1316,8 +1320,10 @@ class BlockStore:
 
         With ``buffers_id`` each block is copied into ``block_ids[i]`` of those buffers before
         ``emit``; without, it is leased in the arena and the end names the lease (the caller
-        releases it). A transfer that stops short keeps the complete blocks and drops the partial
-        one; the end says why it stopped. Raises the usual errors for bad input.
+        releases it). With ``emit`` None (a pull) nothing is handed over: the blocks are only
+        brought here, and nothing stays leased. A transfer that stops short keeps the complete
+        blocks and drops the partial one; the end says why it stopped. Raises the usual errors for
+        bad input.
         """
         session = self._session(session_id)
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id) if buffers_id else None
@@ -1333,6 +1339,10 @@ class BlockStore:
         self._busy.add(read.lease_id)
         stop, detail = "complete", ""
         handed_lease = 0
+        pull = emit is None
+        if emit is None:
+            emit = _ignore_arrival
+            buffers = None
         handover = Handover(emit, self._copy, buffers, block_ids) if buffers is not None else Handover(emit)
         try:
             handover.give(0, read.pinned, local.tiers)   # the leased local prefix
@@ -1341,9 +1351,9 @@ class BlockStore:
                 stop, detail = "missing", f"block {delivered} is not cached on this node"
             elif delivered < len(chain) and fetcher is not None:
                 reservation, delivered, stop, detail = await self._fetch_rest(
-                    session, state, chain, read, delivered, handover, buffers is None, fetcher)
+                    session, state, chain, read, delivered, handover, buffers is None and not pull, fetcher)
             await handover.finish()
-            handed_lease = read.lease_id if buffers is None and read.pinned else 0
+            handed_lease = read.lease_id if buffers is None and read.pinned and not pull else 0
             return StreamEnd(delivered, len(chain), stop, detail, handed_lease, ttl)
         finally:
             await handover.close()

@@ -4,8 +4,10 @@ Part 1, throughput of 2 MiB blocks (``--run-bytes`` per run), runs interleaved s
 paths alike, in this one run:
 
 * raw TCP: a sender process ``sendall``s the bytes, this process ``recv_into``s them (ceiling);
-* kvstored pull: daemon B streams a chain that only daemon A holds (``Client.stream(...).wait()``):
-  A serves from its arena, B receives straight into arena slots, verifies xxh3, seals each block;
+* kvstored pull: daemon B brings a chain that only daemon A holds (``Client.pull``): A serves from
+  its arena, B receives straight into arena slots, checksums each block as it lands, seals it;
+* kvstored pull (stream): the same through ``Client.stream(...).wait()``, which also reports each
+  block to the client as it lands;
 * kvstored push: A migrates the namespace to B (``Client.migrate``), B evicts between runs;
 * Mooncake Transfer Engine over TCP moving the same blocks (when ``.bench/venv`` has it).
 
@@ -100,7 +102,8 @@ def throughput(args: argparse.Namespace, a: Node, b: Node) -> dict[str, list[flo
     ns = Namespace(model="bench-ship", block_bytes=bb)
     chain = keys(nblocks, 7)
     save_chain(a, ns, chain, bb)
-    rates: dict[str, list[float]] = {"raw TCP": [], "kvstored pull (stream)": [], "kvstored push (migrate)": []}
+    rates: dict[str, list[float]] = {"raw TCP": [], "kvstored pull (Client.pull)": [], "kvstored pull (stream)": [],
+                                     "kvstored push (migrate)": []}
     sender_args = argparse.Namespace(blocks=32, block_bytes=bb)
     raw_proc, raw_port = start_sender("raw", sender_args)
     raw = RawReceiver(raw_port, bb)
@@ -115,6 +118,14 @@ def throughput(args: argparse.Namespace, a: Node, b: Node) -> dict[str, list[flo
             print(f"Mooncake left out: {exc}", file=sys.stderr)
 
     def pull() -> float:
+        b.client.evict()
+        t0 = time.perf_counter()
+        out = b.client.pull(hashes=chain, namespace=ns)
+        dt = time.perf_counter() - t0
+        assert out.complete, out
+        return nblocks * bb / dt
+
+    def stream() -> float:
         b.client.evict()
         t0 = time.perf_counter()
         out = b.client.stream(hashes=chain, namespace=ns).wait()
@@ -133,13 +144,15 @@ def throughput(args: argparse.Namespace, a: Node, b: Node) -> dict[str, list[flo
     try:
         raw.run(nblocks, bb)
         pull()
+        stream()
         push()
         if mooncake is not None:
             mooncake.run(nblocks, "batch")
         for i in range(args.runs):
             print(f"throughput run {i + 1}/{args.runs}", file=sys.stderr)
             rates["raw TCP"].append(raw.run(nblocks, bb))
-            rates["kvstored pull (stream)"].append(pull())
+            rates["kvstored pull (Client.pull)"].append(pull())
+            rates["kvstored pull (stream)"].append(stream())
             rates["kvstored push (migrate)"].append(push())
             if mooncake is not None:
                 rates[mc_name].append(mooncake.run(nblocks, "batch"))
@@ -241,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{med(values) / raw:.2f}x |")
         mc = [v for k, v in rates.items() if k.startswith("Mooncake")]
         if mc:
-            print(f"\nkvstored pull / Mooncake: {med(rates['kvstored pull (stream)']) / med(mc[0]):.2f}x; "
-                  f"push / Mooncake: {med(rates['kvstored push (migrate)']) / med(mc[0]):.2f}x")
+            print(f"\nkvstored / Mooncake: pull {med(rates['kvstored pull (Client.pull)']) / med(mc[0]):.2f}x, "
+                  f"stream {med(rates['kvstored pull (stream)']) / med(mc[0]):.2f}x, "
+                  f"push {med(rates['kvstored push (migrate)']) / med(mc[0]):.2f}x")
     if "ttfb" in results:
         ttfb = results["ttfb"]
         print(f"\nPipelined load into engine buffers, 16-token blocks of {args.ttfb_block_bytes >> 10} KiB\n")

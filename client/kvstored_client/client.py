@@ -464,6 +464,25 @@ class Client:
         arena = self._arena_view() if buffers is None else None
         return BlockStream(self, call, arena, spec.block_size, spec.block_bytes)
 
+    def pull(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
+             namespace: Namespace | None = None, cache_salt: str | None = None) -> StreamOutcome:
+        """Bring a prompt's blocks to this node from the peers holding them, and return when they
+        are here (or the transfer stopped: the outcome says how far and why). Nothing is handed to
+        the caller and nothing stays leased: a later ``load``/``stream`` finds the blocks local.
+        The decode side's way to pull a prefix ahead of the request that needs it."""
+        ns_id, spec = self._ns(namespace)
+        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
+        request = pb.StreamBlocksRequest(session_id=self._session(), namespace_id=ns_id, keys=keys, peers=True,
+                                         end_only=True)
+        try:
+            for event in self._stub.StreamBlocks(request, timeout=self._timeout):
+                if event.HasField("end"):
+                    e = event.end
+                    return StreamOutcome(e.blocks, e.requested, e.blocks * spec.block_size, e.stop, e.detail)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        raise KVStoreError("the pull ended without its outcome")
+
     # -- cluster --------------------------------------------------------------------------------
     def peers(self) -> dict[str, Any]:
         """This node and its peers as the daemon sees them (see ``kvctl peers``); asks each peer

@@ -211,7 +211,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 fetcher = self._peers.fetch if request.peers and self._peers is not None else None
                 events.put_nowait(await self._store.stream_blocks(
                     request.session_id, request.namespace_id, _keys(request.keys), request.buffers_id,
-                    request.block_ids, events.put_nowait, fetcher))
+                    request.block_ids, None if request.end_only else events.put_nowait, fetcher))
             except Exception as exc:   # handed to the response loop, which ends the call with it
                 events.put_nowait(exc)
 

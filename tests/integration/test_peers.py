@@ -84,6 +84,23 @@ def test_evict_right_after_a_stream_drops_the_streamed_blocks(daemon_factory) ->
             assert b.lookup(tokens).blocks == 0
 
 
+def test_pull_brings_a_prefix_here_and_leaves_nothing_leased(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = cluster(daemon_factory, ["a", "b"])
+    kv = rows(10, seed=5)
+    tokens = prompt(10)
+    with kvstored.Client(d["a"].socket, namespace=NS) as a, kvstored.Client(d["b"].socket, namespace=NS) as b:
+        assert a.save(tokens[: 16 * 7], kv[:7]).stored == 7          # a holds the first 7 blocks only
+        b.save(tokens[:16], kv[:1])                                  # b already holds block 0
+        out = b.pull(tokens)
+        assert (out.blocks, out.requested, out.tokens) == (7, 10, 7 * 16)
+        assert out.stop == "missing" and not out.complete           # short: the engine computes the rest
+        assert b.lookup(tokens).per_tier == {"dram": 7}
+        assert np.array_equal(b.load(tokens[: 16 * 7]).data, kv[:7])
+        assert b.stats()["active_leases"] == 0
+        assert b.evict() == 7                                         # nothing pinned by the pull
+        assert b.stats()["peer_fetched_blocks"] == 6
+
+
 def test_stream_into_engine_buffers_each_block_in_place_on_arrival(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """Prefill on a, decode on b: b's engine sees block i in its buffers when block i's event comes."""
     d = cluster(daemon_factory, ["a", "b"])

@@ -349,20 +349,22 @@ class LoadEvent(_message.Message):
     def __init__(self, started: _Optional[_Union[LoadBlocksResponse, _Mapping]] = ..., tensor_done: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class StreamBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "keys", "buffers_id", "block_ids", "peers")
+    __slots__ = ("session_id", "namespace_id", "keys", "buffers_id", "block_ids", "peers", "end_only")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    END_ONLY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: int
     keys: BlockKeys
     buffers_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     peers: bool
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., buffers_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[bool] = ...) -> None: ...
+    end_only: bool
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., buffers_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[bool] = ..., end_only: _Optional[bool] = ...) -> None: ...
 
 class BlockReady(_message.Message):
     __slots__ = ("index", "tier", "peer", "offset")
