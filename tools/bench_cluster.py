@@ -1,7 +1,7 @@
 """Two kvstored daemons on loopback: block shipping throughput, and time to first vs last block.
 
 Part 1, throughput of 2 MiB blocks (``--run-bytes`` per run), runs interleaved so noise hits all
-paths alike, in this one run:
+paths alike (each round starts at a different path), in this one run:
 
 * raw TCP: a sender process ``sendall``s the bytes, this process ``recv_into``s them (ceiling);
 * kvstored pull: daemon B brings a chain that only daemon A holds (``Client.pull``): A serves from
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,21 +142,19 @@ def throughput(args: argparse.Namespace, a: Node, b: Node) -> dict[str, list[flo
         assert last["pushed_blocks"] == nblocks, last
         return nblocks * bb / dt
 
+    paths: list[tuple[str, Callable[[], float]]] = [
+        ("raw TCP", lambda: raw.run(nblocks, bb)), ("kvstored pull (Client.pull)", pull),
+        ("kvstored pull (stream)", stream), ("kvstored push (migrate)", push)]
+    if mooncake is not None:
+        paths.append((mc_name, lambda: mooncake.run(nblocks, "batch")))
     try:
-        raw.run(nblocks, bb)
-        pull()
-        stream()
-        push()
-        if mooncake is not None:
-            mooncake.run(nblocks, "batch")
+        for _, run in paths:   # warm-up, not counted
+            run()
         for i in range(args.runs):
             print(f"throughput run {i + 1}/{args.runs}", file=sys.stderr)
-            rates["raw TCP"].append(raw.run(nblocks, bb))
-            rates["kvstored pull (Client.pull)"].append(pull())
-            rates["kvstored pull (stream)"].append(stream())
-            rates["kvstored push (migrate)"].append(push())
-            if mooncake is not None:
-                rates[mc_name].append(mooncake.run(nblocks, "batch"))
+            # each run starts at a different path, so no path always follows the same one
+            for name, run in paths[i % len(paths):] + paths[:i % len(paths)]:
+                rates[name].append(run())
     finally:
         raw.close()
         stop_sender(raw_proc)
