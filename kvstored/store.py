@@ -185,34 +185,31 @@ def _ignore_arrival(arrival: Arrival) -> None:
     """A pull's handover: the blocks are only brought to this node."""
 
 
+@dataclass(slots=True, eq=False)
 class PeerLanding:
     """A DRAM slot a pushed block is being received into (see :meth:`BlockStore.land`)."""
 
-    __slots__ = ("_done", "_store", "key", "offset", "parent", "state", "view")
-
-    def __init__(self, store: BlockStore, state: NamespaceState, parent: Block | None, key: bytes, offset: int,
-                 view: memoryview) -> None:
-        self._store = store
-        self.state = state
-        self.parent = parent
-        self.key = key
-        self.offset = offset
-        self.view = view
-        self._done = False
+    store: BlockStore
+    state: NamespaceState
+    parent: Block | None
+    key: bytes
+    offset: int
+    view: memoryview
+    done: bool = False
 
     def commit(self, checksum: int) -> bool:
         """The bytes in ``view`` passed their xxh3-64 ``checksum`` (kept with the block, so serving
         it on is not a second hash): store the block. False when the chain changed while they
         arrived (the slot is freed; nothing is stored)."""
-        assert not self._done, "a landing is committed or aborted once"
-        self._done = True
-        return self._store._landed(self, checksum)
+        assert not self.done, "a landing is committed or aborted once"
+        self.done = True
+        return self.store._landed(self, checksum)
 
     def abort(self) -> None:
         """The bytes did not arrive or failed their checksum: free the slot."""
-        assert not self._done, "a landing is committed or aborted once"
-        self._done = True
-        self._store._landed(self, None)
+        assert not self.done, "a landing is committed or aborted once"
+        self.done = True
+        self.store._landed(self, None)
 
 
 class BlockStore:

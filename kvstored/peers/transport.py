@@ -388,14 +388,9 @@ class _Stream(asyncio.BufferedProtocol):
         self._target = view
         self._filled = got
         self._hasher = hasher
-        self._read_waiter = asyncio.get_running_loop().create_future()
-        if self._read_paused and self.transport is not None:
-            self._read_paused = False
-            self.transport.resume_reading()
         try:
-            await self._read_waiter
+            await self._arrival()
         finally:
-            self._read_waiter = None
             self._target = None
             self._hasher = None
         if self._filled != n:
@@ -406,24 +401,31 @@ class _Stream(asyncio.BufferedProtocol):
         if not self._pending:
             if self._eof:
                 self._raise_closed("discarding")
-            self._read_waiter = asyncio.get_running_loop().create_future()
-            if self._read_paused and self.transport is not None:
-                self._read_paused = False
-                self.transport.resume_reading()
-            try:
-                await self._read_waiter
-            finally:
-                self._read_waiter = None
+            await self._arrival()
             if not self._pending:
                 self._raise_closed("discarding")
         n = min(len(view), len(self._pending))
         with memoryview(self._pending) as pending:
             view[:n] = pending[:n]
         del self._pending[:n]
-        if self._read_paused and len(self._pending) < _SPILL_BYTES and self.transport is not None:
+        if len(self._pending) < _SPILL_BYTES:
+            self._resume_reading()
+        return n
+
+    async def _arrival(self) -> None:
+        """Read on, and wait until the reader is woken (its target filled, bytes spilled, or the
+        end of the connection)."""
+        self._read_waiter = asyncio.get_running_loop().create_future()
+        self._resume_reading()
+        try:
+            await self._read_waiter
+        finally:
+            self._read_waiter = None
+
+    def _resume_reading(self) -> None:
+        if self._read_paused and self.transport is not None:
             self._read_paused = False
             self.transport.resume_reading()
-        return n
 
     async def read_exact(self, n: int, what: str = "reading") -> bytes:
         buf = bytearray(n)
@@ -434,10 +436,9 @@ class _Stream(asyncio.BufferedProtocol):
     def idle(self) -> None:
         """Between exchanges: read on (reading pauses after each read during one), so the peer
         closing the connection is noticed while nobody is waiting for bytes."""
-        if self._read_paused and self._target is None and len(self._pending) < _SPILL_BYTES \
+        if self._target is None and len(self._pending) < _SPILL_BYTES \
                 and self.transport is not None and not self.transport.is_closing():
-            self._read_paused = False
-            self.transport.resume_reading()
+            self._resume_reading()
 
     def write(self, data: bytes | memoryview) -> None:
         if self.transport is None or self.transport.is_closing():

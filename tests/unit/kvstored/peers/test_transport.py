@@ -306,16 +306,24 @@ def test_corruption_anywhere_in_a_large_block_is_caught(where: int, use_uvloop: 
     run(main(), use_uvloop)
 
 
-def test_push_with_known_checksums_sends_them_and_checks_their_count() -> None:
-    keys, data = chain(3)
-    stored: dict[bytes, bytes] = {}
+class Received:
+    """A ``store_block`` that keeps every block it is given."""
 
-    async def store(namespace_id: int, parent: bytes, k: bytes, view: memoryview) -> bool:
-        stored[k] = bytes(view)
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, bytes] = {}
+
+    async def store(self, namespace_id: int, parent: bytes, k: bytes, view: memoryview) -> bool:
+        self.blocks[k] = bytes(view)
         return True
 
+
+def test_push_with_known_checksums_sends_them_and_checks_their_count() -> None:
+    keys, data = chain(3)
+    received = Received()
+    stored = received.blocks
+
     async def main() -> None:
-        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve, store_block=store) as srv:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve, store_block=received.store) as srv:
             conn = await PeerConnection.open(srv.address, PeerAuth())
             blocks = [(k, data[k]) for k in keys]
             with pytest.raises(ValueError, match="checksums"):
@@ -480,14 +488,11 @@ def test_peer_error_and_bad_requests() -> None:
 
 def test_push_stores_verified_blocks_and_drops_a_corrupt_one() -> None:
     keys, data = chain(4)
-    stored: dict[bytes, bytes] = {}
-
-    async def store(namespace_id: int, parent: bytes, k: bytes, view: memoryview) -> bool:
-        stored[k] = bytes(view)
-        return True
+    received = Received()
+    stored = received.blocks
 
     async def main() -> None:
-        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve, store_block=store) as srv:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve, store_block=received.store) as srv:
             res = await push(srv.address, PeerAuth(), NS, [(k, data[k]) for k in keys], 10)
             assert res.complete and res.stored == 4
             assert stored == data
