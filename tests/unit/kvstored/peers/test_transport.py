@@ -803,6 +803,26 @@ def test_mutual_tls_transfer(pki: PKI, use_uvloop: bool) -> None:
     _with_server(tls(pki.ca, pki.server), client, use_uvloop)
 
 
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "tls"])
+def test_an_answer_sent_just_before_the_peer_closes_is_read(pki: PKI, secure: bool, use_uvloop: bool) -> None:
+    # The server refuses an oversized request with an ERROR frame and closes at once; the client
+    # reads the frame's header, then its message. Over TLS, a transport paused between the two
+    # reads could drop the message when the close arrives: TLS connections are not paused.
+    keys = [key(i) for i in range(40)]
+
+    async def main() -> None:
+        limits = T.Limits(max_keys=16)
+        server_auth = tls(pki.ca, pki.server) if secure else PeerAuth()
+        async with BlockServer("127.0.0.1", 0, server_auth, Blocks({}).serve, limits=limits) as srv:
+            for _ in range(5):
+                res = await fetch(srv.address, tls(pki.ca, pki.client) if secure else PeerAuth(), NS, keys,
+                                  Collector(), 5)
+                assert res.stop is Stop.PEER_ERROR and "too large" in res.detail, res
+
+    run(main(), use_uvloop)
+
+
 @pytest.mark.parametrize("case, match", [
     ("wrong_ca", "not trusted"),
     ("expired_server", "expired"),
