@@ -9,8 +9,6 @@ test generates its certificates with the ``cryptography`` package and skips with
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import signal
 import subprocess
 import time
@@ -20,20 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pki as test_pki
 import pytest
 from loopback import free_ports
 
 import kvstored
 from kvstored import Namespace
 from kvstored.peers.transport import PeerAuth, PeerAuthError, PeerConnection
-
-try:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-except ImportError:  # pragma: no cover
-    x509 = None  # type: ignore[assignment]
 
 BLOCK = 64 << 10
 NS = Namespace(model="cluster-test", block_bytes=BLOCK)
@@ -189,66 +180,19 @@ class Certs:
     expired: NodeCert       # signed by a and b's CA, but expired yesterday
 
 
-def _name(cn: str) -> Any:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _ca(cn: str) -> tuple[Any, Any]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn))
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=30))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
-    return cert, key
-
-
-def _node(cn: str, ca: tuple[Any, Any], days: tuple[int, int] = (-1, 30)) -> tuple[Any, Any]:
-    """A node certificate good for both ends of a peer connection (it listens and it dials)."""
-    ca_cert, ca_key = ca
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now + datetime.timedelta(days=days[0]))
-            .not_valid_after(now + datetime.timedelta(days=days[1]))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                           critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    return cert, key
-
-
 @pytest.fixture
 def certs(tmp_path: Path) -> Certs:
-    if x509 is None:
-        pytest.skip("the cryptography package is needed to generate test certificates (pip install cryptography)")
+    test_pki.require()
     d = tmp_path / "pki"
     d.mkdir()
+    ca, other = test_pki.make_ca("kvstored cluster CA"), test_pki.make_ca("another cluster's CA")
+    ca_pem = test_pki.write(d, "ca", ca, with_key=False)[0]
+    other_pem = test_pki.write(d, "other-ca", other, with_key=False)[0]
 
-    def write(name: str, cert: Any, key: Any = None) -> str:
-        (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        if key is not None:
-            (d / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                              serialization.PrivateFormat.PKCS8,
-                                                              serialization.NoEncryption()))
-        return str(d / f"{name}.pem")
-
-    ca, other = _ca("kvstored cluster CA"), _ca("another cluster's CA")
-    ca_pem, other_pem = write("ca", ca[0]), write("other-ca", other[0])
-
-    def node(name: str, issuer: tuple[Any, Any], ca_file: str, days: tuple[int, int] = (-1, 30)) -> NodeCert:
-        cert, key = _node(name, issuer, days)
-        return NodeCert(ca_file, write(name, cert, key), str(d / f"{name}.key"))
+    def node(name: str, issuer: test_pki.Issued, ca_file: str, days: tuple[int, int] = (-1, 30)) -> NodeCert:
+        # a node both listens and dials: its certificate serves both ends of a peer connection
+        cert, key = test_pki.write(d, name, test_pki.make_leaf(name, issuer, server=True, client=True, days=days))
+        return NodeCert(ca_file, cert, key)
 
     return Certs(a=node("node-a", ca, ca_pem), b=node("node-b", ca, ca_pem),
                  foreign=node("node-x", other, other_pem),

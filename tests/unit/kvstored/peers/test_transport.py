@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
-import ipaddress
 import os
 import signal
 import subprocess
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pki as test_pki
 import pytest
 import uvloop
 
@@ -38,14 +37,6 @@ from kvstored.peers.transport import (
     fetch,
     push,
 )
-
-try:   # the TLS tests generate their certificates; the rest runs without the package
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-except ImportError:  # pragma: no cover
-    x509 = None  # type: ignore[assignment]
 
 NS = 42
 ROOT = Path(__file__).resolve().parents[4]
@@ -720,63 +711,21 @@ class PKI:
     foreign_client: tuple[str, str]   # signed by other_ca
 
 
-def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> str:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    return str(path)
-
-
-def _cert(subject: str, issuer: tuple[Any, ec.EllipticCurvePrivateKey] | None, key: ec.EllipticCurvePrivateKey,
-          *, ca: bool = False, days: tuple[int, int] = (-1, 30), server: bool = False) -> Any:
-    now = datetime.datetime.now(datetime.UTC)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    issuer_name, signer = (issuer[0].subject, issuer[1]) if issuer else (name, key)
-    b = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name).public_key(key.public_key())
-         .serial_number(x509.random_serial_number())
-         .not_valid_before(now + datetime.timedelta(days=days[0]))
-         .not_valid_after(now + datetime.timedelta(days=days[1]))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if ca:
-        b = b.add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                          content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                          key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-        b = b.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-    else:
-        b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                            critical=False)
-        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-        b = b.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        if issuer:
-            b = b.add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer[1].public_key()),
-                                critical=False)
-    return b.sign(signer, hashes.SHA256())
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
-    if x509 is None:
-        pytest.skip("the cryptography package is needed to generate test certificates (pip install cryptography)")
+    test_pki.require()
     d = tmp_path_factory.mktemp("pki")
+    ca, other = test_pki.make_ca("kvstored test CA"), test_pki.make_ca("some other CA")
 
-    def pem(name: str, cert: Any) -> str:
-        (d / name).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        return str(d / name)
+    def leaf(name: str, issuer: test_pki.Issued, server: bool, days: tuple[int, int] = (-1, 30)) -> tuple[str, str]:
+        return test_pki.write(d, name, test_pki.make_leaf(name, issuer, server=server, client=not server, days=days))
 
-    ca_key, other_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = _cert("kvstored test CA", None, ca_key, ca=True)
-    other = _cert("some other CA", None, other_key, ca=True)
-
-    def leaf(name: str, issuer: tuple[Any, ec.EllipticCurvePrivateKey], server: bool,
-             days: tuple[int, int] = (-1, 30)) -> tuple[str, str]:
-        k = ec.generate_private_key(ec.SECP256R1())
-        return pem(f"{name}.pem", _cert(name, issuer, k, server=server, days=days)), _write_key(d / f"{name}.key", k)
-
-    return PKI(ca=pem("ca.pem", ca), other_ca=pem("other-ca.pem", other),
-               server=leaf("server", (ca, ca_key), True), client=leaf("client", (ca, ca_key), False),
-               expired_server=leaf("expired-server", (ca, ca_key), True, (-30, -1)),
-               expired_client=leaf("expired-client", (ca, ca_key), False, (-30, -1)),
-               foreign_client=leaf("foreign-client", (other, other_key), False))
+    return PKI(ca=test_pki.write(d, "ca", ca, with_key=False)[0],
+               other_ca=test_pki.write(d, "other-ca", other, with_key=False)[0],
+               server=leaf("server", ca, True), client=leaf("client", ca, False),
+               expired_server=leaf("expired-server", ca, True, (-30, -1)),
+               expired_client=leaf("expired-client", ca, False, (-30, -1)),
+               foreign_client=leaf("foreign-client", other, False))
 
 
 def tls(ca: str, pair: tuple[str, str] | None) -> PeerAuth:
