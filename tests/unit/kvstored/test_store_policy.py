@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from clock import Clock
 
 from kvstored import config
 from kvstored.copy import CopyEngine
@@ -23,14 +24,6 @@ from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
 BLOCK = 4096  # bytes per block; pages of 16 KiB hold 4 blocks, the arena 8
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @contextlib.contextmanager
