@@ -118,29 +118,18 @@ def throughput(args: argparse.Namespace, a: Node, b: Node) -> dict[str, list[flo
         except MooncakeError as exc:
             print(f"Mooncake left out: {exc}", file=sys.stderr)
 
-    def pull() -> float:
-        b.client.evict()
-        t0 = time.perf_counter()
-        out = b.client.pull(hashes=chain, namespace=ns)
-        dt = time.perf_counter() - t0
-        assert out.complete, out
-        return nblocks * bb / dt
+    def shipped(move: Callable[[], bool]) -> Callable[[], float]:
+        """B starts empty; ``move`` ships the chain (True once all of it is on B); bytes/s."""
+        def run() -> float:
+            b.client.evict()
+            t0 = time.perf_counter()
+            assert move(), "the chain did not arrive whole"
+            return nblocks * bb / (time.perf_counter() - t0)
+        return run
 
-    def stream() -> float:
-        b.client.evict()
-        t0 = time.perf_counter()
-        out = b.client.stream(hashes=chain, namespace=ns).wait()
-        dt = time.perf_counter() - t0
-        assert out.complete, out
-        return nblocks * bb / dt
-
-    def push() -> float:
-        b.client.evict()
-        t0 = time.perf_counter()
-        last = list(a.client.migrate("b", model=ns.model))[-1]
-        dt = time.perf_counter() - t0
-        assert last["pushed_blocks"] == nblocks, last
-        return nblocks * bb / dt
+    pull = shipped(lambda: b.client.pull(hashes=chain, namespace=ns).complete)
+    stream = shipped(lambda: b.client.stream(hashes=chain, namespace=ns).wait().complete)
+    push = shipped(lambda: list(a.client.migrate("b", model=ns.model))[-1]["pushed_blocks"] == nblocks)
 
     paths: list[tuple[str, Callable[[], float]]] = [
         ("raw TCP", lambda: raw.run(nblocks, bb)), ("kvstored pull (Client.pull)", pull),
