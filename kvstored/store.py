@@ -197,19 +197,19 @@ class PeerLanding:
     view: memoryview
     done: bool = False
 
-    def commit(self, checksum: int) -> bool:
-        """The bytes in ``view`` passed their xxh3-64 ``checksum`` (kept with the block, so serving
-        it on is not a second hash): store the block. False when the chain changed while they
-        arrived (the slot is freed; nothing is stored)."""
+    def commit(self, checksum: int | None = None) -> bool:
+        """The bytes in ``view`` are verified (their xxh3-64 ``checksum``, when given, is kept with
+        the block, so serving it on is not a second hash): store the block. False when the chain
+        changed while they arrived (the slot is freed; nothing is stored)."""
         assert not self.done, "a landing is committed or aborted once"
         self.done = True
-        return self.store._landed(self, checksum)
+        return self.store._landed(self, True, checksum)
 
     def abort(self) -> None:
         """The bytes did not arrive or failed their checksum: free the slot."""
         assert not self.done, "a landing is committed or aborted once"
         self.done = True
-        self.store._landed(self, None)
+        self.store._landed(self, False)
 
 
 class BlockStore:
@@ -1192,25 +1192,11 @@ class BlockStore:
         existing = state.index.get(key)
         if existing is not None:
             return existing.readable or (existing.sealed and not existing.pins and self._refill(existing, payload))
-        above = state.index.get(parent) if parent else None
-        if parent and (above is None or not above.sealed):
+        landing = self.land(namespace_id, parent, key, payload.nbytes)
+        if landing is None:
             return False
-        if above is not None:
-            above.pins += 1   # making room must not evict the parent we hang the block under
-        try:
-            self._tick += 1
-            offset = self._alloc(state.index.slot_bytes)
-        finally:
-            if above is not None:
-                above.pins -= 1
-        if offset is None:
-            return False
-        self._arena.view(offset, payload.nbytes)[:] = payload
-        block = state.index.insert(key, above, offset)
-        block.pins = 0
-        self._sealed_now([block])
-        self._n.peer_received += 1
-        return True
+        landing.view[:] = payload
+        return landing.commit()
 
     def land(self, namespace_id: int, parent: bytes, key: bytes, length: int) -> PeerLanding | None:
         """A DRAM slot for a pushed block to be received straight into (no copy after it lands),
@@ -1239,15 +1225,15 @@ class BlockStore:
             return None
         return PeerLanding(self, state, above, key, offset, self._arena.view(offset, length).data)
 
-    def _landed(self, landing: PeerLanding, checksum: int | None) -> bool:
-        """Finish a landing: with a ``checksum`` (the bytes passed it) the block joins the index,
-        sealed; otherwise, or when the chain changed meanwhile, its slot is freed."""
+    def _landed(self, landing: PeerLanding, verified: bool, checksum: int | None = None) -> bool:
+        """Finish a landing: ``verified``, the block joins the index, sealed (keeping ``checksum``);
+        otherwise, or when the chain changed meanwhile, its slot is freed."""
         state, above = landing.state, landing.parent
         if above is not None:
             above.pins -= 1
         # While the bytes arrived, a reservation or another push may have indexed the key (the
         # push then counts it held if its bytes are readable), or the parent may have gone.
-        if checksum is not None and state.index.get(landing.key) is None \
+        if verified and state.index.get(landing.key) is None \
                 and (above is None or state.index.get(above.key) is above):
             block = state.index.insert(landing.key, above, landing.offset)
             block.pins = 0
@@ -1259,7 +1245,7 @@ class BlockStore:
         if above is not None:
             self._remove_if_hollow(above)   # a hollow parent kept only for children it no longer has
         existing = state.index.get(landing.key)
-        return checksum is not None and existing is not None and existing.readable
+        return verified and existing is not None and existing.readable
 
     def _refill(self, block: Block, payload: memoryview) -> bool:
         """Give a hollow block (its bytes were lost, its children kept) the bytes a peer sent."""
