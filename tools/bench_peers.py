@@ -7,7 +7,9 @@ distinct blocks of ``--block-bytes`` (default 2 MiB) in memory, touched before t
 * raw TCP: the sender ``sendall``s the blocks back to back on a blocking socket; the receiver
   ``recv_into``s a reused buffer. No framing, no checksums: the ceiling.
 * kvstored peers: ``PeerConnection.fetch`` of the block keys over one connection (framing, xxh3
-  on both sides, ordered per-block delivery), under uvloop (as the daemon runs) and plain asyncio.
+  on both sides, ordered per-block delivery), under uvloop (as the daemon runs) and plain asyncio,
+  and under uvloop with mutual TLS (what a listener on a non-loopback address needs; fresh
+  certificates from :mod:`tools.pki`; left out, saying why, without the ``cryptography`` package).
 * Mooncake Transfer Engine, protocol ``tcp`` (PyPI ``mooncake-transfer-engine-non-cuda``, run under
   ``.bench/venv``'s python by ``tools/bench_peers_mooncake.py``): a target process registers one
   region holding the blocks, an initiator process registers a destination region of ``--blocks`` slots
@@ -35,6 +37,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +45,8 @@ from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstored.peers.transport import BlockServer, PeerAuth, PeerConnection
+from kvstored.peers.transport import BlockServer, PeerAuth, PeerConnection, TLSFiles
+from tools import pki
 
 NAMESPACE = 7
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -80,14 +84,20 @@ def serve_raw(count: int, size: int) -> None:
                     conn.sendall(memoryview(blocks[i % count][1]))
 
 
-def serve_transport(count: int, size: int, use_uvloop: bool) -> None:
+def tls_auth(tls_dir: str, end: str) -> PeerAuth:
+    """The mutual-TLS credentials :func:`tools.pki.mutual` wrote to ``tls_dir``, for ``end``."""
+    d = Path(tls_dir)
+    return PeerAuth(tls=TLSFiles(str(d / "ca.pem"), str(d / f"{end}.pem"), str(d / f"{end}.key")))
+
+
+def serve_transport(count: int, size: int, use_uvloop: bool, auth: PeerAuth) -> None:
     blocks = {key: memoryview(buf) for key, buf in make_blocks(count, size)}
 
     async def serve_block(namespace_id: int, key: bytes) -> memoryview | None:
         return blocks.get(key)
 
     async def main() -> None:
-        server = BlockServer("127.0.0.1", 0, PeerAuth(), serve_block)
+        server = BlockServer("127.0.0.1", 0, auth, serve_block)
         await server.start()
         print(server.address[1], flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)   # until the parent closes it
@@ -104,9 +114,9 @@ def run(coro: object, use_uvloop: bool) -> None:
         asyncio.run(coro)  # type: ignore[arg-type]
 
 
-def start_sender(role: str, args: argparse.Namespace) -> tuple[subprocess.Popen[str], int]:
+def start_sender(role: str, args: argparse.Namespace, tls_dir: str = "") -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen([sys.executable, __file__, "--role", role, "--blocks", str(args.blocks),
-                             "--block-bytes", str(args.block_bytes)],
+                             "--block-bytes", str(args.block_bytes), "--tls-dir", tls_dir],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -221,12 +231,12 @@ class MooncakeReceiver:
 
 
 def transport_runs(port: int, args: argparse.Namespace, nblocks: int, runs: int, use_uvloop: bool,
-                   between: Callable[[], None]) -> list[float]:
+                   between: Callable[[], None], auth: PeerAuth | None = None) -> list[float]:
     keys = [i.to_bytes(4, "big") * 8 for i in range(args.blocks)]
     rates: list[float] = []
 
     async def main() -> None:
-        conn = await PeerConnection.open(("127.0.0.1", port), PeerAuth())
+        conn = await PeerConnection.open(("127.0.0.1", port), auth or PeerAuth())
         try:
             for _ in range(runs):
                 between()
@@ -249,6 +259,7 @@ def transport_runs(port: int, args: argparse.Namespace, nblocks: int, runs: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--role", choices=["raw", "transport-uvloop", "transport-asyncio"], help=argparse.SUPPRESS)
+    parser.add_argument("--tls-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=32, help="distinct blocks the sender holds")
     parser.add_argument("--block-bytes", type=int, default=2 << 20)
     parser.add_argument("--run-bytes", type=int, default=512 << 20, help="bytes moved per run")
@@ -261,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         serve_raw(args.blocks, args.block_bytes)
         return 0
     if args.role is not None:
-        serve_transport(args.blocks, args.block_bytes, args.role == "transport-uvloop")
+        serve_transport(args.blocks, args.block_bytes, args.role == "transport-uvloop",
+                        tls_auth(args.tls_dir, "server") if args.tls_dir else PeerAuth())
         return 0
     if args.runs < 5:
         parser.error("--runs must be at least 5 (medians)")
@@ -298,19 +310,30 @@ def main(argv: list[str] | None = None) -> int:
         raw_rates.append(raw.run(nblocks, args.block_bytes))
         mooncake_runs(True)
 
+    tls_dir = tempfile.TemporaryDirectory(prefix="kvstored-bench-tls-")
+    paths = [("kvstored peers (uvloop)", "transport-uvloop", True, ""),
+             ("kvstored peers (asyncio)", "transport-asyncio", False, "")]
+    left_out: dict[str, str] = {}
+    tls_name = "kvstored peers (uvloop, mutual TLS)"
+    if pki.available:
+        pki.mutual(Path(tls_dir.name))
+        paths.append((tls_name, "transport-uvloop", True, tls_dir.name))
+    else:
+        left_out[tls_name] = "the cryptography package (to make certificates) is not installed"
     try:
         raw.run(nblocks, args.block_bytes)   # warm-up
         mooncake_runs(False)                 # warm-up (connections, first touch of the destination)
-        for name, role, use_uv in (("kvstored peers (uvloop)", "transport-uvloop", True),
-                                   ("kvstored peers (asyncio)", "transport-asyncio", False)):
-            proc, port = start_sender(role, args)
+        for name, role, use_uv, tls in paths:
+            proc, port = start_sender(role, args, tls)
+            auth = tls_auth(tls, "client") if tls else None
             try:
-                transport_runs(port, args, nblocks, 1, use_uv, lambda: None)   # warm-up
+                transport_runs(port, args, nblocks, 1, use_uv, lambda: None, auth)   # warm-up
                 # alternate: one raw run and one run of each Mooncake mode before each transport run
-                results[name] = transport_runs(port, args, nblocks, args.runs, use_uv, between)
+                results[name] = transport_runs(port, args, nblocks, args.runs, use_uv, between, auth)
             finally:
                 stop_sender(proc)
     finally:
+        tls_dir.cleanup()
         raw.close()
         stop_sender(raw_proc)
         if mooncake is not None:
@@ -326,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, list[float], str | None]] = [
         ("raw TCP (blocking sendall / recv_into)", raw_rates, None),
         *((name, rates, None) for name, rates in results.items()),
+        *((name, [], why) for name, why in left_out.items()),
         *((MOONCAKE_MODES[mode], mc_rates[mode], mc_failed.get(mode)) for mode in MOONCAKE_MODES)]
     for name, rates, failed in rows:
         if failed is not None or not rates:
