@@ -8,7 +8,9 @@ or uvloop.
 from kvstored_client import (
     Buffers,
     Client,
+    ClientClosed,
     DaemonNotRunning,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     KVStoreError,
@@ -26,7 +28,7 @@ from kvstored_client import (
 )
 
 __all__ = [
-    "Buffers", "Client", "DaemonNotRunning", "FailedPrecondition", "InvalidArgument", "KVStoreError",
-    "LeaseExpired", "LoadResult", "LookupResult", "Namespace", "NotFound", "ResourceExhausted",
-    "SaveResult", "TensorLayout", "__version__", "block_hashes", "shm",
+    "Buffers", "Client", "ClientClosed", "DaemonNotRunning", "DeadlineExceeded", "FailedPrecondition",
+    "InvalidArgument", "KVStoreError", "LeaseExpired", "LoadResult", "LookupResult", "Namespace", "NotFound",
+    "ResourceExhausted", "SaveResult", "TensorLayout", "__version__", "block_hashes", "shm",
 ]

@@ -1296,14 +1296,15 @@ class BlockStore:
 
     async def stream_blocks(self, session_id: str, namespace_id: int, keys: KeyRequest, buffers_id: int,
                             block_ids: Sequence[int], emit: Callable[[Arrival], None] | None,
-                            fetcher: Fetcher | None) -> StreamEnd:
+                            fetcher: Fetcher | None, on_lease: Callable[[int], None] | None = None) -> StreamEnd:
         """Hand a chain's blocks over one by one, in order, as each is in place: the cached prefix
         first, then (with ``fetcher``) the rest as a peer sends it, each block stored here and
         made visible the moment its checksum passed.
 
         With ``buffers_id`` each block is copied into ``block_ids[i]`` of those buffers before
         ``emit``; without, it is leased in the arena and the end names the lease (the caller
-        releases it). With ``emit`` None (a pull) nothing is handed over: the blocks are only
+        releases it; ``on_lease`` learns that lease's id before the first ``emit``, for a caller
+        that may stop listening before the end). With ``emit`` None (a pull) nothing is handed over: the blocks are only
         brought here, and nothing stays leased. A transfer that stops short keeps the complete
         blocks and drops the partial one; the end says why it stopped. Raises the usual errors for
         bad input.
@@ -1327,6 +1328,8 @@ class BlockStore:
             emit = _ignore_arrival
             buffers = None
         handover = Handover(emit, self._copy, buffers, block_ids) if buffers is not None else Handover(emit)
+        if on_lease is not None and buffers is None and not pull:
+            on_lease(read.lease_id)
         try:
             handover.give(0, read.pinned, local.tiers)   # the leased local prefix
             delivered = local.blocks

@@ -6,7 +6,9 @@ Light on purpose: grpcio, protobuf, numpy, cbor2 and xxhash; torch only if you p
 from kvstored_client import shm
 from kvstored_client.client import Buffers, Client, LoadResult, LookupResult, SaveResult
 from kvstored_client.errors import (
+    ClientClosed,
     DaemonNotRunning,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     KVStoreError,
@@ -20,7 +22,7 @@ from kvstored_client.namespace import Namespace
 from kvstored_client.version import __version__
 
 __all__ = [
-    "Buffers", "Client", "DaemonNotRunning", "FailedPrecondition", "InvalidArgument", "KVStoreError",
-    "LeaseExpired", "LoadResult", "LookupResult", "Namespace", "NotFound", "ResourceExhausted",
-    "SaveResult", "TensorLayout", "__version__", "block_hashes", "shm",
+    "Buffers", "Client", "ClientClosed", "DaemonNotRunning", "DeadlineExceeded", "FailedPrecondition",
+    "InvalidArgument", "KVStoreError", "LeaseExpired", "LoadResult", "LookupResult", "Namespace", "NotFound",
+    "ResourceExhausted", "SaveResult", "TensorLayout", "__version__", "block_hashes", "shm",
 ]

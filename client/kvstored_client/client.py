@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import queue
 import threading
 import time
 from collections import Counter
@@ -25,7 +26,9 @@ from kvstored_client import cuda_export, shm
 from kvstored_client._proto import kvstored_pb2 as pb
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import (
+    ClientClosed,
     DaemonNotRunning,
+    DeadlineExceeded,
     InvalidArgument,
     KVStoreError,
     LeaseExpired,
@@ -113,6 +116,7 @@ class Buffers:
     block_bytes: int
     layout: str
     namespace: Namespace
+    num_tensors: int = 0
 
 
 class Client:
@@ -149,59 +153,116 @@ class Client:
             raise from_rpc_error(exc) from None
         self.daemon_version = self._hello.version
         self._lock = threading.Lock()
+        self._closed = False
         self._session_id: str | None = None
         self._session_call: Any = None
-        self._session_done = threading.Event()
+        self._session_done = threading.Event()   # the current session's: set, its stream ends
+        self._session_lost = False    # a session ended under us: the daemon may be a new one
         self._arena: np.ndarray | None = None
         self._arena_map: mmap.mmap | None = None
         self._namespace_ids: dict[Namespace, tuple[int, Namespace]] = {}
+        self._releases_lock = threading.Lock()
         self._pending_releases: list[grpc.Future] = []
         self._hashers: dict[tuple[int, str, str], ChainHasher] = {}
         self.namespace = namespace or Namespace()
 
     # -- plumbing -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"this client of {self.socket} is closed; make a new one")
+
+    def _error(self, exc: grpc.RpcError) -> KVStoreError:
+        """The SDK error for a failed call, naming the daemon where the status alone would not."""
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return DaemonNotRunning(f"kvstored on {self.socket} went away: {exc.details()}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceeded(f"kvstored on {self.socket} did not answer within {self._timeout:g} s "
+                                    "(Client timeout_s)")
+        return from_rpc_error(exc)
+
     def _call(self, method: Callable[..., T], request: Any) -> T:
+        self._check_open()
         try:
             return method(request, timeout=self._timeout)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                raise DaemonNotRunning(f"kvstored on {self.socket} went away: {exc.details()}") from None
-            raise from_rpc_error(exc) from None
+            raise self._error(exc) from None
 
     def _session(self) -> str:
+        """The session id, opening a session first if there is none (within ``timeout_s``).
+        After a lost session (the daemon restarted) the daemon is asked who it is again, and its
+        arena and namespaces are looked up afresh."""
         with self._lock:
+            self._check_open()
             if self._session_id is not None:
                 return self._session_id
-            done = self._session_done
+            if self._session_lost:
+                self._rejoin()
+            done = self._session_done = threading.Event()
             hello = pb.SessionRequest(client_name=self._client_name, pid=os.getpid())
 
             def requests() -> Iterator[pb.SessionRequest]:
                 yield hello
-                done.wait()  # keep the stream open for the client's lifetime
+                done.wait()  # keep the stream open for the session's lifetime
 
             call = self._stub.Session(requests())
-            try:
-                first = next(call)
-            except grpc.RpcError as exc:
-                done.set()
-                raise from_rpc_error(exc) from None
-            self._session_call = call
-            self._session_id = first.session_id
-            threading.Thread(target=self._watch_session, args=(call,), daemon=True,
+            first: queue.Queue[Any] = queue.Queue(maxsize=1)
+            self._session_call = call   # set before the watcher can see the session end
+            threading.Thread(target=self._watch_session, args=(call, done, first), daemon=True,
                              name="kvstored-session").start()
-            return self._session_id
+            try:
+                opened = first.get(timeout=self._timeout)
+            except queue.Empty:
+                opened = DeadlineExceeded(f"kvstored on {self.socket} did not open a session within "
+                                          f"{self._timeout:g} s (Client timeout_s)")
+            if isinstance(opened, BaseException):
+                self._session_call = None
+                call.cancel()
+                done.set()
+                raise opened
+            self._session_id = opened.session_id
+            return opened.session_id
 
-    def _watch_session(self, call: Any) -> None:
+    def _rejoin(self) -> None:
+        """Called with the lock held, after a lost session: if the daemon answering now is not
+        the one the arena mapping and namespace ids came from, forget them."""
+        try:
+            hello = self._stub.Hello(pb.HelloRequest(), timeout=min(self._timeout, 5.0))
+        except grpc.RpcError as exc:
+            raise self._error(exc) from None
+        if (hello.arena_path, hello.arena_bytes) != (self._hello.arena_path, self._hello.arena_bytes):
+            # A new daemon: the old arena file is not its memory any more. Views other threads
+            # still hold keep the old mapping alive until they drop them.
+            self._arena = None
+            self._arena_map = None
+        self._hello = hello
+        self.daemon_version = hello.version
+        self._session_lost = False
+
+    def _watch_session(self, call: Any, done: threading.Event, first: queue.Queue[Any]) -> None:
+        try:
+            first.put(next(call))
+        except grpc.RpcError as exc:
+            first.put(self._error(exc))
+            return
+        except StopIteration:
+            first.put(DaemonNotRunning(f"kvstored on {self.socket} closed the session at once"))
+            return
         try:
             for event in call:
                 if event.closing:
                     break
         except grpc.RpcError:
             pass
+        done.set()
         with self._lock:
             if self._session_call is call:
-                self._session_id = None  # daemon restarted or stopped: the next call reconnects
+                # daemon restarted or stopped: the next call reconnects, and namespace ids are
+                # asked for again (a restarted daemon may number them differently)
+                self._session_id = None
                 self._session_call = None
+                self._session_lost = True
+                self._namespace_ids.clear()
 
     def _arena_view(self) -> np.ndarray:
         if self._arena is None:
@@ -215,10 +276,16 @@ class Client:
         return self._arena
 
     def _ns(self, namespace: Namespace | None) -> tuple[int, Namespace]:
+        self._check_open()
         ns = namespace or self.namespace
         entry = self._namespace_ids.get(ns)
         if entry is None or entry[1].block_bytes == 0:
-            resp = self._call(self._stub.OpenNamespace, pb.OpenNamespaceRequest(spec=namespace_to_pb(ns)))
+            try:
+                ns.validate()
+                spec = namespace_to_pb(ns)
+            except (ValueError, TypeError) as exc:
+                raise InvalidArgument(f"bad namespace: {exc}") from None
+            resp = self._call(self._stub.OpenNamespace, pb.OpenNamespaceRequest(spec=spec))
             entry = (resp.namespace_id, namespace_from_pb(resp.spec))
             self._namespace_ids[ns] = entry
         return entry
@@ -231,7 +298,12 @@ class Client:
                 raise InvalidArgument("give tokens or hashes, not both")
             if salt:
                 raise InvalidArgument("cache_salt applies to tokens; engine hashes already include it")
-            return pb.BlockKeys(hashes=list(hashes)), len(hashes)
+            if isinstance(hashes, (bytes, bytearray, str)):
+                raise InvalidArgument("hashes must be a sequence of bytes objects, one per block")
+            try:
+                return pb.BlockKeys(hashes=list(hashes)), len(hashes)
+            except TypeError as exc:
+                raise InvalidArgument(f"hashes must be a sequence of bytes objects, one per block: {exc}") from None
         if tokens is None:
             raise InvalidArgument("give tokens or hashes")
         hasher_key = (spec.block_size, spec.hash_seed, spec.hash_algo)
@@ -250,7 +322,8 @@ class Client:
     def _settle_releases(self) -> None:
         """Wait for the releases sent in the background, so a call that acts on what is leased
         (evict, migrate) sees them done: the daemon may serve calls out of order."""
-        pending, self._pending_releases = self._pending_releases, []   # one swap: other threads may add
+        with self._releases_lock:
+            pending, self._pending_releases = self._pending_releases, []
         for fut in pending:
             try:
                 fut.result(timeout=self._timeout)
@@ -258,9 +331,20 @@ class Client:
                 pass   # the lease expires by itself; nothing the caller can do about it
 
     def _release_later(self, lease_id: int) -> None:
-        self._pending_releases = [f for f in self._pending_releases if not f.done()]
-        self._pending_releases.append(self._stub.Release.future(
-            pb.ReleaseRequest(session_id=self._session(), lease_id=lease_id), timeout=self._timeout))
+        # The future must stay referenced until it is done: grpc cancels a collected one.
+        fut = self._stub.Release.future(pb.ReleaseRequest(session_id=self._session(), lease_id=lease_id),
+                                        timeout=self._timeout)
+        with self._releases_lock:
+            self._pending_releases = [f for f in self._pending_releases if not f.done()]
+            self._pending_releases.append(fut)
+
+    def _release_now(self, lease_id: int) -> None:
+        """Give a lease back on a failure path; the original error is what the caller sees."""
+        try:
+            self._stub.Release(pb.ReleaseRequest(session_id=self._session(), lease_id=lease_id),
+                               timeout=self._timeout)
+        except (grpc.RpcError, KVStoreError):
+            pass   # it expires by itself
 
     # -- reuse --------------------------------------------------------------------------------
     def lookup(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
@@ -286,6 +370,7 @@ class Client:
         ``push_to`` (a peer node id) the daemon also pushes the chain to that node in the
         background, in order, skipping what it holds.
         """
+        session = self._session()   # first: a new session after a restart renews the namespace ids
         ns_id, spec = self._ns(namespace)
         keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
         rows = _rows(kv)
@@ -295,7 +380,7 @@ class Client:
             return SaveResult(0, 0, spec.block_size)
         block_bytes = rows.shape[1]
         resp = self._call(self._stub.Reserve, pb.ReserveRequest(
-            session_id=self._session(), namespace_id=ns_id, keys=keys, block_bytes=block_bytes))
+            session_id=session, namespace_id=ns_id, keys=keys, block_bytes=block_bytes))
         if spec.block_bytes == 0:
             self._namespace_ids.pop(namespace or self.namespace, None)  # learn the fixed size
         arena = self._arena_view()
@@ -303,7 +388,7 @@ class Client:
         for i, offset in enumerate(resp.offsets):
             arena[offset: offset + block_bytes] = rows[first + i]
         sealed = self._call(self._stub.Seal, pb.SealRequest(
-            session_id=self._session(), reservation_id=resp.reservation_id, push_to=push_to)).sealed_blocks
+            session_id=session, reservation_id=resp.reservation_id, push_to=push_to)).sealed_blocks
         return SaveResult(first, sealed, spec.block_size)
 
     def load(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None, out: Any = None,
@@ -313,38 +398,56 @@ class Client:
 
         With ``out`` (an array or tensor with a row per block, e.g. reused between calls) rows
         are copied into it and ``data`` is a view of its first ``blocks`` rows; otherwise a new
-        uint8 array (or ``dtype``) is returned. Raises LeaseExpired if the read outlived its lease.
+        uint8 array (or ``dtype``) is returned. Raises LeaseExpired if the read outlived its lease;
+        bad ``out``/``dtype`` raise InvalidArgument (nothing stays leased).
         """
+        session = self._session()   # first: a new session after a restart renews the namespace ids
         ns_id, spec = self._ns(namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
+        out_rows = None if out is None else _writable_rows(out)
+        try:
+            row_type = None if dtype is None else np.dtype(dtype)
+        except TypeError as exc:
+            raise InvalidArgument(f"dtype: {exc}") from None
+        if out_rows is not None and spec.block_bytes and out_rows.shape[1] != spec.block_bytes:
+            raise InvalidArgument(f"out has rows of {out_rows.shape[1]} bytes; blocks of this namespace have "
+                                  f"{spec.block_bytes}")
         started = time.monotonic()
         resp = self._call(self._stub.Lookup, pb.LookupRequest(
-            namespace_id=ns_id, keys=keys, lease=True, session_id=self._session()))
+            namespace_id=ns_id, keys=keys, lease=True, session_id=session))
         hit = resp.hit_blocks
+        if not hit:
+            empty = np.empty((0, 0), np.uint8)
+            return LoadResult(0, 0, out[:0] if out is not None else empty if row_type is None else empty.view(row_type))
         block_bytes = resp.block_bytes
-        if out is not None:
-            rows = _rows(out)
-            if rows.shape[0] < hit or rows.shape[1] != block_bytes:
-                raise InvalidArgument(f"out has rows of {rows.shape[1]} bytes x {rows.shape[0]}; "
-                                      f"need {hit} rows of {block_bytes} bytes")
-            data = out[:hit]
-        else:
-            rows = np.empty((hit, block_bytes), dtype=np.uint8)
-            data = rows if dtype is None else rows.view(dtype)
-        if hit:
+        try:
+            if out_rows is not None:
+                rows = out_rows
+                if rows.shape[0] < hit or rows.shape[1] != block_bytes:
+                    raise InvalidArgument(f"out has rows of {rows.shape[1]} bytes x {rows.shape[0]}; "
+                                          f"need {hit} rows of {block_bytes} bytes")
+                data = out[:hit]
+            else:
+                rows = np.empty((hit, block_bytes), dtype=np.uint8)
+                if row_type is not None and block_bytes % row_type.itemsize:
+                    raise InvalidArgument(f"a block of {block_bytes} bytes is not a whole number of "
+                                          f"{row_type} items")
+                data = rows if row_type is None else rows.view(row_type)
             arena = self._arena_view()
             for i, offset in enumerate(resp.offsets):
                 rows[i] = arena[offset: offset + block_bytes]
-            # The daemon's deadline is at least ttl after our request left: well inside it, the
-            # bytes were pinned for the whole copy and the release need not be waited for.
-            if time.monotonic() - started < resp.lease_ttl_ms / 2000:
-                self._release_later(resp.lease_id)
-            else:
-                try:
-                    self._call(self._stub.Release, pb.ReleaseRequest(
-                        session_id=self._session(), lease_id=resp.lease_id))
-                except KVStoreError as exc:
-                    raise LeaseExpired(f"the read took longer than its lease: {exc}") from None
+        except BaseException:
+            self._release_now(resp.lease_id)
+            raise
+        # The daemon's deadline is at least ttl after our request left: well inside it, the
+        # bytes were pinned for the whole copy and the release need not be waited for.
+        if time.monotonic() - started < resp.lease_ttl_ms / 2000:
+            self._release_later(resp.lease_id)
+        else:
+            try:
+                self._call(self._stub.Release, pb.ReleaseRequest(session_id=session, lease_id=resp.lease_id))
+            except KVStoreError as exc:
+                raise LeaseExpired(f"the read took longer than its lease: {exc}") from None
         return LoadResult(hit * spec.block_size, hit, data)
 
     # -- engine buffers -------------------------------------------------------------------------
@@ -386,11 +489,12 @@ class Client:
         if ns.layout and ns.layout != signature:
             raise InvalidArgument(f"buffers have layout {signature!r} but the namespace says {ns.layout!r}")
         ns = dataclasses.replace(ns, layout=signature)
+        session = self._session()
         ns_id, _ = self._ns(ns)
         resp = self._call(self._stub.RegisterBuffers, pb.RegisterBuffersRequest(
-            session_id=self._session(), namespace_id=ns_id, tensors=descs))
+            session_id=session, namespace_id=ns_id, tensors=descs))
         self._namespace_ids.pop(ns, None)
-        return Buffers(resp.buffers_id, resp.num_blocks, resp.block_bytes, resp.layout, ns)
+        return Buffers(resp.buffers_id, resp.num_blocks, resp.block_bytes, resp.layout, ns, len(descs))
 
     def unregister_buffers(self, buffers: Buffers) -> None:
         """After this returns the daemon no longer touches the tensors; the engine may free them."""
@@ -404,11 +508,12 @@ class Client:
 
         ``push_to``: also push the chain to that peer node (e.g. the decode node), in the
         background and in order; call this per chunk of prefill and each chunk leaves at once."""
+        session = self._session()
         ns_id, spec = self._ns(buffers.namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
         resp = self._call(self._stub.SaveBlocks, pb.SaveBlocksRequest(
-            session_id=self._session(), namespace_id=ns_id, buffers_id=buffers.buffers_id,
-            keys=keys, block_ids=list(block_ids), push_to=push_to))
+            session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id,
+            keys=keys, block_ids=_block_ids(block_ids, buffers), push_to=push_to))
         return SaveResult(resp.present_blocks, resp.stored_blocks, spec.block_size)
 
     def load_blocks(self, buffers: Buffers, block_ids: Sequence[int], tokens: Any = None, *,
@@ -420,12 +525,15 @@ class Client:
         :class:`LoadHandle` at once, whose ``wait_layer(i)`` returns when registered tensor ``i``
         is in place (compute layer i while later layers arrive) and ``wait()`` when all are.
         """
+        session = self._session()
         ns_id, spec = self._ns(buffers.namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
-        request = pb.LoadBlocksRequest(session_id=self._session(), namespace_id=ns_id,
-                                       buffers_id=buffers.buffers_id, keys=keys, block_ids=list(block_ids))
+        request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns_id,
+                                       buffers_id=buffers.buffers_id, keys=keys,
+                                       block_ids=_block_ids(block_ids, buffers))
         if not wait:
-            return LoadHandle(self._stub.LoadBlocksStream(request, timeout=self._timeout), spec.block_size)
+            return LoadHandle(self._stub.LoadBlocksStream(request, timeout=self._timeout), spec.block_size,
+                              buffers.num_tensors, self._error)
         resp = self._call(self._stub.LoadBlocks, request)
         return _loaded(resp, spec.block_size)
 
@@ -453,13 +561,14 @@ class Client:
         it stopped; a short stream is not an error (the engine recomputes the rest).
         """
         ns = buffers.namespace if buffers is not None else namespace
+        session = self._session()
         ns_id, spec = self._ns(ns)
         keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
-        request = pb.StreamBlocksRequest(session_id=self._session(), namespace_id=ns_id, keys=keys,
+        request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id, keys=keys,
                                          buffers_id=buffers.buffers_id if buffers is not None else 0,
-                                         block_ids=list(block_ids or []), peers=peers)
+                                         block_ids=_block_ids(block_ids or [], buffers), peers=peers)
         call = self._stub.StreamBlocks(request, timeout=self._timeout)
         arena = self._arena_view() if buffers is None else None
         return BlockStream(self, call, arena, spec.block_size, spec.block_bytes)
@@ -470,9 +579,10 @@ class Client:
         are here (or the transfer stopped: the outcome says how far and why). Nothing is handed to
         the caller and nothing stays leased: a later ``load``/``stream`` finds the blocks local.
         The decode side's way to pull a prefix ahead of the request that needs it."""
+        session = self._session()
         ns_id, spec = self._ns(namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
-        request = pb.StreamBlocksRequest(session_id=self._session(), namespace_id=ns_id, keys=keys, peers=True,
+        request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id, keys=keys, peers=True,
                                          end_only=True)
         try:
             for event in self._stub.StreamBlocks(request, timeout=self._timeout):
@@ -480,7 +590,7 @@ class Client:
                     e = event.end
                     return StreamOutcome(e.blocks, e.requested, e.blocks * spec.block_size, e.stop, e.detail)
         except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise self._error(exc) from None
         raise KVStoreError("the pull ended without its outcome")
 
     # -- cluster --------------------------------------------------------------------------------
@@ -500,7 +610,11 @@ class Client:
         """Push a model's blocks (all models when empty), or one prompt's cached prefix (``tokens``
         or ``hashes``), to node ``to``; with ``drain`` (and no ``to``) everything goes to the
         peers and the local copies are dropped. Yields progress dicts (total_blocks,
-        pushed_blocks, failed_blocks, dropped_blocks, detail, done)."""
+        pushed_blocks, failed_blocks, dropped_blocks, detail, done).
+
+        A migration may take any time, but the daemon reports progress every few seconds: when
+        nothing comes for ``timeout_s``, DeadlineExceeded (the migration is cancelled)."""
+        self._check_open()
         self._settle_releases()
         request = pb.MigrateRequest(to=to, model=model, drain=drain)
         if tokens is not None or hashes is not None:
@@ -508,13 +622,40 @@ class Client:
             keys, _ = self._keys(spec, tokens, hashes, None)
             request.prefix.CopyFrom(keys)
             request.namespace_id = ns_id
+        for p in self._until_idle(self._stub.Migrate(request, timeout=None), "migration"):
+            yield {"total_blocks": p.total_blocks, "pushed_blocks": p.pushed_blocks,
+                   "failed_blocks": p.failed_blocks, "dropped_blocks": p.dropped_blocks,
+                   "detail": p.detail, "done": p.done}
+
+    def _until_idle(self, call: Any, what: str) -> Iterator[Any]:
+        """The messages of a server stream with no overall deadline, as they come; the call is
+        cancelled and DeadlineExceeded raised when none comes for ``timeout_s``."""
+        inbox: queue.Queue[Any] = queue.Queue()
+        end = object()
+
+        def pump() -> None:
+            try:
+                for message in call:
+                    inbox.put(message)
+            except grpc.RpcError as exc:
+                inbox.put(exc)
+            inbox.put(end)
+
+        threading.Thread(target=pump, daemon=True, name="kvstored-stream").start()
         try:
-            for p in self._stub.Migrate(request, timeout=None):
-                yield {"total_blocks": p.total_blocks, "pushed_blocks": p.pushed_blocks,
-                       "failed_blocks": p.failed_blocks, "dropped_blocks": p.dropped_blocks,
-                       "detail": p.detail, "done": p.done}
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
+            while True:
+                try:
+                    item = inbox.get(timeout=self._timeout)
+                except queue.Empty:
+                    raise DeadlineExceeded(f"kvstored on {self.socket} reported no progress of the {what} "
+                                           f"for {self._timeout:g} s (Client timeout_s); cancelled") from None
+                if item is end:
+                    return
+                if isinstance(item, grpc.RpcError):
+                    raise self._error(item) from None
+                yield item
+        finally:
+            call.cancel()   # no-op once the stream has ended
 
     # -- admin --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -542,8 +683,12 @@ class Client:
         return int(self._call(self._stub.Flush, pb.FlushRequest(model=model)).blocks)
 
     def close(self) -> None:
-        """End the session (the daemon releases its leases and buffers) and the channel."""
+        """End the session (the daemon releases its leases and buffers) and the channel. Calls
+        afterwards raise ClientClosed; closing again does nothing."""
+        if self._closed:
+            return
         self._settle_releases()
+        self._closed = True
         self._session_done.set()
         if self._session_call is not None:
             self._session_call.cancel()
@@ -575,9 +720,12 @@ class LoadHandle:
     """A load in progress (``load_blocks(wait=False)``): the daemon reports each tensor (layer) as
     it completes. Raises the load's error from ``wait``/``wait_layer``/``result``."""
 
-    def __init__(self, stream: Any, block_size: int) -> None:
+    def __init__(self, stream: Any, block_size: int, num_tensors: int = 0,
+                 error: Callable[[grpc.RpcError], KVStoreError] = from_rpc_error) -> None:
         self._stream = stream
         self._block_size = block_size
+        self._num_tensors = num_tensors
+        self._to_error = error
         self._cond = threading.Condition()
         self._layers: set[int] = set()
         self._result: LookupResult | None = None
@@ -599,7 +747,7 @@ class LoadHandle:
                     self._cond.notify_all()
         except grpc.RpcError as exc:
             with self._cond:
-                self._error = from_rpc_error(exc)
+                self._error = self._to_error(exc)
                 self._cond.notify_all()
         with self._cond:
             self._done = True
@@ -615,7 +763,10 @@ class LoadHandle:
                 raise KVStoreError("the load ended early")
 
     def wait_layer(self, index: int, timeout: float | None = None) -> None:
-        """Block until registered tensor ``index`` holds every loaded block."""
+        """Block until registered tensor ``index`` holds every loaded block; InvalidArgument for
+        an index that is not one of the registered tensors."""
+        if self._num_tensors and not 0 <= index < self._num_tensors:
+            raise InvalidArgument(f"tensor {index} is not one of the {self._num_tensors} registered tensors")
         self._wait_for(lambda: index in self._layers, timeout)
 
     def wait(self, timeout: float | None = None) -> LookupResult:
@@ -648,6 +799,7 @@ class BlockStream:
         lease_id = 0
         try:
             for event in self._call:
+                lease_id = lease_id or event.lease_id   # told first, so leaving early can release it
                 for b in event.blocks:
                     data = None
                     if self._arena is not None and self._keep_data:
@@ -656,20 +808,25 @@ class BlockStream:
                     yield BlockArrival(b.index, TIER_NAMES.get(b.tier, str(b.tier)), b.peer, data)
                 if event.HasField("end"):
                     e = event.end
-                    lease_id = e.lease_id
+                    lease_id = e.lease_id   # 0 when nothing stayed leased
                     self.outcome = StreamOutcome(e.blocks, e.requested, e.blocks * self._block_size, e.stop, e.detail)
                     break
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.CANCELLED and self.outcome is None:
                 return
-            raise from_rpc_error(exc) from None
+            raise self._client._error(exc) from None
         finally:
             if self.outcome is None:
-                self._call.cancel()   # left early: the daemon drops the rest and its lease
+                self._call.cancel()   # left early: the daemon drops the rest
             if lease_id:
+                # Also when left early: the daemon may have finished and handed the lease to an
+                # end this loop never read (releasing one it already dropped is a no-op).
                 self._client._release_later(lease_id)
 
     def close(self) -> None:
+        """Stop the stream before its end; its lease (if the loop saw it) is released when the
+        loop exits. Without a loop, the daemon drops the lease when the call is cancelled or,
+        at the latest, when it expires."""
         self._call.cancel()
 
     def wait(self) -> StreamOutcome:
@@ -688,22 +845,46 @@ def _token_array(tokens: Any) -> np.ndarray:
 
 
 def _rows(kv: Any) -> np.ndarray:
-    """A (blocks, bytes) uint8 view of ``kv`` without copying; ValueError if it is not one."""
+    """A (blocks, bytes) uint8 view of ``kv`` without copying; InvalidArgument if it is not one."""
     if hasattr(kv, "detach"):  # torch tensor: view its bytes through numpy
         import torch
 
         if kv.device.type != "cpu":
             raise InvalidArgument("save/load take CPU tensors; use register_buffers for device memory")
+        if kv.dim() < 2:
+            raise InvalidArgument(f"kv must have one row per block (at least 2 dimensions); got shape "
+                                  f"{tuple(kv.shape)}")
         if not kv.is_contiguous():
             raise InvalidArgument("kv tensor must be contiguous")
         arr = kv.detach().reshape(kv.shape[0], -1).view(torch.uint8).numpy()
     else:
         arr = np.asarray(kv)
-        if arr.ndim == 0:
-            raise InvalidArgument("kv must have one row per block")
+        if arr.ndim < 2:
+            # a flat array would be taken as one-byte blocks, and fix the namespace's size at that
+            raise InvalidArgument(f"kv must have one row per block (at least 2 dimensions); got shape {arr.shape}")
+        if arr.dtype.hasobject:
+            raise InvalidArgument(f"kv must hold numbers, not {arr.dtype} objects")
         if not arr.flags.c_contiguous:
             raise InvalidArgument("kv array must be C-contiguous")
         arr = arr.reshape(arr.shape[0], -1).view(np.uint8)
     if arr.ndim != 2 or arr.shape[1] == 0:
         raise InvalidArgument("kv must have one non-empty row per block")
     return arr
+
+
+def _writable_rows(out: Any) -> np.ndarray:
+    """``out`` as (blocks, bytes) uint8 rows that loads may write into."""
+    rows = _rows(out)
+    if not rows.flags.writeable:
+        raise InvalidArgument("out is read-only")
+    return rows
+
+
+def _block_ids(block_ids: Sequence[int], buffers: Buffers | None) -> list[int]:
+    """``block_ids`` as a list of ints, each a block of ``buffers``; InvalidArgument otherwise."""
+    ids = list(block_ids)
+    limit = buffers.num_blocks if buffers is not None else 1 << 32
+    for i, b in enumerate(ids):
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < limit:
+            raise InvalidArgument(f"block_ids[{i}] = {b!r} is not a block of the buffers (0..{limit - 1})")
+    return [int(b) for b in ids]

@@ -38,12 +38,23 @@ class ResourceExhausted(KVStoreError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class DeadlineExceeded(KVStoreError, TimeoutError):
+    """The daemon did not answer within the client's ``timeout_s`` (it may be overloaded or stuck)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class ClientClosed(KVStoreError):
+    """The client was closed; make a new one."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: DaemonNotRunning,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
 }
 
 

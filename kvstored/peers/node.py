@@ -15,7 +15,7 @@ import contextlib
 import logging
 import socket
 import zlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -433,7 +433,7 @@ class PeerNode:
 
     # -- migrate and drain --------------------------------------------------------------------
     async def migrate(self, to: str, model: str = "", namespace_id: int = 0, prefix: KeyRequest | None = None,
-                      drain: bool = False) -> AsyncIterator[MigrateProgress]:
+                      drain: bool = False) -> AsyncGenerator[MigrateProgress, None]:
         """Push ``model``'s namespaces (all when empty), or one prefix chain, to ``to`` (with
         ``drain`` and no ``to``: each tree to one of the peers), yielding progress after each
         chunk; with ``drain``, the local copies of what the receivers stored are dropped at the

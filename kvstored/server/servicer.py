@@ -12,7 +12,7 @@ import grpc
 from kvstored.buffers import TensorSource
 from kvstored.errors import FailedPrecondition, InvalidArgument, KVError
 from kvstored.index import Tier
-from kvstored.peers.node import PeerNode
+from kvstored.peers.node import MigrateProgress, PeerNode
 from kvstored.server.status import code_for, mapped
 from kvstored.store import Arrival, BlockStore, KeyRequest, StreamEnd
 from kvstored.tiers.dram import Arena
@@ -28,6 +28,7 @@ log = logging.getLogger("kvstored.server")
 # message per many blocks instead of per block, while a short one is not held back.
 STREAM_GATHER_MIN_S = 0.001
 STREAM_GATHER_MAX_S = 0.008
+MIGRATE_HEARTBEAT_S = 5.0   # the latest migration progress is sent again at least this often
 _TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD, Tier.PEER: pb.TIER_PEER}
 _TIER_FROM_PB = {pb.TIER_UNSPECIFIED: None, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
 
@@ -205,20 +206,25 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def StreamBlocks(self, request: pb.StreamBlocksRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BlockEvent]:
         events: asyncio.Queue[Arrival | StreamEnd | Exception] = asyncio.Queue()
+        lease_id = 0   # told to the client in the first event: it may leave before the end
+
+        def on_lease(lease: int) -> None:
+            nonlocal lease_id
+            lease_id = lease
 
         async def run() -> None:
             try:
                 fetcher = self._peers.fetch if request.peers and self._peers is not None else None
                 events.put_nowait(await self._store.stream_blocks(
                     request.session_id, request.namespace_id, _keys(request.keys), request.buffers_id,
-                    request.block_ids, None if request.end_only else events.put_nowait, fetcher))
+                    request.block_ids, None if request.end_only else events.put_nowait, fetcher, on_lease))
             except Exception as exc:   # handed to the response loop, which ends the call with it
                 events.put_nowait(exc)
 
         task = asyncio.ensure_future(run())
         loop = asyncio.get_running_loop()
         started = loop.time()
-        first = True
+        first = first_message = True
         try:
             while True:
                 if not first and not task.done():
@@ -229,6 +235,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 while not events.empty():
                     items.append(events.get_nowait())
                 msg = pb.BlockEvent()
+                if first_message:
+                    msg.lease_id = lease_id
+                    first_message = False
                 for item in items:
                     if isinstance(item, Exception):
                         if msg.blocks:
@@ -270,10 +279,32 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 raise FailedPrecondition("peers are off on this node (configure peers.listen / peers.static / "
                                          "peers.etcd)")
             prefix = _keys(request.prefix) if request.HasField("prefix") else None
-            async for p in self._peers.migrate(request.to, request.model, request.namespace_id, prefix,
-                                               request.drain):
-                yield pb.MigrateProgress(total_blocks=p.total, pushed_blocks=p.pushed, failed_blocks=p.failed,
-                                         dropped_blocks=p.dropped, detail=p.detail, done=p.done)
+            progress = self._peers.migrate(request.to, request.model, request.namespace_id, prefix, request.drain)
+            latest: pb.MigrateProgress | None = None
+            step: asyncio.Future[MigrateProgress] = asyncio.ensure_future(anext(progress))
+            try:
+                while True:
+                    # A chain can take long to push: the latest progress again at least every
+                    # MIGRATE_HEARTBEAT_S, so a client can tell a slow migration from a stuck daemon.
+                    await asyncio.wait((step,), timeout=MIGRATE_HEARTBEAT_S)
+                    if not step.done():
+                        if latest is not None:
+                            yield latest
+                        continue
+                    try:
+                        p = step.result()
+                    except StopAsyncIteration:
+                        return
+                    latest = pb.MigrateProgress(total_blocks=p.total, pushed_blocks=p.pushed, failed_blocks=p.failed,
+                                                dropped_blocks=p.dropped, detail=p.detail, done=p.done)
+                    yield latest
+                    step = asyncio.ensure_future(anext(progress))
+            finally:
+                if not step.done():
+                    step.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await step
+                await progress.aclose()
         except KVError as exc:
             await context.abort(code_for(exc), str(exc))
 

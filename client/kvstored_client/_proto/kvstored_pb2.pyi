@@ -395,12 +395,14 @@ class BlockStreamEnd(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., requested: _Optional[int] = ..., stop: _Optional[str] = ..., detail: _Optional[str] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
-    __slots__ = ("blocks", "end")
+    __slots__ = ("blocks", "end", "lease_id")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     blocks: _containers.RepeatedCompositeFieldContainer[BlockReady]
     end: BlockStreamEnd
-    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockReady, _Mapping]]] = ..., end: _Optional[_Union[BlockStreamEnd, _Mapping]] = ...) -> None: ...
+    lease_id: int
+    def __init__(self, blocks: _Optional[_Iterable[_Union[BlockReady, _Mapping]]] = ..., end: _Optional[_Union[BlockStreamEnd, _Mapping]] = ..., lease_id: _Optional[int] = ...) -> None: ...
 
 class PeersRequest(_message.Message):
     __slots__ = ()

@@ -38,7 +38,8 @@ class FailingStore:
         self.error = error
 
     async def stream_blocks(self, session_id: str, namespace_id: int, keys: Any, buffers_id: int,
-                            block_ids: Any, emit: Callable[[Arrival], None], fetcher: Any) -> Any:
+                            block_ids: Any, emit: Callable[[Arrival], None], fetcher: Any,
+                            on_lease: Callable[[int], None] | None = None) -> Any:
         emit(Arrival(0, Tier.DRAM))
         emit(Arrival(1, Tier.DRAM))
         await asyncio.sleep(0)

@@ -1,0 +1,195 @@
+"""The SDK under misuse and daemon trouble: typed errors, nothing left leased, bounded waits,
+a daemon restart under a live client. Each test is a bug a review found (regressions)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import kvstored
+from conftest import Daemon, wait_serving
+from kvstored import Namespace
+
+
+def rows(n: int, width: int = 4096, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 255, size=(n, width), dtype=np.uint8)
+
+
+def active_leases(c: kvstored.Client) -> int:
+    c._settle_releases()   # the SDK sends releases in the background
+    return int(c.stats()["active_leases"])
+
+
+def restart(d: Daemon) -> Daemon:
+    """Stop ``d`` and start the same daemon again (same socket, same SSD directory)."""
+    d.stop()
+    with open(d.log_path, "ab") as log:
+        proc = subprocess.Popen(d.args, stdout=log, stderr=subprocess.STDOUT)
+    d.proc = proc
+    wait_serving(d.socket, proc)
+    return d
+
+
+def test_a_client_follows_a_daemon_restart(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Was: the client kept writing into the old daemon's (deleted) arena file after a restart,
+    so its saves stored zeros and its loads read stale bytes, with no error."""
+    d = daemon_factory()
+    c = kvstored.Client(d.socket)
+    c.save(np.arange(32), rows(2, seed=1))
+    restart(d)
+    deadline = time.monotonic() + 10
+    while c._session_id is not None and time.monotonic() < deadline:   # the session's end is noticed
+        time.sleep(0.02)
+    mine = rows(2, seed=2)
+    assert c.save(np.arange(1000, 1032), mine).stored == 2
+    with kvstored.Client(d.socket) as fresh:
+        assert np.array_equal(fresh.load(np.arange(1000, 1032)).data, mine)
+        theirs = rows(2, seed=3)
+        fresh.save(np.arange(2000, 2032), theirs)
+    assert np.array_equal(c.load(np.arange(2000, 2032)).data, theirs)
+    c.close()
+
+
+def test_flat_kv_is_refused_and_the_namespace_stays_usable(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: a 1-D ``kv`` was stored as one-byte blocks and fixed the namespace's size at 1 byte."""
+    kv = rows(20)
+    with pytest.raises(kvstored.InvalidArgument, match="one row per block"):
+        client.save(np.arange(320), kv.ravel())
+    assert client.save(np.arange(320), kv).stored == 20
+    assert np.array_equal(client.load(np.arange(320)).data, kv)
+
+
+def test_a_frozen_daemon_gives_deadline_errors_not_hangs(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Was: the first call needing a session, and ``migrate``, waited forever on a stopped daemon."""
+    c = kvstored.Client(daemon.socket, timeout_s=1.0, namespace=Namespace(model="frozen", block_bytes=4096))
+    c.lookup(np.arange(32))   # the namespace is known (its size too), no session yet
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(kvstored.DeadlineExceeded, match="did not open a session within 1 s"):
+            c.load(np.arange(32))
+        with pytest.raises(kvstored.DeadlineExceeded, match="no progress of the migration"):
+            list(c.migrate("elsewhere"))
+        with pytest.raises(kvstored.DeadlineExceeded, match=daemon.socket):
+            c.stats()
+        assert time.monotonic() - t0 < 20
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    assert c.load(np.arange(32)).blocks == 0   # and the client works once the daemon does
+    c.close()
+
+
+def test_leaving_a_stream_early_releases_its_lease(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: the daemon had handed the stream's lease to an end event the client never read, so
+    the blocks stayed pinned until the lease expired (30 s)."""
+    ns = Namespace(model="early-exit")
+    tokens = np.arange(16 * 20)
+    client.save(tokens, rows(20), namespace=ns)
+    stream = client.stream(tokens, namespace=ns)
+    for _ in stream:
+        break
+    evicted, deadline = 0, time.monotonic() + 5   # well inside the 30 s lease
+    while evicted < 20 and time.monotonic() < deadline:
+        evicted += client.evict(model="early-exit")
+        time.sleep(0.05)
+    assert evicted == 20 and active_leases(client) == 0
+
+
+def test_threads_sharing_a_client_release_every_lease(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: concurrent loads rebuilt the list of pending releases without a lock; dropped
+    release futures were cancelled by grpc and their leases held until expiry."""
+    tokens = np.arange(128)
+    kv = rows(8, 1024)
+    client.save(tokens, kv)
+
+    def loads(_: int) -> bool:
+        return all(np.array_equal(client.load(tokens).data, kv) for _ in range(40))
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(loads, range(8)))
+    assert active_leases(client) == 0 and client.evict() == 8
+
+
+def test_a_load_that_fails_keeps_nothing_leased(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: a bad ``out`` or ``dtype`` raised after the leasing lookup and left the lease held."""
+    client.save(np.arange(64), rows(4, 256))
+    read_only = np.empty((4, 256), np.uint8)
+    read_only.flags.writeable = False
+    with pytest.raises(kvstored.InvalidArgument, match="read-only"):
+        client.load(np.arange(64), out=read_only)
+    with pytest.raises(kvstored.InvalidArgument, match="need 4 rows"):
+        client.load(np.arange(64), out=np.empty((2, 256), np.uint8))
+    with pytest.raises(kvstored.InvalidArgument, match="whole number"):
+        client.load(np.arange(64), dtype=np.dtype("V3"))
+    with pytest.raises(kvstored.InvalidArgument, match="dtype"):
+        client.load(np.arange(64), dtype="no-such-type")
+    assert active_leases(client) == 0
+
+
+def test_a_miss_into_out_is_an_empty_result(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: InvalidArgument ('need 0 rows of 0 bytes') in a namespace with nothing saved yet."""
+    res = client.load(np.arange(32), out=np.empty((2, 64), np.uint8), namespace=Namespace(model="empty"))
+    assert (res.blocks, res.tokens, res.data.shape) == (0, 0, (0, 64))
+
+
+def test_misuse_raises_typed_errors_that_say_what_is_wrong(client) -> None:  # type: ignore[no-untyped-def]
+    tokens = np.arange(48)
+    with pytest.raises(kvstored.InvalidArgument, match="sequence of bytes"):
+        client.lookup(hashes="ab" * 16)   # type: ignore[arg-type]
+    with pytest.raises(kvstored.InvalidArgument, match="sequence of bytes"):
+        client.lookup(hashes=[1, 2])   # type: ignore[list-item]
+    with pytest.raises(kvstored.InvalidArgument, match="block_bytes must not be negative"):
+        client.lookup(tokens, namespace=Namespace(model="m", block_bytes=-1))
+    with pytest.raises(kvstored.InvalidArgument, match="not object"):
+        client.save(tokens, np.array([[object()] * 4] * 3))
+    layers = [kvstored.shm.empty((2, 8, 16, 2, 8), "float16") for _ in range(2)]
+    bufs = client.register_buffers([t.numpy() for t in layers], 1, namespace=Namespace(model="ids"))
+    assert bufs.num_tensors == 2
+    for bad in (-1, 8, 2**32, 1.5):
+        with pytest.raises(kvstored.InvalidArgument, match=r"block_ids\[1\]"):
+            client.save_blocks(bufs, [0, bad, 2], tokens)   # type: ignore[list-item]
+    client.save_blocks(bufs, [0, 1, 2], tokens)
+    handle = client.load_blocks(bufs, [3, 4, 5], tokens, wait=False)
+    with pytest.raises(kvstored.InvalidArgument, match="tensor 9 is not one of the 2"):
+        handle.wait_layer(9)
+    assert handle.wait(timeout=30).blocks == 3
+    client.close()
+    client.close()   # twice: nothing happens
+    with pytest.raises(kvstored.ClientClosed, match="closed"):
+        client.lookup(tokens)
+    with pytest.raises(kvstored.ClientClosed):
+        client.stats()
+
+
+def test_session_wait_does_not_block_other_threads_forever(daemon) -> None:  # type: ignore[no-untyped-def]
+    """While one thread waits (bounded) for a session of a frozen daemon, the others give up
+    within their own timeout too."""
+    c = kvstored.Client(daemon.socket, timeout_s=0.5, namespace=Namespace(model="frozen", block_bytes=4096))
+    c.lookup(np.arange(32))   # the namespace is known (its size too): the threads go straight to the session
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            c.load(np.arange(32))
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=call) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+        assert len(errors) == 3 and all(isinstance(e, kvstored.DeadlineExceeded) for e in errors)
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+    c.close()
