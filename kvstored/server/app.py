@@ -25,8 +25,8 @@ from kvstored.peers.transport import PeerConfigError
 from kvstored.server import sdnotify
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.store import BlockStore
-from kvstored.tiers.dram import Arena, sweep_stale_arenas
-from kvstored.tiers.ssd import SSDTier
+from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
+from kvstored.tiers.ssd import InUse, SSDTier
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.version import __version__
 
@@ -123,15 +123,22 @@ async def serve(cfg: Config) -> int:
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
 
+    # No SO_REUSEPORT (gRPC's default): a second daemon on the same TCP port must fail to start,
+    # not share the port and answer every other call.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     old_umask = os.umask(0o777 & ~cfg.server.socket_mode)
     try:
         server.add_insecure_port(f"unix:{sock_path}")
         if cfg.server.tcp:
-            if server.add_insecure_port(cfg.server.tcp) == 0:
-                raise StartupError(f"cannot listen on {cfg.server.tcp}")
+            try:
+                bound = server.add_insecure_port(cfg.server.tcp)
+            except RuntimeError:   # grpc.aio raises where grpc returned 0
+                bound = 0
+            if bound == 0:
+                raise StartupError(f"cannot listen on {cfg.server.tcp} (in use, or not an address of this host)")
     finally:
         os.umask(old_umask)
 
@@ -140,6 +147,8 @@ async def serve(cfg: Config) -> int:
     log.info("opening DRAM tier: %d MiB arena in %s", cfg.dram.capacity >> 20, cfg.dram.shm_dir)
     try:
         arena = Arena(cfg.dram.shm_dir, cfg.dram.capacity, cfg.server.socket_mode, cfg.dram.prefault)
+    except ArenaTooLarge as exc:
+        raise StartupError(str(exc)) from None
     except OSError as exc:
         raise StartupError(f"cannot create the DRAM arena in {cfg.dram.shm_dir}: {exc}") from None
     ssd = None
@@ -148,6 +157,9 @@ async def serve(cfg: Config) -> int:
         try:
             ssd = SSDTier(cfg.ssd_path, int(cfg.ssd.capacity * cfg.ssd.map_slack), cfg.ssd.read_threads,
                           cfg.ssd.sync)
+        except InUse as exc:
+            arena.close()
+            raise StartupError(str(exc)) from None
         except (OSError, lmdb.Error) as exc:
             arena.close()
             raise StartupError(f"cannot open the SSD tier in {cfg.ssd_path}: {exc}") from None

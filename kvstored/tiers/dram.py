@@ -8,6 +8,7 @@ plain memory copies on the node. It is split into pages; a page serves slots of 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import re
@@ -30,8 +31,10 @@ _ARENA_NAME = re.compile(r"^kvstored-(\d+)-[0-9a-f]+$")
 
 def sweep_stale_arenas(shm_dir: str) -> list[str]:
     """Unlink arena files left by daemons that died without ``close`` (kill -9, OOM kill): files
-    named like ours, owned by this user, whose creating process no longer exists. Returns
-    their names. A file whose pid is alive (whoever runs under it now) is left alone."""
+    named like ours, owned by this user, whose creating process no longer exists and that no
+    process holds locked. Returns their names. A file whose pid is alive (whoever runs under it
+    now) is left alone, and so is one a live daemon locks: a daemon in another PID namespace
+    (a container sharing the directory) has a pid this one cannot see."""
     removed: list[str] = []
     try:
         entries = list(os.scandir(shm_dir))
@@ -46,18 +49,46 @@ def sweep_stale_arenas(shm_dir: str) -> list[str]:
                 continue
             os.kill(int(m.group(1)), 0)
         except ProcessLookupError:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
+            if _unlink_if_unlocked(entry.path):
                 removed.append(entry.name)
         except OSError:
             continue   # alive under another user (EPERM), or the file vanished
     return removed
 
 
+def _unlink_if_unlocked(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # fails while its daemon lives
+    except OSError:
+        return False
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+class ArenaTooLarge(ValueError):
+    """The arena would not fit in the shared-memory directory."""
+
+
 class Arena:
-    """A shared-memory file mapped read-write. ``close`` unmaps and unlinks it."""
+    """A shared-memory file mapped read-write, locked (shared) while this process has it open so
+    that no other daemon's sweep takes it for a dead one's. ``close`` unmaps and unlinks it.
+
+    Raises ArenaTooLarge when ``capacity`` exceeds the directory's free space (touching pages
+    beyond it would kill the process with SIGBUS), OSError when the file cannot be made."""
 
     def __init__(self, shm_dir: str, capacity: int, mode: int = 0o660, prefault: bool = True) -> None:
+        free = _free_bytes(shm_dir)
+        if free is not None and capacity > free:
+            raise ArenaTooLarge(f"dram.capacity of {capacity >> 20} MiB does not fit in {shm_dir}: "
+                                f"{free >> 20} MiB free there")
         self.path = Path(shm_dir) / f"kvstored-{os.getpid()}-{secrets.token_hex(4)}"
         self.capacity = capacity
         old_umask = os.umask(0)
@@ -66,13 +97,18 @@ class Arena:
         finally:
             os.umask(old_umask)
         try:
-            os.ftruncate(fd, capacity)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if prefault:
+                # Reserve every page now: a full tmpfs is an error here, not a SIGBUS later.
+                os.posix_fallocate(fd, 0, capacity)
+            else:
+                os.ftruncate(fd, capacity)
             self._mmap = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             self.path.unlink(missing_ok=True)
             raise
-        os.close(fd)
+        self._lock_fd = fd
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
         if prefault:
             self._prefault()
@@ -98,6 +134,15 @@ class Arena:
         except BufferError:
             pass  # a view is still alive somewhere; the mapping dies with the process
         self.path.unlink(missing_ok=True)
+        os.close(self._lock_fd)
+
+
+def _free_bytes(directory: str) -> int | None:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None   # the open below reports what is wrong with the directory
+    return st.f_bavail * st.f_frsize
 
 
 @dataclass(slots=True)

@@ -17,6 +17,8 @@ and reports a mismatch, never returns it. A full disk is an error (``SSDError``)
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import queue
@@ -45,6 +47,33 @@ class SSDError(Exception):
 
 class MapFull(SSDError):
     """LMDB's map (the index) is full: evict and retry."""
+
+
+class InUse(SSDError):
+    """Another process has the tier's directory open: two daemons would overwrite each other's
+    slots."""
+
+
+_LOCK_FILE = "kvstored.lock"
+
+
+def _lock_directory(path: Path) -> int:
+    """Hold ``path``'s lock file exclusively (until the returned descriptor is closed), with our
+    pid in it for the message another daemon gets. InUse when someone else holds it."""
+    fd = os.open(path / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise InUse(f"{path} is in use by another kvstored (pid {holder}); give each daemon its own "
+                    "ssd.path") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 class Corrupt(Exception):
@@ -160,10 +189,15 @@ class SSDTier:
                  group_commit_bytes: int = 64 << 20) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_directory(self.path)
         # The index needs ~150 bytes a block; the map is sparse address space, so generous is free.
         self.map_size = max(map_size, 1 << 20)
-        self._env = lmdb.open(path, map_size=self.map_size, max_dbs=4, writemap=False, readahead=True,
-                              sync=sync, metasync=sync, max_readers=126, lock=True, subdir=True)
+        try:
+            self._env = lmdb.open(path, map_size=self.map_size, max_dbs=4, writemap=False, readahead=True,
+                                  sync=sync, metasync=sync, max_readers=126, lock=True, subdir=True)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._meta = self._env.open_db(b"meta")
         self._namespaces = self._env.open_db(b"namespaces")
         self._sync = sync
@@ -363,6 +397,8 @@ class SSDTier:
         self._env.close()
         for f in self._files.values():
             f.close()
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
 
 
 def _settle(fut: Future[None], exc: Exception | None) -> None:

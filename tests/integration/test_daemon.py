@@ -165,3 +165,53 @@ def test_defaults_socket_from_runtime_dir(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def _exits_with(d: object, needle: str) -> None:
+    proc, log = d.proc, d.log  # type: ignore[attr-defined]
+    assert proc.wait(60) == 1, log()
+    assert needle in log(), log()
+    assert "Traceback" not in log()
+
+
+def test_two_daemons_never_share_an_ssd_directory(tmp_path: Path) -> None:
+    """Regression: a second daemon opened the first one's SSD directory and wrote into the same
+    slots; the first daemon's blocks failed their checksums at the next start."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    ssd = str(tmp_path / "shared-ssd")
+    first = start_daemon(tmp_path / "a", "--ssd-path", ssd)
+    try:
+        second = start_daemon(tmp_path / "b", "--ssd-path", ssd, "--set", f"dram.shm_dir={shm}", wait=False)
+        _exits_with(second, f"is in use by another kvstored (pid {first.proc.pid})")
+        assert not list(shm.iterdir())   # its arena went with it
+    finally:
+        first.stop(signal.SIGKILL)
+    again = start_daemon(tmp_path / "b", "--ssd-path", ssd)   # the lock died with its holder
+    again.stop()
+
+
+def test_two_daemons_never_share_a_tcp_port(tmp_path: Path) -> None:
+    """Regression: gRPC's SO_REUSEPORT let a second daemon bind the same port; calls alternated
+    between the two."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = start_daemon(tmp_path / "a", "--tcp", f"127.0.0.1:{port}")
+    try:
+        second = start_daemon(tmp_path / "b", "--tcp", f"127.0.0.1:{port}", wait=False)
+        _exits_with(second, f"cannot listen on 127.0.0.1:{port}")
+    finally:
+        first.stop()
+
+
+def test_an_arena_larger_than_the_shm_directory_is_refused(tmp_path: Path) -> None:
+    """Regression: an arena larger than the shared-memory directory's free space killed the
+    daemon with SIGBUS (or the OOM killer) and left a full tmpfs."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    st = os.statvfs(shm)
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    d = start_daemon(tmp_path / "a", "--set", f"dram.shm_dir={shm}", "--dram-capacity", str(too_big), wait=False)
+    _exits_with(d, "does not fit in")
+    assert not list(shm.iterdir())
