@@ -942,6 +942,8 @@ class BlockStore:
         blocks = sorted((b for ns_id in ids for b in self._namespaces[ns_id].index), key=lambda b: -b.depth)
         count = 0
         for block in blocks:
+            if block.index.get(block.key) is not block:
+                continue   # left with a child removed before it (a hollow parent goes with its last child)
             if block.pins or block.flags & (SEALED | DEMOTING) != SEALED or block in self._promoting:
                 continue
             if tier is Tier.DRAM and block.in_dram:
@@ -967,7 +969,10 @@ class BlockStore:
         return count
 
     async def flush(self, model: str = "") -> int:
-        """Write every DRAM block of ``model`` (all when empty) without an SSD copy to SSD now."""
+        """Write every DRAM block of ``model`` (all when empty) without an SSD copy to SSD now;
+        returns how many were written. ResourceExhausted, saying how many were written and how
+        many were not, when some could not be (the tier is full of blocks that cannot leave, or
+        writes failed): those blocks would not survive a restart."""
         if self._ssd is None:
             raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)")
         ids = self._namespace_ids(model)
@@ -976,7 +981,14 @@ class BlockStore:
             written = await self._write_back(float("inf"), force=True, models=ids)
             total += written
             if written == 0:
-                return total
+                break
+        left = sum(1 for ns_id in ids for b in self._namespaces[ns_id].index
+                   if b.sealed and b.in_dram and not b.on_ssd)
+        if left:
+            raise ResourceExhausted(f"wrote {total} block(s) to SSD, but {left} block(s) are still only in DRAM "
+                                    f"(SSD tier of {self._config.ssd.capacity >> 20} MiB full, or write errors: "
+                                    "see kvctl stats)")
+        return total
 
     # -- registered engine buffers ----------------------------------------------------------
     def register_buffers(self, session_id: str, namespace_id: int,

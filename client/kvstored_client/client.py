@@ -416,9 +416,12 @@ class Client:
         resp = self._call(self._stub.Lookup, pb.LookupRequest(
             namespace_id=ns_id, keys=keys, lease=True, session_id=session))
         hit = resp.hit_blocks
-        if not hit:
-            empty = np.empty((0, 0), np.uint8)
-            return LoadResult(0, 0, out[:0] if out is not None else empty if row_type is None else empty.view(row_type))
+        if not hit:   # rows as wide as the namespace's blocks (0 while its size is unknown)
+            if out is not None:
+                return LoadResult(0, 0, out[:0])
+            empty = np.empty((0, resp.block_bytes), np.uint8)
+            return LoadResult(0, 0, empty if row_type is None or resp.block_bytes % row_type.itemsize
+                              else empty.view(row_type))
         block_bytes = resp.block_bytes
         try:
             if out_rows is not None:

@@ -193,3 +193,11 @@ def test_session_wait_does_not_block_other_threads_forever(daemon) -> None:  # t
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
     c.close()
+
+
+def test_a_miss_has_rows_as_wide_as_the_blocks(client) -> None:  # type: ignore[no-untyped-def]
+    """Was (during the review's fixes): a miss returned a (0, 0) array where callers compare with
+    ``kv[:0]`` of shape (0, block bytes)."""
+    client.save(np.arange(32), rows(2))
+    assert client.load(np.arange(5000, 5032)).data.shape == (0, 4096)
+    assert client.load(np.arange(5000, 5032), dtype=np.float32).data.shape == (0, 1024)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvstored
-from conftest import start_daemon
+from conftest import Daemon, start_daemon
 
 WIDTH = 256 << 10  # bytes per block: the 64 MiB test arena holds 256
 
@@ -170,7 +170,8 @@ def test_kill_9_during_sustained_writes(tmp_path: Path) -> None:
         d.stop()
 
 
-def test_corrupted_value_is_a_miss_and_dropped(tmp_path: Path) -> None:
+def start_with_block_1_corrupted(tmp_path: Path) -> tuple[Daemon, np.ndarray, np.ndarray]:
+    """A daemon restarted over a 3-block prompt whose block 1 has a byte flipped on disk."""
     d = start_daemon(tmp_path)
     marker = np.full(WIDTH, 0x5A, dtype=np.uint8)
     marker[:16] = np.frombuffer(b"CORRUPT-ME-BLOCK", dtype=np.uint8)
@@ -187,7 +188,11 @@ def test_corrupted_value_is_a_miss_and_dropped(tmp_path: Path) -> None:
     assert at >= 0
     blob[at + 5000] ^= 0xFF
     data.write_bytes(bytes(blob))
-    again = start_daemon(tmp_path)
+    return start_daemon(tmp_path), p, rows
+
+
+def test_corrupted_value_is_a_miss_and_dropped(tmp_path: Path) -> None:
+    again, p, rows = start_with_block_1_corrupted(tmp_path)
     try:
         with kvstored.Client(again.socket) as c:
             res = c.load(p)
@@ -198,6 +203,19 @@ def test_corrupted_value_is_a_miss_and_dropped(tmp_path: Path) -> None:
             c.save(p, rows)  # and can be stored again
             again_loaded = c.load(p)
             assert again_loaded.blocks == 3 and np.array_equal(again_loaded.data, rows)
+    finally:
+        again.stop()
+
+
+def test_evict_after_a_corrupt_interior_block_empties_the_index(tmp_path: Path) -> None:
+    """Regression: the hollow block 1 left the index with its last child during ``evict``, which
+    then tried to remove it again (AssertionError, and kvctl evict failed)."""
+    again, p, _ = start_with_block_1_corrupted(tmp_path)
+    try:
+        with kvstored.Client(again.socket) as c:
+            assert c.load(p).blocks == 1
+            assert c.evict() == 2   # blocks 0 and 2; the hollow block 1 goes with block 2
+            assert c.stats()["index_blocks"] == 0 and c.lookup(p).blocks == 0
     finally:
         again.stop()
 
@@ -270,3 +288,15 @@ def test_kvctl_evict_and_flush(daemon) -> None:  # type: ignore[no-untyped-def]
     with kvstored.Client(daemon.socket) as c:
         assert c.lookup(prompt(0), namespace=kvstored.Namespace(model="a")).blocks == 0
     assert "stats" not in kvctl("stats")  # and stats still renders
+
+
+def test_kvctl_flush_fails_when_blocks_stay_dram_only(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Regression: ``kvctl flush`` said "flushed N" and exited 0 while blocks it could not write
+    (the SSD tier too small) stayed in DRAM only, to be lost at the restart it was run for."""
+    d = daemon_factory("--ssd-capacity", "2MiB", "--set", "dram.writeback_watermark=1.0")
+    with kvstored.Client(d.socket) as c:
+        c.save(prompt(0), content(prompt(0)))   # 16 blocks of 256 KiB: 4 MiB
+    out = subprocess.run([sys.executable, "-m", "kvstored.kvctl", "flush"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "KVSTORED_SOCKET": d.socket})
+    assert out.returncode == 1
+    assert "still only in DRAM" in out.stderr and "wrote" in out.stderr
