@@ -95,7 +95,8 @@ def stats(socket: str | None, as_json: bool) -> None:
 @cli.command()
 @click.option("--model", default="", help="only namespaces of this model (default: all)")
 @click.option("--tier", type=click.Choice(["dram", "ssd", "all"]), default="all", show_default=True,
-              help="drop copies from this tier; 'all' removes blocks entirely")
+              help="drop copies from this tier (a block with no copy in the other tier leaves the cache); "
+                   "'all' removes blocks entirely")
 @click.pass_obj
 def evict(socket: str | None, model: str, tier: str) -> None:
     """Drop cached blocks (leased blocks stay)."""

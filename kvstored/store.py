@@ -933,7 +933,14 @@ class BlockStore:
 
     # -- administration ---------------------------------------------------------------------
     def _namespace_ids(self, model: str) -> set[int]:
-        return {ns_id for ns_id, s in self._namespaces.items() if not model or s.spec.model == model}
+        """The namespaces of ``model`` (all when empty); NotFound for a model this node has never
+        seen, so a mistyped name is an error rather than a silent no-op."""
+        ids = {ns_id for ns_id, s in self._namespaces.items() if not model or s.spec.model == model}
+        if model and not ids:
+            known = sorted({s.spec.model for s in self._namespaces.values()})
+            raise NotFound(f"no namespace of model {model!r} on this node (models here: "
+                           f"{', '.join(map(repr, known)) or 'none'})")
+        return ids
 
     def evict(self, model: str = "", tier: Tier | None = None) -> int:
         """Drop cached blocks of the namespaces of ``model`` (all when empty) from ``tier`` (all

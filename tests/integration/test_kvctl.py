@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import kvstored
 
@@ -167,3 +168,15 @@ def test_peers_json_counts_are_numbers(daemon_factory) -> None:  # type: ignore[
     data = json.loads(kvctl(a.socket, "peers", "--json").stdout)
     for p in data["peers"]:
         assert isinstance(p["blocks_fetched"], int) and isinstance(p["blocks_pushed"], int), p
+
+
+def test_an_unknown_model_is_an_error_not_a_silent_no_op(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Regression: ``evict``/``flush --model`` with a mistyped model printed "0 block(s)", exit 0."""
+    with kvstored.Client(daemon.socket) as c:
+        c.save(list(range(32)), np.ones((2, 1024), np.uint8), namespace=kvstored.Namespace(model="real"))
+        with pytest.raises(kvstored.NotFound, match="no namespace of model 'reel'.*'real'"):
+            c.evict(model="reel")
+    for command in ("evict", "flush"):
+        out = subprocess.run([sys.executable, "-m", "kvstored.kvctl", "--socket", daemon.socket, command,
+                              "--model", "reel"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "no namespace of model 'reel'" in out.stderr, out
