@@ -82,7 +82,7 @@ class PeersConfig:
     listen: str = ""                 # "host:port" of the peer block channel; "" = peers off
     advertise: str = ""              # address peers dial; "" = listen (must then be a concrete host)
     node_id: str = ""                # "" = the host name
-    token_file: str = ""             # shared token (first line of the file); preferred over token
+    token_file: str = ""             # shared token (first non-empty line of the file); preferred over token
     token: str = ""                  # shared token inline (visible in the config: use token_file)
     tls_ca: str = ""                 # mutual TLS: CA that signs every node's certificate
     tls_cert: str = ""

@@ -265,3 +265,13 @@ def test_any_failure_after_the_arena_is_created_removes_it(tmp_path: Path) -> No
     assert "restore failed" in proc.stderr
     assert list(shm.iterdir()) == []
     assert not (tmp_path / "kv.sock").exists()
+
+
+def test_empty_peer_token_file_is_a_startup_error_and_leaves_no_arena(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("\n")
+    proc, shm = _kvstored(tmp_path, "--set", "peers.listen=127.0.0.1:0", "--set", f"peers.token_file={token}")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert [line for line in _errors(proc.stderr) if f"peers.token_file {token} is empty" in line], proc.stderr
+    assert list(shm.iterdir()) == []
