@@ -8,6 +8,7 @@ Unknown sections or keys and bad values raise :class:`ConfigError` naming the ke
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -81,7 +82,7 @@ class PeersConfig:
     listen: str = ""                 # "host:port" of the peer block channel; "" = peers off
     advertise: str = ""              # address peers dial; "" = listen (must then be a concrete host)
     node_id: str = ""                # "" = the host name
-    token_file: str = ""             # shared token (first line of the file); preferred over token
+    token_file: str = ""             # shared token (first non-empty line of the file); preferred over token
     token: str = ""                  # shared token inline (visible in the config: use token_file)
     tls_ca: str = ""                 # mutual TLS: CA that signs every node's certificate
     tls_cert: str = ""
@@ -146,13 +147,58 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
 
 
+MAX_BATCH_BLOCKS = 1 << 22      # more block hashes (16 bytes and up each) than one 64 MiB message holds
+MAX_READ_THREADS = 1024
+_HOSTPORT = re.compile(r"^[\w.\-\[\]:]+:(\d+)$")
+
+
+def _as_int(value: Any) -> int:
+    """An int from TOML (int, or a float with an integral value) or from a flag (decimal text)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"expected an integer, got {value!r}")
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"[+-]?\d+", text):
+            return int(text)
+        try:
+            number = float(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {value!r}") from None
+        return _as_int(number)
+    raise ValueError(f"expected an integer, got {value!r}")
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"expected a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number
+
+
+def _port_ok(address: str, *, zero: bool = False) -> bool:
+    """``address`` is host:port with a port in 1..65535 (0 too when ``zero``: any free port)."""
+    m = _HOSTPORT.match(address)
+    return m is not None and (0 if zero else 1) <= int(m.group(1)) <= 65535
+
+
 def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     name = f"{section}.{key}"
     try:
         if (section, key) in _SIZE_KEYS:
             return parse_size(value)
         if (section, key) in _MODE_KEYS:
-            return int(value, 8) if isinstance(value, str) else int(value)
+            return int(value, 8) if isinstance(value, str) else _as_int(value)
         if isinstance(default, tuple):
             if isinstance(value, str):   # from --set: comma-separated
                 value = [v.strip() for v in value.split(",") if v.strip()]
@@ -166,18 +212,14 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
                 raise ValueError(f"expected true or false, got {value!r}")
             return value
         if isinstance(default, int):
-            if isinstance(value, bool):
-                raise ValueError(f"expected an integer, got {value!r}")
-            return int(value)
+            return _as_int(value)
         if isinstance(default, float):
-            if isinstance(value, bool):
-                raise ValueError(f"expected a number, got {value!r}")
-            return float(value)
+            return _as_float(value)
         if isinstance(default, str):
             if not isinstance(value, str):
                 raise ValueError(f"expected a string, got {value!r}")
             return value
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(f"{name}: {exc}") from None
     raise AssertionError(f"no coercion for {name}")
 
@@ -189,7 +231,10 @@ def _validate(cfg: Config) -> None:
          "dram.page_bytes: must be a positive multiple of 4096"),
         (cfg.dram.capacity >= cfg.dram.page_bytes,
          "dram.capacity: must hold at least one page (dram.page_bytes)"),
-        (cfg.server.max_batch_blocks > 0, "server.max_batch_blocks: must be positive"),
+        (0 < cfg.server.max_batch_blocks <= MAX_BATCH_BLOCKS,
+         f"server.max_batch_blocks: must be in 1..{MAX_BATCH_BLOCKS}"),
+        (cfg.server.shutdown_grace_s >= 0, "server.shutdown_grace_s: must not be negative"),
+        (cfg.dram.shm_dir.strip() != "", "dram.shm_dir: must name a directory (e.g. /dev/shm)"),
         (0 <= cfg.server.socket_mode <= 0o777, "server.socket_mode: must be a file mode like '0660'"),
         (cfg.leases.ttl_s > 0, "leases.ttl_s: must be positive"),
         (cfg.leases.reservation_ttl_s > 0, "leases.reservation_ttl_s: must be positive"),
@@ -203,19 +248,18 @@ def _validate(cfg: Config) -> None:
         (cfg.ssd.policy in POLICIES, f"ssd.policy: must be one of {', '.join(POLICIES)}"),
         (cfg.ssd.admission in ADMISSION_MODES,
          f"ssd.admission: must be one of {', '.join(ADMISSION_MODES)}"),
-        (cfg.ssd.read_threads >= 1, "ssd.read_threads: must be at least 1"),
+        (1 <= cfg.ssd.read_threads <= MAX_READ_THREADS, f"ssd.read_threads: must be in 1..{MAX_READ_THREADS}"),
         (cfg.ssd.reader_check_interval_s > 0, "ssd.reader_check_interval_s: must be positive"),
         (cfg.log.level in _LOG_LEVELS, f"log.level: must be one of {', '.join(_LOG_LEVELS)}"),
-        (cfg.server.tcp == "" or re.match(r"^[\w.\-\[\]:]+:\d+$", cfg.server.tcp) is not None,
-         "server.tcp: expected host:port"),
+        (cfg.server.tcp == "" or _port_ok(cfg.server.tcp, zero=True),
+         "server.tcp: expected host:port with a port in 0..65535"),
     ]
     p = cfg.peers
-    hostport = re.compile(r"^[\w.\-\[\]:]+:\d+$")
     checks += [
-        (p.listen == "" or hostport.match(p.listen) is not None, "peers.listen: expected host:port"),
-        (p.advertise == "" or hostport.match(p.advertise) is not None, "peers.advertise: expected host:port"),
-        (p.etcd == "" or hostport.match(p.etcd.split("://", 1)[-1].rstrip("/")) is not None,
-         "peers.etcd: expected host:port"),
+        (p.listen == "" or _port_ok(p.listen, zero=True), "peers.listen: expected host:port with a port in 0..65535"),
+        (p.advertise == "" or _port_ok(p.advertise), "peers.advertise: expected host:port with a port in 1..65535"),
+        (p.etcd == "" or _port_ok(p.etcd.split("://", 1)[-1].rstrip("/")),
+         "peers.etcd: expected host:port with a port in 1..65535"),
         ("/" not in p.node_id, "peers.node_id: must not contain '/'"),
         (p.etcd_ttl_s >= 1, "peers.etcd_ttl_s: must be at least 1"),
         (p.deadline_s > 0, "peers.deadline_s: must be positive"),
@@ -231,10 +275,13 @@ def _validate(cfg: Config) -> None:
     if p.etcd and p.listen and not p.advertise and p.listen.rpartition(":")[0].strip("[]") in ("", "0.0.0.0", "::"):
         raise ConfigError(f"peers.advertise: peers.listen {p.listen} is a wildcard address that other nodes cannot "
                           "dial; set peers.advertise to this node's host:port for etcd")
+    seen: set[str] = set()
     for entry in p.static:
         node, sep, addr = entry.partition("=")
-        checks.append((bool(sep and node and "/" not in node and hostport.match(addr)),
-                       f"peers.static: expected node_id=host:port, got {entry!r}"))
+        checks.append((bool(sep and node and "/" not in node and _port_ok(addr)),
+                       f"peers.static: expected node_id=host:port with a port in 1..65535, got {entry!r}"))
+        checks.append((node not in seen, f"peers.static: node id {node!r} is listed more than once"))
+        seen.add(node)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -288,7 +335,11 @@ def load(path: str | None = None, overrides: list[str] | None = None) -> Config:
                 values = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"{file}: config file not found") from None
-        except tomllib.TOMLDecodeError as exc:
+        except IsADirectoryError:
+            raise ConfigError(f"{file}: is a directory, not a config file") from None
+        except OSError as exc:
+            raise ConfigError(f"{file}: cannot read the config file: {exc.strerror or exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{file}: {exc}") from None
     for text in overrides or []:
         section, key, value = parse_override(text)

@@ -46,12 +46,25 @@ def auth_from_config(cfg: PeersConfig) -> PeerAuth:
     """The peer credentials the config names; ConfigError when a file cannot be read."""
     token = cfg.token
     if cfg.token_file:
-        try:
-            token = Path(cfg.token_file).read_text().splitlines()[0].strip()
-        except (OSError, IndexError) as exc:
-            raise ConfigError(f"peers.token_file: cannot read a token from {cfg.token_file}: {exc}") from None
+        token = read_token_file(cfg.token_file)
     tls = TLSFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
     return PeerAuth(tls=tls, token=token, insecure=cfg.insecure)
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path``: its first non-empty line, stripped of surrounding whitespace.
+
+    ConfigError (naming peers.token_file) when the file cannot be read or holds only whitespace.
+    """
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"peers.token_file: cannot read a token from {path}: {reason}") from None
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    raise ConfigError(f"peers.token_file {path} is empty")
 
 
 def static_members(cfg: PeersConfig) -> list[Member]:

@@ -87,15 +87,30 @@ class StartupError(Exception):
 
 
 def _prepare_socket(path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.parent.stat().st_uid not in (os.getuid(), 0):
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        owner = path.parent.stat().st_uid
+    except FileExistsError:  # mkdir met a file where a directory should be
+        raise StartupError(f"cannot create the directory of server.socket {path}: "
+                           f"{path.parent} is not a directory") from None
+    except OSError as exc:
+        raise StartupError(f"cannot create the directory of server.socket {path}: "
+                           f"{exc.strerror or exc}") from None
+    if not path.parent.is_dir():
+        raise StartupError(f"cannot create the directory of server.socket {path}: "
+                           f"{path.parent} is not a directory")
+    if owner not in (os.getuid(), 0):
         raise StartupError(f"{path.parent} belongs to another user; choose another server.socket")
     if path.exists() or path.is_symlink():
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:
                 probe.connect(str(path))
             except OSError:
-                path.unlink()  # stale: left by a daemon that died
+                try:
+                    path.unlink()  # stale: left by a daemon that died
+                except OSError as exc:
+                    raise StartupError(f"cannot replace the stale server.socket {path}: "
+                                       f"{exc.strerror or exc}") from None
             else:
                 raise StartupError(f"another kvstored is already listening on {path}")
 
@@ -129,67 +144,85 @@ async def serve(cfg: Config) -> int:
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    old_umask = os.umask(0o777 & ~cfg.server.socket_mode)
+    arena: Arena | None = None
+    ssd: SSDTier | None = None
+    copy: CopyEngine | None = None
+    peers: PeerNode | None = None
+    socket_bound = False
     try:
-        server.add_insecure_port(f"unix:{sock_path}")
-        if cfg.server.tcp:
+        old_umask = os.umask(0o777 & ~cfg.server.socket_mode)
+        try:
             try:
-                bound = server.add_insecure_port(cfg.server.tcp)
-            except RuntimeError:   # grpc.aio raises where grpc returned 0
-                bound = 0
-            if bound == 0:
-                raise StartupError(f"cannot listen on {cfg.server.tcp} (in use, or not an address of this host)")
-    finally:
-        os.umask(old_umask)
+                server.add_insecure_port(f"unix:{sock_path}")
+            except RuntimeError:  # grpc logs the reason (path too long, ...)
+                raise StartupError(f"cannot listen on server.socket {sock_path}") from None
+            socket_bound = True
+            if cfg.server.tcp:
+                try:
+                    bound = server.add_insecure_port(cfg.server.tcp)
+                except RuntimeError:
+                    bound = 0
+                if bound == 0:
+                    raise StartupError(f"cannot listen on server.tcp {cfg.server.tcp}")
+        finally:
+            os.umask(old_umask)
 
-    if stale := sweep_stale_arenas(cfg.dram.shm_dir):
-        log.info("removed %d arena file(s) left by daemons that died: %s", len(stale), ", ".join(stale))
-    log.info("opening DRAM tier: %d MiB arena in %s", cfg.dram.capacity >> 20, cfg.dram.shm_dir)
-    try:
-        arena = Arena(cfg.dram.shm_dir, cfg.dram.capacity, cfg.server.socket_mode, cfg.dram.prefault)
-    except ArenaTooLarge as exc:
-        raise StartupError(str(exc)) from None
-    except OSError as exc:
-        raise StartupError(f"cannot create the DRAM arena in {cfg.dram.shm_dir}: {exc}") from None
-    ssd = None
-    if cfg.ssd.enabled:
-        log.info("opening SSD tier: %d MiB in %s", cfg.ssd.capacity >> 20, cfg.ssd_path)
+        if stale := sweep_stale_arenas(cfg.dram.shm_dir):
+            log.info("removed %d arena file(s) left by daemons that died: %s", len(stale), ", ".join(stale))
+        log.info("opening DRAM tier: %d MiB arena in %s", cfg.dram.capacity >> 20, cfg.dram.shm_dir)
         try:
-            ssd = SSDTier(cfg.ssd_path, int(cfg.ssd.capacity * cfg.ssd.map_slack), cfg.ssd.read_threads,
-                          cfg.ssd.sync)
-        except InUse as exc:
-            arena.close()
+            arena = Arena(cfg.dram.shm_dir, cfg.dram.capacity, cfg.server.socket_mode, cfg.dram.prefault)
+        except ArenaTooLarge as exc:
             raise StartupError(str(exc)) from None
-        except (OSError, lmdb.Error) as exc:
-            arena.close()
-            raise StartupError(f"cannot open the SSD tier in {cfg.ssd_path}: {exc}") from None
-    if _pin_for_cuda(arena):
-        log.info("DRAM arena pinned for CUDA copies (cudaHostRegister)")
-    copy = CopyEngine(arena)
-    store = BlockStore(cfg, arena, copy, ssd)
-    report = store.restore()
-    if report.blocks or report.dropped:
-        log.info("restored %d block(s) in %d namespace(s) from SSD; dropped %d unusable record(s)",
-                 report.blocks, report.namespaces, report.dropped)
-    peers = None
-    if cfg.peers.listen or cfg.peers.static or cfg.peers.etcd:
-        try:
-            peers = PeerNode(cfg, store)
-            await peers.start()
-        except (ConfigError, PeerConfigError, MembershipError, OSError) as exc:
-            if peers is not None:
+        except OSError as exc:
+            raise StartupError(f"cannot create the DRAM arena in {cfg.dram.shm_dir}: {exc}") from None
+        if cfg.ssd.enabled:
+            log.info("opening SSD tier: %d MiB in %s", cfg.ssd.capacity >> 20, cfg.ssd_path)
+            try:
+                ssd = SSDTier(cfg.ssd_path, int(cfg.ssd.capacity * cfg.ssd.map_slack), cfg.ssd.read_threads,
+                              cfg.ssd.sync)
+            except InUse as exc:
+                raise StartupError(str(exc)) from None
+            except (OSError, lmdb.Error) as exc:
+                raise StartupError(f"cannot open the SSD tier in {cfg.ssd_path}: {exc}") from None
+        if _pin_for_cuda(arena):
+            log.info("DRAM arena pinned for CUDA copies (cudaHostRegister)")
+        copy = CopyEngine(arena)
+        store = BlockStore(cfg, arena, copy, ssd)
+        report = store.restore()
+        if report.blocks or report.dropped:
+            log.info("restored %d block(s) in %d namespace(s) from SSD; dropped %d unusable record(s)",
+                     report.blocks, report.namespaces, report.dropped)
+        if cfg.peers.listen or cfg.peers.static or cfg.peers.etcd:
+            try:
+                peers = PeerNode(cfg, store)
+                await peers.start()
+            except (ConfigError, PeerConfigError, MembershipError, OSError, ValueError) as exc:
+                raise StartupError(f"cannot join the cluster: {exc}") from None
+            log.info("peers: node %s, block channel on %s, membership %s, %d peer(s) known", peers.node_id,
+                     peers.listen or "(not listening)", peers.membership_name, len(peers.known_peers))
+        pb_grpc.add_KVStoreServicer_to_server(
+            KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down, peers),
+            server)
+        await server.start()
+        os.chmod(sock_path, cfg.server.socket_mode)
+    except BaseException:
+        # Whatever stopped the start-up, leave no arena in the shm dir and no socket nobody serves.
+        with contextlib.suppress(Exception):
+            await server.stop(None)
+        if peers is not None:
+            with contextlib.suppress(Exception):
                 await peers.close()
+        if copy is not None:
             copy.close()
-            if ssd is not None:
-                ssd.close()
+        if ssd is not None:
+            ssd.close()
+        if arena is not None:
             arena.close()
-            raise StartupError(f"cannot join the cluster: {exc}") from None
-        log.info("peers: node %s, block channel on %s, membership %s, %d peer(s) known", peers.node_id,
-                 peers.listen or "(not listening)", peers.membership_name, len(peers.known_peers))
-    pb_grpc.add_KVStoreServicer_to_server(
-        KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down, peers), server)
-    await server.start()
-    os.chmod(sock_path, cfg.server.socket_mode)
+        if socket_bound:
+            with contextlib.suppress(OSError):
+                sock_path.unlink()
+        raise
 
     async def reaper() -> None:
         while True:

@@ -200,7 +200,7 @@ def test_two_daemons_never_share_a_tcp_port(tmp_path: Path) -> None:
     first = start_daemon(tmp_path / "a", "--tcp", f"127.0.0.1:{port}")
     try:
         second = start_daemon(tmp_path / "b", "--tcp", f"127.0.0.1:{port}", wait=False)
-        _exits_with(second, f"cannot listen on 127.0.0.1:{port}")
+        _exits_with(second, f"cannot listen on server.tcp 127.0.0.1:{port}")
     finally:
         first.stop()
 
@@ -215,3 +215,113 @@ def test_an_arena_larger_than_the_shm_directory_is_refused(tmp_path: Path) -> No
     d = start_daemon(tmp_path / "a", "--set", f"dram.shm_dir={shm}", "--dram-capacity", str(too_big), wait=False)
     _exits_with(d, "does not fit in")
     assert not list(shm.iterdir())
+
+
+# -- start-up failures: one line, non-zero exit, no traceback, no arena left (regressions) ----------
+def _kvstored(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    args = [sys.executable, "-m", "kvstored", "--socket", str(tmp_path / "s" / "kv.sock"),
+            "--dram-capacity", "8MiB", "--set", "dram.page_bytes=1MiB", "--set", f"dram.shm_dir={shm}",
+            "--ssd-path", str(tmp_path / "ssd"), "--ssd-capacity", "64MiB", *extra]
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "KVSTORED_SOCKET")}
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=ROOT, env=env), shm
+
+
+def _errors(stderr: str) -> list[str]:
+    """kvstored's own error lines (grpc's C core may log its own, prefixed E<date>)."""
+    return [line for line in stderr.splitlines() if "ERROR kvstored" in line or line.startswith("kvstored:")]
+
+
+@pytest.mark.parametrize(("where", "needle"), [
+    ("/proc/kv/x.sock", "cannot create the directory of server.socket /proc/kv/x.sock"),
+    ("{tmp}/file/x.sock", "{tmp}/file is not a directory"),
+    ("{tmp}/file/sub/x.sock", "cannot create the directory of server.socket {tmp}/file/sub/x.sock"),
+])
+def test_socket_directory_that_cannot_be_made_is_a_startup_error(tmp_path: Path, where: str,
+                                                                 needle: str) -> None:
+    (tmp_path / "file").write_text("")
+    proc, shm = _kvstored(tmp_path, "--socket", where.format(tmp=tmp_path))
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert [line for line in _errors(proc.stderr) if needle.format(tmp=tmp_path) in line], proc.stderr
+    assert list(shm.iterdir()) == []
+
+
+def test_config_that_is_a_directory_is_a_config_error(tmp_path: Path) -> None:
+    proc, _ = _kvstored(tmp_path, "--config", str(tmp_path))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == f"kvstored: config error: {tmp_path}: is a directory, not a config file"
+
+
+def test_duplicate_static_peer_ids_are_a_config_error_and_leave_no_arena(tmp_path: Path) -> None:
+    proc, shm = _kvstored(tmp_path, "--set", "peers.static=a=127.0.0.1:1,a=127.0.0.1:2")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == "kvstored: config error: peers.static: node id 'a' is listed more than once"
+    assert list(shm.iterdir()) == []
+
+
+@pytest.mark.parametrize("flags", [("--tcp", "127.0.0.1:65536"), ("--set", "peers.listen=127.0.0.1:99999"),
+                                   ("--set", "ssd.read_threads=2.9"), ("--set", "server.shutdown_grace_s=-1"),
+                                   ("--set", "dram.shm_dir=")])
+def test_bad_values_from_flags_are_config_errors(tmp_path: Path, flags: tuple[str, str]) -> None:
+    proc, _ = _kvstored(tmp_path, *flags)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("kvstored: config error: ") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_tcp_listener_that_cannot_bind_is_a_startup_error_and_leaves_nothing(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc, shm = _kvstored(tmp_path, "--tcp", f"127.0.0.1:{port}")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert [line for line in _errors(proc.stderr) if f"cannot listen on server.tcp 127.0.0.1:{port}" in line]
+    assert list(shm.iterdir()) == []
+    assert not (tmp_path / "s" / "kv.sock").exists()
+
+
+def test_peer_listener_that_cannot_bind_removes_the_arena(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc, shm = _kvstored(tmp_path, "--set", f"peers.listen=127.0.0.1:{port}")
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert [line for line in _errors(proc.stderr) if "cannot join the cluster" in line], proc.stderr
+    assert list(shm.iterdir()) == []
+    assert not (tmp_path / "s" / "kv.sock").exists()
+
+
+def test_any_failure_after_the_arena_is_created_removes_it(tmp_path: Path) -> None:
+    """Even an unexpected exception (a bug) must not leave the arena in the shm dir until reboot."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    code = ("import sys\n"
+            "from kvstored.store import BlockStore\n"
+            "def boom(self): raise RuntimeError('restore failed')\n"
+            "BlockStore.restore = boom\n"
+            "from kvstored.server.app import main\n"
+            f"sys.exit(main(['--socket', {str(tmp_path / 'kv.sock')!r}, '--dram-capacity', '8MiB',\n"
+            f"               '--set', 'dram.page_bytes=1MiB', '--set', 'dram.shm_dir={shm}',\n"
+            f"               '--ssd-path', {str(tmp_path / 'ssd')!r}, '--ssd-capacity', '64MiB']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode != 0
+    assert "restore failed" in proc.stderr
+    assert list(shm.iterdir()) == []
+    assert not (tmp_path / "kv.sock").exists()
+
+
+def test_empty_peer_token_file_is_a_startup_error_and_leaves_no_arena(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("\n")
+    proc, shm = _kvstored(tmp_path, "--set", "peers.listen=127.0.0.1:0", "--set", f"peers.token_file={token}")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert [line for line in _errors(proc.stderr) if f"peers.token_file {token} is empty" in line], proc.stderr
+    assert list(shm.iterdir()) == []

@@ -218,3 +218,57 @@ def test_etcd_with_a_wildcard_listener_needs_advertise(listen: str) -> None:
     ok = config.build({"peers": {"listen": listen, "token": "t", "etcd": "127.0.0.1:2379",
                                  "advertise": "10.0.0.1:7100"}})
     assert ok.peers.advertise == "10.0.0.1:7100"
+
+
+# -- values that used to be accepted (regressions) -------------------------------------------------
+@pytest.mark.parametrize(("values", "needle"), [
+    ({"server": {"tcp": "127.0.0.1:70000"}}, "server.tcp"),
+    ({"server": {"tcp": "127.0.0.1:65536"}}, "server.tcp"),
+    ({"peers": {"listen": "127.0.0.1:65536"}}, "peers.listen"),
+    ({"peers": {"listen": "127.0.0.1:7000", "advertise": "127.0.0.1:99999"}}, "peers.advertise"),
+    ({"peers": {"etcd": "127.0.0.1:123456"}}, "peers.etcd"),
+    ({"peers": {"static": ["b=127.0.0.1:65536"]}}, "peers.static"),
+    ({"peers": {"static": ["b=127.0.0.1:0"]}}, "peers.static"),
+    ({"ssd": {"read_threads": 2.9}}, "ssd.read_threads: expected an integer"),
+    ({"ssd": {"read_threads": "2.9"}}, "ssd.read_threads: expected an integer"),
+    ({"ssd": {"read_threads": 100000}}, "ssd.read_threads"),
+    ({"server": {"max_batch_blocks": 1e20}}, "server.max_batch_blocks"),
+    ({"server": {"max_batch_blocks": "1e20"}}, "server.max_batch_blocks"),
+    ({"server": {"max_batch_blocks": float("inf")}}, "server.max_batch_blocks"),
+    ({"server": {"max_batch_blocks": float("nan")}}, "server.max_batch_blocks"),
+    ({"server": {"socket_mode": 6.5}}, "server.socket_mode"),
+    ({"peers": {"etcd_ttl_s": 2.5}}, "peers.etcd_ttl_s"),
+    ({"server": {"shutdown_grace_s": -1}}, "server.shutdown_grace_s"),
+    ({"server": {"shutdown_grace_s": "nan"}}, "server.shutdown_grace_s"),
+    ({"leases": {"ttl_s": float("inf")}}, "leases.ttl_s"),
+    ({"dram": {"shm_dir": ""}}, "dram.shm_dir"),
+    ({"dram": {"shm_dir": "  "}}, "dram.shm_dir"),
+    ({"peers": {"static": ["a=127.0.0.1:1", "a=127.0.0.1:2"]}}, "peers.static: node id 'a' is listed more than once"),
+])
+def test_out_of_range_and_non_integral_values_name_the_key(values: dict[str, dict[str, object]],
+                                                            needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        config.build(values)
+
+
+def test_duplicate_static_peers_from_a_flag_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"peers\.static: node id 'a' is listed more than once"):
+        config.load(None, ["peers.static=a=127.0.0.1:1,a=127.0.0.1:2"])
+
+
+def test_integral_values_in_any_spelling_and_port_bounds_are_accepted() -> None:
+    cfg = config.build({"ssd": {"read_threads": 4.0}, "server": {"max_batch_blocks": "1e3", "shutdown_grace_s": 0,
+                                                                  "tcp": "127.0.0.1:65535"},
+                        "peers": {"listen": "127.0.0.1:0", "static": ["b=127.0.0.1:65535"]}})
+    assert (cfg.ssd.read_threads, cfg.server.max_batch_blocks, cfg.server.shutdown_grace_s) == (4, 1000, 0.0)
+    assert isinstance(cfg.ssd.read_threads, int) and isinstance(cfg.server.max_batch_blocks, int)
+    assert config.load(None, ["ssd.read_threads=3", "server.max_batch_blocks=+16"]).ssd.read_threads == 3
+
+
+def test_config_path_that_is_a_directory_or_unreadable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="is a directory"):
+        config.load(str(tmp_path))
+    binary = tmp_path / "k.toml"
+    binary.write_bytes(b"\xff\xfe[dram]\n")
+    with pytest.raises(ConfigError, match="k.toml"):
+        config.load(str(binary))

@@ -16,6 +16,7 @@ import xxhash
 
 from kvstored import config
 from kvstored.copy import CopyEngine
+from kvstored.errors import NotFound
 from kvstored.index import SEALED, PrefixIndex
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
@@ -499,7 +500,8 @@ def test_namespace_chains_cover_a_branching_tree_parent_first(store: BlockStore)
     assert {r[0] for r in runs} == {ns}
     check_runs([(parent, keys) for _, parent, keys in runs], parent_of)
     assert store.namespace_chains("m") == runs
-    assert store.namespace_chains("some other model") == []
+    with pytest.raises(NotFound, match="no namespace of model"):   # a mistyped model is an error
+        store.namespace_chains("some other model")
 
 
 def test_namespace_chains_span_namespaces_and_filter_by_model(store: BlockStore) -> None:
