@@ -64,7 +64,8 @@ def render_stats(stats: dict[str, Any], console: Console) -> None:
 
 @click.group()
 @click.option("--socket", envvar="KVSTORED_SOCKET", default=None,
-              help="daemon socket (default: the daemon's default location)")
+              help="daemon socket path, or host:port of its server.tcp listener (default: the daemon's "
+                   "default socket)")
 @click.pass_context
 def cli(ctx: click.Context, socket: str | None) -> None:
     """Administer the local kvstored daemon."""

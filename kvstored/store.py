@@ -153,6 +153,7 @@ class RestoreReport:
     namespaces: int
     blocks: int
     dropped: int
+    evicted: int = 0   # over ssd.capacity (lowered since the blocks were written): evicted at once
 
 
 @dataclass(slots=True)
@@ -929,7 +930,10 @@ class BlockStore:
             restored.append(block)
         self._ssd_policy.inserted(restored)  # parents first, as the policies expect
         self._n.dropped += dropped
-        return RestoreReport(len(self._namespaces), len(restored), dropped)
+        before = self._n.ssd_evictions
+        self._make_ssd_room(0)   # the capacity may have been lowered since: back under it now
+        evicted = self._n.ssd_evictions - before
+        return RestoreReport(len(self._namespaces), len(restored) - evicted, dropped, evicted)
 
     # -- administration ---------------------------------------------------------------------
     def _namespace_ids(self, model: str) -> set[int]:

@@ -11,6 +11,7 @@ import dataclasses
 import mmap
 import os
 import queue
+import re
 import threading
 import time
 from collections import Counter
@@ -136,7 +137,7 @@ class Client:
         self._timeout = timeout_s
         self._client_name = client_name
         self._cache_salt = cache_salt
-        target = self.socket if self.socket.startswith(("unix:", "dns:", "ipv4:")) else f"unix:{self.socket}"
+        target = _target(self.socket)
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
@@ -839,6 +840,16 @@ class BlockStream:
             pass
         assert self.outcome is not None, "a stream ended without its outcome"
         return self.outcome
+
+
+def _target(socket: str) -> str:
+    """The gRPC target for ``socket``: a Unix socket path, ``host:port`` (the daemon's
+    ``server.tcp`` listener), or an explicit gRPC target (``unix:``, ``ipv4:``, ``ipv6:``, ``dns:``)."""
+    if socket.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return socket
+    if "/" not in socket and re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}", socket):
+        return f"dns:{socket}"
+    return f"unix:{socket}"
 
 
 def _token_array(tokens: Any) -> np.ndarray:

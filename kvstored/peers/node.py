@@ -236,9 +236,11 @@ class PeerNode:
             conn.close()
 
     def _mark(self, peer: _Peer, error: str = "") -> None:
+        """The outcome of the latest exchange with ``peer``: its state, and the error while it is
+        down (cleared once an exchange works again, so an up peer shows no stale error)."""
         peer.state = "down" if error else "up"
+        peer.last_error = error
         if error:
-            peer.last_error = error
             self.failures += 1
 
     # -- questions ----------------------------------------------------------------------------

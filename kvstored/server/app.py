@@ -67,9 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvstored: config error: {exc}", file=sys.stderr)
         return 2
     if args.print_config:
-        import dataclasses
-        import json
-        print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        print(_effective_json(cfg))
         return 0
     logging.basicConfig(level=cfg.log.level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -80,6 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         log.error("%s", exc)
         return 1
+
+
+def _effective_json(cfg: Config) -> str:
+    """The config as the daemon will run it: defaults resolved (socket, SSD path), the socket
+    mode in octal as it is written in the config file."""
+    import dataclasses
+    import json
+
+    data = dataclasses.asdict(cfg)
+    data["server"]["socket"] = cfg.socket_path
+    data["server"]["socket_mode"] = f"{cfg.server.socket_mode:04o}"
+    data["ssd"]["path"] = cfg.ssd_path
+    return json.dumps(data, indent=2)
 
 
 class StartupError(Exception):
@@ -193,6 +204,9 @@ async def serve(cfg: Config) -> int:
         if report.blocks or report.dropped:
             log.info("restored %d block(s) in %d namespace(s) from SSD; dropped %d unusable record(s)",
                      report.blocks, report.namespaces, report.dropped)
+        if report.evicted:
+            log.info("evicted %d restored block(s) to fit ssd.capacity (%d MiB)", report.evicted,
+                     cfg.ssd.capacity >> 20)
         if cfg.peers.listen or cfg.peers.static or cfg.peers.etcd:
             try:
                 peers = PeerNode(cfg, store)

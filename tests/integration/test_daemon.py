@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -44,6 +45,9 @@ def test_print_config_shows_effective_values() -> None:
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert '"capacity": 3221225472' in proc.stdout
+    cfg = json.loads(proc.stdout)   # defaults resolved, as the daemon runs them (a review found "" here)
+    assert cfg["server"]["socket"].endswith(".sock") and cfg["server"]["socket_mode"] == "0660"
+    assert cfg["ssd"]["path"].endswith("ssd")
 
 
 def test_sigterm_finishes_in_flight_calls_and_exits_0(daemon) -> None:  # type: ignore[no-untyped-def]

@@ -180,3 +180,32 @@ def test_an_unknown_model_is_an_error_not_a_silent_no_op(daemon) -> None:  # typ
         out = subprocess.run([sys.executable, "-m", "kvstored.kvctl", "--socket", daemon.socket, command,
                               "--model", "reel"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and "no namespace of model 'reel'" in out.stderr, out
+
+
+def test_kvctl_reaches_the_tcp_listener_by_host_and_port(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Regression: ``--socket 127.0.0.1:PORT`` was taken for a Unix path ("no daemon answers")."""
+    import socket as sockets
+
+    with sockets.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon_factory("--tcp", f"127.0.0.1:{port}")
+    out = subprocess.run([sys.executable, "-m", "kvstored.kvctl", "--socket", f"127.0.0.1:{port}", "stats", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["version"] == kvstored.__version__
+
+
+def test_a_peer_back_up_shows_no_stale_error(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Regression: ``kvctl peers`` kept showing "connection refused" for a peer that was up again."""
+    from conftest import wait_serving
+
+    a, b = _two_nodes(daemon_factory)
+    b.stop()
+    down = {p["node_id"]: p for p in json.loads(kvctl(a.socket, "peers", "--json").stdout)["peers"]}
+    assert down["b"]["state"] == "down" and down["b"]["last_error"]
+    with open(b.log_path, "ab") as log:
+        b.proc = subprocess.Popen(b.args, stdout=log, stderr=subprocess.STDOUT)
+    wait_serving(b.socket, b.proc)
+    up = {p["node_id"]: p for p in json.loads(kvctl(a.socket, "peers", "--json").stdout)["peers"]}
+    assert up["b"]["state"] == "up" and up["b"]["last_error"] == ""

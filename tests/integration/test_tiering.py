@@ -300,3 +300,23 @@ def test_kvctl_flush_fails_when_blocks_stay_dram_only(daemon_factory) -> None:  
                          timeout=60, env={**os.environ, "KVSTORED_SOCKET": d.socket})
     assert out.returncode == 1
     assert "still only in DRAM" in out.stderr and "wrote" in out.stderr
+
+
+def test_a_lowered_ssd_capacity_holds_from_the_restart_on(tmp_path: Path) -> None:
+    """Regression: restarting with a smaller ssd.capacity left the tier over it (400% used) until
+    some later write made room."""
+    d = start_daemon(tmp_path, "--ssd-capacity", "32MiB")
+    with kvstored.Client(d.socket) as c:
+        for i in range(4):
+            c.save(prompt(i), content(prompt(i)))   # 4 x 16 x 256 KiB = 16 MiB
+        assert c.flush() == 64
+    assert d.stop() == 0
+    again = start_daemon(tmp_path, "--ssd-capacity", "4MiB")
+    try:
+        with kvstored.Client(again.socket) as c:
+            ssd = c.stats()["tiers"][1]
+            assert 0 < ssd["used_bytes"] <= ssd["capacity_bytes"] == 4 << 20
+            assert c.lookup(prompt(3)).blocks > 0 or c.lookup(prompt(0)).blocks > 0   # what is left serves
+        assert "to fit ssd.capacity" in again.log()
+    finally:
+        again.stop()
