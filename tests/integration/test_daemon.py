@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -276,11 +278,17 @@ def test_bad_values_from_flags_are_config_errors(tmp_path: Path, flags: tuple[st
     assert proc.stderr.startswith("kvstored: config error: ") and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_tcp_listener_that_cannot_bind_is_a_startup_error_and_leaves_nothing(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _busy_port() -> Iterator[int]:
+    """A loopback port something else is listening on."""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        port = busy.getsockname()[1]
+        yield busy.getsockname()[1]
+
+
+def test_tcp_listener_that_cannot_bind_is_a_startup_error_and_leaves_nothing(tmp_path: Path) -> None:
+    with _busy_port() as port:
         proc, shm = _kvstored(tmp_path, "--tcp", f"127.0.0.1:{port}")
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
@@ -290,10 +298,7 @@ def test_tcp_listener_that_cannot_bind_is_a_startup_error_and_leaves_nothing(tmp
 
 
 def test_peer_listener_that_cannot_bind_removes_the_arena(tmp_path: Path) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with _busy_port() as port:
         proc, shm = _kvstored(tmp_path, "--set", f"peers.listen=127.0.0.1:{port}")
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
