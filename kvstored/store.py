@@ -1221,6 +1221,20 @@ class BlockStore:
         landing.view[:] = payload
         return landing.commit()
 
+    def refusal(self, namespace_id: int, parent: bytes, length: int) -> str:
+        """Why :meth:`adopt` would refuse a pushed block of ``length`` bytes under ``parent``
+        (for the pusher's error message; changes nothing)."""
+        state = self._namespaces.get(namespace_id)
+        if state is None:
+            return "the namespace is unknown here"
+        if length != state.spec.block_bytes:
+            return f"blocks of this namespace have {state.spec.block_bytes} bytes here, not {length}"
+        above = state.index.get(parent) if parent else None
+        if parent and (above is None or not above.sealed):
+            return "the block before it is not held here"
+        return ("the DRAM tier is full: every block that could make room is leased, being written, or "
+                "holds up a chain")
+
     def land(self, namespace_id: int, parent: bytes, key: bytes, length: int) -> PeerLanding | None:
         """A DRAM slot for a pushed block to be received straight into (no copy after it lands),
         or None when this is not the plain case (unknown namespace, wrong size, key already

@@ -24,6 +24,7 @@ from kvstored.config import Config, ConfigError, PeersConfig
 from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound
 from kvstored.peers.transport import (
     BlockServer,
+    Limits,
     PeerAuth,
     PeerConnection,
     PeerError,
@@ -133,7 +134,8 @@ class PeerNode:
             store = self._store
             self._server = BlockServer(host, port, self._auth, store.checkout, release_block=store.checkin,
                                        store_block=store.adopt, land_block=store.land, count_blocks=store.held,
-                                       open_namespace=store.learn_namespace)
+                                       open_namespace=store.learn_namespace, why_refused=store.refusal,
+                                       limits=Limits(transfer_timeout_s=self._cfg.deadline_s))
             await self._server.start()
             bound_host, bound_port = self._server.address
             self.listen = f"{bound_host}:{bound_port}"
@@ -210,6 +212,8 @@ class PeerNode:
     def _peer(self, node_id: str) -> _Peer:
         peer = self._peers.get(node_id)
         if peer is None:
+            if node_id == self.node_id:
+                raise InvalidArgument(f"{node_id!r} is this node; name another node")
             known = ", ".join(sorted(self._peers)) or "none"
             raise NotFound(f"unknown peer {node_id!r} (known peers: {known})")
         return peer
@@ -324,7 +328,8 @@ class PeerNode:
                 if stop == "missing":
                     break      # this peer's run ends here: ask who holds the next block
                 if stop != "complete":
-                    return Fetched(done, stop, f"{node_id}: {detail}")
+                    # no_room is this node's own shortage, not the peer's
+                    return Fetched(done, stop, detail if stop == "no_room" else f"{node_id}: {detail}")
             if done == before:   # it lost the block between the question and the fetch
                 return Fetched(done, "missing", f"no peer holds block {done}")
         return Fetched(done, "complete")
@@ -385,8 +390,10 @@ class PeerNode:
             try:
                 stored, result = await self.push_chain(peer.member.node_id, namespace_id, b"", chain, skip_held=True)
                 if not result.complete:
-                    log.warning("push to %s stopped after %d of %d block(s): %s", peer.member.node_id, stored,
-                                len(chain), result.detail)
+                    # acknowledged blocks only: the receiver keeps each block as it lands, so after
+                    # a timeout it may hold more than this
+                    log.warning("push to %s stopped after %d of %d block(s) acknowledged: %s", peer.member.node_id,
+                                stored, len(chain), result.detail)
             except Exception:   # a bug in one push must not stop later ones
                 log.exception("push to %s failed", peer.member.node_id)
 
@@ -470,19 +477,35 @@ class PeerNode:
         detail = ""
         moved: list[tuple[int, list[bytes]]] = []
         root_of: dict[bytes, bytes] = {}
+        target_of: dict[bytes, str] = {}   # a whole tree goes to one node: a block is stored only under its parent
+        alive = list(targets)
         yield MigrateProgress(total, 0, 0, 0, "", False)
         for namespace_id_, parent, keys in runs:
             root = root_of.get(parent, parent) or keys[0]
             for key in keys:
                 root_of[key] = root
-            # a whole tree goes to one node: a block is stored only under its parent
-            target = targets[zlib.crc32(root) % len(targets)]
-            stored, result = await self.push_chain(target, namespace_id_, parent, keys)
+            target = target_of.get(root)
+            while True:
+                if target is None:
+                    if not alive:
+                        break
+                    target = alive[zlib.crc32(root) % len(alive)]
+                stored, result = await self.push_chain(target, namespace_id_, parent, keys)
+                if stored or result.stop is not Stop.UNREACHABLE or root in target_of or len(alive) < 2:
+                    break
+                # a drain onto a node that is down (a static peer that left): its trees go to the others
+                alive.remove(target)
+                detail = f"{target}: {result.detail}"
+                target = None
+            if target is None:
+                stored = 0
+            else:
+                target_of[root] = target
+                if not result.complete:
+                    detail = f"{target}: {result.detail}"
             pushed += stored
             failed += len(keys) - stored
             moved.append((namespace_id_, keys[:stored]))
-            if not result.complete:
-                detail = f"{target}: {result.detail}"
             yield MigrateProgress(total, pushed, failed, 0, detail, False)
         dropped = 0
         if drain:

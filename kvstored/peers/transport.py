@@ -104,6 +104,7 @@ class Landing(Protocol):
 LandBlock = Callable[[int, bytes, bytes, int], "Landing | None"]
 CountBlocks = Callable[[int, list[bytes]], "int | Awaitable[int]"]
 OpenNamespace = Callable[[int, bytes], "str | Awaitable[str]"]
+WhyRefused = Callable[[int, bytes, int], str]
 OnBlock = Callable[[int, memoryview], "Awaitable[None] | None"]
 Into = Callable[[int, int], "memoryview | Awaitable[memoryview]"]
 
@@ -229,6 +230,9 @@ class Limits:
     max_key_bytes: int = 255
     max_block_bytes: int = 1 << 30
     handshake_timeout_s: float = 10.0
+    # A listener gives up a fetch or push it serves after this long (0 = never): a peer that stops
+    # reading (stuck process, zero window) must not keep the blocks it asked for pinned for ever.
+    transfer_timeout_s: float = 0.0
     socket_buffer_bytes: int = 0    # SO_SNDBUF/SO_RCVBUF; 0 = leave the kernel's autotuning on
 
 
@@ -543,6 +547,9 @@ class BlockServer:
     ``commit(checksum)`` (the xxh3-64 the bytes passed; False refuses the block) or ``abort()``
     (anything else) is called, exactly once. None: receive into a buffer here and offer it to ``store_block``.
 
+    ``why_refused(namespace_id, parent, length)`` (optional) says why a block was refused, for
+    the pusher's error.
+
     ``count_blocks(namespace_id, keys)`` (optional) answers LOOKUP: how many leading keys this node
     holds. ``open_namespace(namespace_id, description)`` (optional) learns a namespace before
     blocks of it are pushed; it returns "" or why it refuses.
@@ -551,7 +558,7 @@ class BlockServer:
     def __init__(self, host: str, port: int, auth: PeerAuth, serve_block: ServeBlock, *,
                  release_block: ReleaseBlock | None = None, store_block: StoreBlock | None = None,
                  land_block: LandBlock | None = None, count_blocks: CountBlocks | None = None,
-                 open_namespace: OpenNamespace | None = None,
+                 open_namespace: OpenNamespace | None = None, why_refused: WhyRefused | None = None,
                  limits: Limits | None = None) -> None:
         self._host = host
         self._port = port
@@ -562,6 +569,7 @@ class BlockServer:
         self._land_block = land_block
         self._count_blocks = count_blocks
         self._open_namespace = open_namespace
+        self._why_refused = why_refused
         self._limits = limits or Limits()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -647,8 +655,9 @@ class BlockServer:
                     await self._error(stream, str(exc))
                     return
                 if op == OP_FETCH:
-                    if not await self._send_blocks(stream, namespace_id, keys):
-                        return
+                    async with self._bounded(stream, "fetch"):
+                        if not await self._send_blocks(stream, namespace_id, keys):
+                            return
                 elif op == OP_PUSH and self._store_block is not None:
                     parent = b""
                     if flags & FLAG_PARENT:
@@ -656,7 +665,9 @@ class BlockServer:
                             await self._error(stream, "a push with a parent names it first")
                             return
                         parent, keys = keys[0], keys[1:]
-                    if not await self._receive_blocks(stream, namespace_id, parent, keys):
+                    async with self._bounded(stream, "push"):
+                        received = await self._receive_blocks(stream, namespace_id, parent, keys)
+                    if not received:
                         await self._discard_until_closed(stream)
                         return
                 elif op == OP_LOOKUP and self._count_blocks is not None:
@@ -671,6 +682,22 @@ class BlockServer:
         finally:
             stream.close()
             self._streams.discard(stream)
+
+    @contextlib.asynccontextmanager
+    async def _bounded(self, stream: _Stream, what: str) -> AsyncIterator[None]:
+        """One served transfer, given up (TimeoutError, the connection is closed) after
+        ``limits.transfer_timeout_s``."""
+        limit = self._limits.transfer_timeout_s
+        if not limit:
+            yield
+            return
+        try:
+            async with asyncio.timeout(limit):
+                yield
+        except TimeoutError:
+            log.warning("gave up a %s for %s after %g s: the peer stopped reading or sending", what,
+                        _peername(stream), limit)
+            raise
 
     async def _discard_until_closed(self, stream: _Stream) -> None:
         """After refusing a push midway: drop what the pusher still sends until it closes (it does
@@ -809,7 +836,8 @@ class BlockServer:
             if inspect.isawaitable(ok):
                 ok = await ok
             if not ok:
-                await self._ack(stream, stored, ERROR, f"block {i} refused by the receiver")
+                why = self._why_refused(namespace_id, parent, length) if self._why_refused else ""
+                await self._ack(stream, stored, ERROR, f"block {i} refused by the receiver{': ' + why if why else ''}")
                 return False
             stored += 1
             parent = key

@@ -34,15 +34,17 @@ def prompt(n_blocks: int, start: int = 0) -> list[int]:
 Factory = Callable[..., object]
 
 
-def cluster(daemon_factory: Factory, names: list[str], *extra: str, token: str = "t0ken") -> dict[str, object]:
-    """Start one daemon per name, each listening for peers on loopback and knowing all others."""
+def cluster(daemon_factory: Factory, names: list[str], *extra: str, token: str = "t0ken",
+            only: dict[str, tuple[str, ...]] | None = None) -> dict[str, object]:
+    """Start one daemon per name, each listening for peers on loopback and knowing all others
+    (``only``: more flags for some of them)."""
     ports = free_ports(len(names))
     static = ",".join(f"{n}=127.0.0.1:{p}" for n, p in zip(names, ports))
     out = {}
     for name, port in zip(names, ports):
         out[name] = daemon_factory("--set", f"peers.listen=127.0.0.1:{port}", "--set", f"peers.node_id={name}",
                                    "--set", f"peers.static={static}", "--set", f"peers.token={token}",
-                                   "--set", "peers.deadline_s=5", *extra)
+                                   "--set", "peers.deadline_s=5", *extra, *(only or {}).get(name, ()))
     return out
 
 
@@ -324,3 +326,63 @@ def test_stream_larger_than_dram(daemon_factory) -> None:  # type: ignore[no-unt
         assert end is not None and end.stop == "no_room" and 0 < end.blocks < n and len(got) == end.blocks
         assert all(np.array_equal(g.data.view(np.float32), src.numpy()[g.index].ravel()) for g in got)
         assert cb.lookup(tokens, namespace=bufs_b.namespace).blocks == end.blocks
+
+
+def test_drain_sends_around_a_static_peer_that_is_down(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Regression: a drain picked a target per tree among all static peers, up or not, so the trees
+    assigned to a stopped node failed although another peer was up."""
+    d = cluster(daemon_factory, ["a", "b", "c"])
+    chains = {i: (prompt(3, 10_000 * (i + 1)), rows(3, seed=i)) for i in range(8)}   # 8 trees
+    with kvstored.Client(d["b"].socket, namespace=NS) as b:
+        for tokens, kv in chains.values():
+            b.save(tokens, kv)
+    d["a"].stop()
+    with kvstored.Client(d["b"].socket, namespace=NS) as b:
+        last = list(b.migrate(drain=True))[-1]
+        assert (last["pushed_blocks"], last["failed_blocks"], last["dropped_blocks"]) == (24, 0, 24), last
+    with kvstored.Client(d["c"].socket, namespace=NS) as c:
+        for tokens, kv in chains.values():
+            assert np.array_equal(c.load(tokens).data, kv)
+
+
+def test_a_reader_that_stops_reading_does_not_pin_the_senders_blocks(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Regression: a fetching node that stopped reading (SIGSTOP) kept the serving node's blocks
+    checked out until its socket died; the server now gives up after peers.deadline_s."""
+    big = Namespace(model="pinned", block_bytes=1 << 20)
+    d = cluster(daemon_factory, ["a", "b"], "--set", "peers.deadline_s=2", "--dram-capacity", "512MiB",
+                "--set", "dram.page_bytes=2MiB")
+    tokens = prompt(200)
+    with kvstored.Client(d["a"].socket, namespace=big) as a:
+        a.save(tokens, rows(200, width=1 << 20))
+        with kvstored.Client(d["b"].socket, namespace=big) as b:
+            stream = b.stream(tokens)
+            next(iter(stream))
+            d["b"].proc.send_signal(signal.SIGSTOP)   # b stops reading mid-transfer
+            try:
+                time.sleep(4)                         # twice the deadline
+                assert a.evict(model="pinned") == 200   # nothing of the chain is still checked out
+            finally:
+                d["b"].proc.send_signal(signal.SIGCONT)
+        assert "gave up a fetch" in d["a"].log()
+
+
+def test_a_refused_push_says_why(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Regression: a push into a node with no room said only "refused by the receiver", and a
+    pull short of room on the pulling node named the peer as if it had none."""
+    d = cluster(daemon_factory, ["a", "b"], "--set", "ssd.enabled=false", only={"a": ("--dram-capacity", "256MiB")})
+    with kvstored.Client(d["a"].socket, namespace=NS) as a, kvstored.Client(d["b"].socket, namespace=NS) as b:
+        tokens = prompt(1200)                       # one chain of 75 MiB; b's arena is 64 MiB
+        assert a.save(tokens, rows(1200)).stored == 1200
+        last = list(a.migrate("b", tokens=tokens))[-1]
+        assert last["failed_blocks"] > 0 and "DRAM tier is full" in last["detail"], last
+        b.evict()
+        outcome = b.stream(tokens).wait()
+        assert outcome.stop == "no_room" and not outcome.detail.startswith("a:"), outcome
+
+
+def test_migrate_to_this_node_is_refused_by_name(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    d = cluster(daemon_factory, ["a", "b"])
+    with kvstored.Client(d["a"].socket, namespace=NS) as a:
+        a.save(prompt(2), rows(2))
+        with pytest.raises(kvstored.InvalidArgument, match="'a' is this node"):
+            list(a.migrate("a"))
