@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 import zlib
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from kvstored.peers.transport import (
     PushResult,
     Stop,
     TLSFiles,
+    certificate_warning,
     parse_address,
 )
 from kvstored.store import BlockStore, Fetched, Into, KeyRequest, Landed, LookupResult
@@ -129,6 +131,9 @@ class PeerNode:
 
         Raises PeerConfigError for an unsafe listener or unusable TLS files, OSError when the
         address cannot be bound, MembershipError when etcd cannot be reached."""
+        if self._auth.tls is not None and self._auth.tls.cert_file:
+            if warning := certificate_warning(self._auth.tls.cert_file, time.time()):
+                log.warning("%s", warning)
         if self._cfg.listen:
             host, port = parse_address(self._cfg.listen)
             store = self._store

@@ -198,6 +198,7 @@ class PeerAuth:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         _load(ctx, self.tls)
         ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.sslobject_class = _LoggedHandshake   # the refusing side says why, too
         return ctx
 
     def client_context(self) -> ssl.SSLContext | None:
@@ -207,6 +208,36 @@ class PeerAuth:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         _load(ctx, self.tls)
         return ctx
+
+
+class _LoggedHandshake(ssl.SSLObject):
+    """A server-side TLS session that logs why it refused a peer (its certificate expired, was
+    signed by another CA, ...): otherwise only the connecting side would learn it."""
+
+    def do_handshake(self) -> None:
+        try:
+            super().do_handshake()
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise   # the handshake is still under way
+        except ssl.SSLError as exc:
+            log.warning("refused a peer's TLS handshake: %s", getattr(exc, "verify_message", "") or exc.reason or exc)
+            raise
+
+
+def certificate_warning(cert_file: str, now: float) -> str:
+    """Why this node's own certificate will be refused by its peers (expired, not yet valid), or
+    "" when its dates are fine or cannot be read."""
+    try:
+        info = ssl._ssl._test_decode_cert(cert_file)  # type: ignore[attr-defined]  # stdlib's PEM reader
+        not_before = ssl.cert_time_to_seconds(info["notBefore"])
+        not_after = ssl.cert_time_to_seconds(info["notAfter"])
+    except Exception:
+        return ""
+    if now > not_after:
+        return f"the peer certificate {cert_file} expired on {info['notAfter']}: peers will refuse it"
+    if now < not_before:
+        return f"the peer certificate {cert_file} is not valid before {info['notBefore']}: peers will refuse it"
+    return ""
 
 
 def _load(ctx: ssl.SSLContext, files: TLSFiles) -> None:

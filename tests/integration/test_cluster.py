@@ -234,6 +234,11 @@ def test_mutual_tls_between_daemons(daemon_factory: Factory, certs: Certs) -> No
             assert hit.per_peer == {} and hit.blocks == 0
     with kvstored.Client(a.socket, namespace=NS) as ca:
         assert ca.stats()["peer_served_blocks"] == 5   # b's stream only
+    # the refusing side says why too, and a node warns about its own expired certificate at start
+    # (a review found both silent)
+    refusals = [line for line in a.log().splitlines() if "refused a peer's TLS handshake" in line]
+    assert any("expired" in line for line in refusals) and len(refusals) >= 2, a.log()[-3000:]
+    assert "expired on" in expired.log() and "peers will refuse it" in expired.log()
 
 
 def test_push_and_migrate_over_mutual_tls(daemon_factory: Factory, certs: Certs) -> None:
