@@ -45,7 +45,8 @@ def render_stats(stats: dict[str, Any], console: Console) -> None:
     counters.add_column(justify="right")
     for name, value in (
         ("lookups", stats["lookups"]),
-        ("blocks asked / hit", f"{asked} / {hit}" + (f"  ({100 * hit / asked:.1f}%)" if asked else "")),
+        ("blocks asked / hit (lookups and loads)",
+         f"{asked} / {hit}" + (f"  ({100 * hit / asked:.1f}%)" if asked else "")),
         ("hit tokens", stats["hit_tokens"]),
         ("saved blocks", stats["saved_blocks"]),
         ("promotions / demotions", f"{stats['promotions']} / {stats['demotions']}"),
@@ -90,7 +91,8 @@ def stats(socket: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
     else:
-        render_stats(data, Console())
+        # a pipe or a log file gets the whole table, not one cut to 80 columns
+        render_stats(data, Console() if sys.stdout.isatty() else Console(width=120))
 
 
 @cli.command()

@@ -70,7 +70,7 @@ def serve(client: kvstored.Client, prompt: np.ndarray, label: str) -> np.ndarray
     assert np.array_equal(reused, full[: cached.blocks]), "restored KV differs from the engine's"
     saved = client.save(prompt, full, namespace=NS)
     mib = cached.blocks * reused[0].nbytes / 2**20 if cached.blocks else 0
-    print(f"{label:<34} prompt {len(prompt):>5} tok | cached {hit.tokens:>5} tok "
+    print(f"{label:<36} prompt {len(prompt):>5} tok | cached {hit.tokens:>5} tok "
           f"({100 * hit.tokens / len(prompt):3.0f}%) | lookup {t_lookup * 1e3:5.2f} ms | "
           f"load {mib:6.1f} MiB in {t_load * 1e3:6.2f} ms | prefill {len(prompt) - hit.tokens:>5} tok "
           f"| stored {saved.stored} new blocks")
@@ -96,7 +96,7 @@ def engine_buffers(client: kvstored.Client) -> None:
     dt = time.perf_counter() - t0
     same = all(np.array_equal(x.numpy()[:, 10:42], y.numpy()[:, :32]) for x, y in zip(engine_a, engine_b))
     mib = loaded.blocks * (2 * BLOCK * KV_HEADS * HEAD_DIM * 2 * LAYERS) / 2**20
-    print(f"{'engine buffers (vLLM paged layout)':<34} saved {saved.stored} blocks from engine A, loaded "
+    print(f"{'4. engine buffers (vLLM layout)':<36} saved {saved.stored} blocks from engine A, loaded "
           f"{loaded.blocks} into engine B ({mib:.0f} MiB in {dt * 1e3:.2f} ms), identical: {same}")
     client.unregister_buffers(a)
     client.unregister_buffers(b)
@@ -142,6 +142,8 @@ def two_nodes() -> Iterator[tuple[kvstored.Client, kvstored.Client]]:
 
 
 def disaggregated() -> None:
+    print("\n5. prefill/decode on two more daemons started for this (peer channels on loopback; their "
+          "counters are not in the kvctl stats below)")
     with two_nodes() as (prefill_node, decode_node):
         prompt = np.concatenate([words(11, 1024), words(12, 1000)])
         kv = prefill(prompt)
@@ -153,7 +155,7 @@ def disaggregated() -> None:
         while decode_node.lookup(prompt, namespace=NS).blocks < len(kv) and time.monotonic() < deadline:
             time.sleep(0.005)
         pushed = decode_node.lookup(prompt, namespace=NS)
-        print(f"{'5a. prefill node pushes to decode':<34} {len(kv)} blocks saved chunk by chunk with push_to="
+        print(f"{'5a. prefill node pushes to decode':<36} {len(kv)} blocks saved chunk by chunk with push_to="
               f"'decode': {pushed.blocks} on the decode node after {1e3 * (time.perf_counter() - t0):.0f} ms")
         assert pushed.blocks == len(kv), "the decode node did not get every pushed block"
         got = decode_node.load(prompt, namespace=NS, dtype=np.float16).data.reshape(-1, *ROW_SHAPE)
@@ -173,7 +175,7 @@ def disaggregated() -> None:
         last = time.perf_counter() - t0
         out = stream.outcome
         assert out is not None and out.complete, out
-        print(f"{'5b. decode node streams from peer':<34} lookup(peers=True) {hit.per_tier}, per peer "
+        print(f"{'5b. decode node streams from peer':<36} lookup(peers=True) {hit.per_tier}, per peer "
               f"{hit.per_peer}; first block after {first * 1e3:.1f} ms, all {out.blocks} after {last * 1e3:.1f} ms")
 
 
