@@ -346,24 +346,31 @@ def test_drain_sends_around_a_static_peer_that_is_down(daemon_factory) -> None: 
 
 
 def test_a_reader_that_stops_reading_does_not_pin_the_senders_blocks(daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    """Regression: a fetching node that stopped reading (SIGSTOP) kept the serving node's blocks
-    checked out until its socket died; the server now gives up after peers.deadline_s."""
-    big = Namespace(model="pinned", block_bytes=1 << 20)
-    d = cluster(daemon_factory, ["a", "b"], "--set", "peers.deadline_s=2", "--dram-capacity", "512MiB",
-                "--set", "dram.page_bytes=2MiB")
-    tokens = prompt(200)
-    with kvstored.Client(d["a"].socket, namespace=big) as a:
-        a.save(tokens, rows(200, width=1 << 20))
-        with kvstored.Client(d["b"].socket, namespace=big) as b:
-            stream = b.stream(tokens)
+    """Regression: a fetching peer that stopped reading kept the serving node's blocks checked out
+    until its socket died; the server now gives up after peers.deadline_s and releases them."""
+    from netfault import FaultProxy
+
+    pa, pb = free_ports(2)
+    proxy = FaultProxy(("127.0.0.1", pa), rate_bytes_s=4 << 20)   # slow enough to still be sending
+    try:
+        common = ("--set", "peers.token=t", "--set", "peers.deadline_s=2", "--dram-capacity", "128MiB")
+        a = daemon_factory("--set", f"peers.listen=127.0.0.1:{pa}", "--set", "peers.node_id=a", *common)
+        b = daemon_factory("--set", f"peers.listen=127.0.0.1:{pb}", "--set", "peers.node_id=b",
+                           "--set", f"peers.static=a=127.0.0.1:{proxy.port}", *common)
+        tokens = prompt(200)
+        with kvstored.Client(a.socket, namespace=NS) as ca, kvstored.Client(b.socket, namespace=NS) as cb:
+            ca.save(tokens, rows(200, seed=3))
+            stream = cb.stream(tokens)
             next(iter(stream))
-            d["b"].proc.send_signal(signal.SIGSTOP)   # b stops reading mid-transfer
-            try:
-                time.sleep(4)                         # twice the deadline
-                assert a.evict(model="pinned") == 200   # nothing of the chain is still checked out
-            finally:
-                d["b"].proc.send_signal(signal.SIGCONT)
-        assert "gave up a fetch" in d["a"].log()
+            proxy.stalled.set()        # nothing moves any more: a's sends block, as with a stuck reader
+            deadline = time.monotonic() + 10
+            while "gave up a fetch" not in a.log() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert "gave up a fetch" in a.log()
+            assert ca.evict() == 200   # nothing of the chain is still checked out on a
+            stream.close()
+    finally:
+        proxy.close()
 
 
 def test_a_refused_push_says_why(daemon_factory) -> None:  # type: ignore[no-untyped-def]
