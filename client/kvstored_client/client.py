@@ -42,6 +42,9 @@ from kvstored_client.paths import discover_socket_path
 from kvstored_client.wire import namespace_from_pb, namespace_to_pb
 
 MAX_MESSAGE_BYTES = 64 << 20
+# The daemon repeats a migration's progress at least every 5 s: a client gives up after three
+# silent intervals (or its timeout_s, when longer).
+MIGRATE_IDLE_MIN_S = 15.0
 T = TypeVar("T")
 TIER_NAMES: dict[int, str] = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_PEER: "peer"}
 
@@ -158,7 +161,7 @@ class Client:
         self._session_id: str | None = None
         self._session_call: Any = None
         self._session_done = threading.Event()   # the current session's: set, its stream ends
-        self._session_lost = False    # a session ended under us: the daemon may be a new one
+        self._opening: threading.Event | None = None   # set when the thread opening a session is done
         self._arena: np.ndarray | None = None
         self._arena_map: mmap.mmap | None = None
         self._namespace_ids: dict[Namespace, tuple[int, Namespace]] = {}
@@ -174,6 +177,8 @@ class Client:
 
     def _error(self, exc: grpc.RpcError) -> KVStoreError:
         """The SDK error for a failed call, naming the daemon where the status alone would not."""
+        if self._closed:
+            return ClientClosed(f"this client of {self.socket} was closed during the call")
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE:
             return DaemonNotRunning(f"kvstored on {self.socket} went away: {exc.details()}")
@@ -188,57 +193,93 @@ class Client:
             return method(request, timeout=self._timeout)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
+        except ValueError:   # grpc's "Cannot invoke RPC on closed channel!"
+            if self._closed:
+                raise ClientClosed(f"this client of {self.socket} was closed during the call") from None
+            raise
 
     def _session(self) -> str:
-        """The session id, opening a session first if there is none (within ``timeout_s``).
-        After a lost session (the daemon restarted) the daemon is asked who it is again, and its
-        arena and namespaces are looked up afresh."""
-        with self._lock:
-            self._check_open()
-            if self._session_id is not None:
-                return self._session_id
-            if self._session_lost:
-                self._rejoin()
-            done = self._session_done = threading.Event()
-            hello = pb.SessionRequest(client_name=self._client_name, pid=os.getpid())
+        """The session id, opening a session first if there is none."""
+        return self._session_arena(False)[0]
 
-            def requests() -> Iterator[pb.SessionRequest]:
-                yield hello
-                done.wait()  # keep the stream open for the session's lifetime
+    def _session_arena(self, arena: bool = True) -> tuple[str, np.ndarray | None]:
+        """The session id and (with ``arena``) the arena of the daemon that session belongs to,
+        taken together: a block's offset from a call in this session always goes with this
+        mapping, even if the daemon restarts meanwhile (the old mapping stays valid, unlinked).
 
+        Opening a session takes at most ``timeout_s`` (DeadlineExceeded); one thread opens it,
+        others wait for that (each within its own ``timeout_s``). A session's first event names
+        the daemon's arena: after a restart the new arena is mapped and namespace ids are asked
+        for again."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            with self._lock:
+                self._check_open()
+                if self._session_id is not None:
+                    return self._session_id, self._arena_view() if arena else None
+                opening = self._opening
+                if opening is None:
+                    opening = self._opening = threading.Event()
+                    mine = True
+                else:
+                    mine = False
+            if mine:
+                try:
+                    self._open_session(max(0.0, deadline - time.monotonic()))
+                finally:
+                    with self._lock:
+                        self._opening = None
+                    opening.set()
+                continue   # take the session (and arena) under the lock
+            if not opening.wait(max(0.0, deadline - time.monotonic())) or time.monotonic() >= deadline:
+                raise DeadlineExceeded(f"kvstored on {self.socket} did not open a session within "
+                                       f"{self._timeout:g} s (Client timeout_s)")
+
+    def _open_session(self, timeout: float) -> None:
+        """Open a session (the caller is the only thread doing so); raise on failure."""
+        done = threading.Event()
+        hello = pb.SessionRequest(client_name=self._client_name, pid=os.getpid())
+
+        def requests() -> Iterator[pb.SessionRequest]:
+            yield hello
+            done.wait()  # keep the stream open for the session's lifetime
+
+        try:
             call = self._stub.Session(requests())
-            first: queue.Queue[Any] = queue.Queue(maxsize=1)
-            self._session_call = call   # set before the watcher can see the session end
-            threading.Thread(target=self._watch_session, args=(call, done, first), daemon=True,
-                             name="kvstored-session").start()
-            try:
-                opened = first.get(timeout=self._timeout)
-            except queue.Empty:
-                opened = DeadlineExceeded(f"kvstored on {self.socket} did not open a session within "
-                                          f"{self._timeout:g} s (Client timeout_s)")
+        except ValueError:
+            self._check_open()
+            raise
+        first: queue.Queue[Any] = queue.Queue(maxsize=1)
+        with self._lock:
+            self._session_call = call   # before the watcher can see the session end
+            self._session_done = done
+        threading.Thread(target=self._watch_session, args=(call, done, first), daemon=True,
+                         name="kvstored-session").start()
+        try:
+            opened = first.get(timeout=timeout)
+        except queue.Empty:
+            opened = DeadlineExceeded(f"kvstored on {self.socket} did not open a session within "
+                                      f"{self._timeout:g} s (Client timeout_s)")
+        with self._lock:
+            if not isinstance(opened, BaseException) and self._session_call is not call:
+                opened = DaemonNotRunning(f"kvstored on {self.socket} ended the session at once")
             if isinstance(opened, BaseException):
-                self._session_call = None
+                if self._session_call is call:
+                    self._session_call = None
                 call.cancel()
                 done.set()
                 raise opened
+            if (opened.arena_path, opened.arena_bytes) != (self._hello.arena_path, self._hello.arena_bytes):
+                # Another daemon than the one the arena mapping and namespace ids came from (a
+                # restart): views other threads still hold keep the old mapping alive.
+                hello_now = pb.HelloResponse()
+                hello_now.CopyFrom(self._hello)
+                hello_now.arena_path, hello_now.arena_bytes = opened.arena_path, opened.arena_bytes
+                self._hello = hello_now
+                self._arena = None
+                self._arena_map = None
+                self._namespace_ids.clear()
             self._session_id = opened.session_id
-            return opened.session_id
-
-    def _rejoin(self) -> None:
-        """Called with the lock held, after a lost session: if the daemon answering now is not
-        the one the arena mapping and namespace ids came from, forget them."""
-        try:
-            hello = self._stub.Hello(pb.HelloRequest(), timeout=min(self._timeout, 5.0))
-        except grpc.RpcError as exc:
-            raise self._error(exc) from None
-        if (hello.arena_path, hello.arena_bytes) != (self._hello.arena_path, self._hello.arena_bytes):
-            # A new daemon: the old arena file is not its memory any more. Views other threads
-            # still hold keep the old mapping alive until they drop them.
-            self._arena = None
-            self._arena_map = None
-        self._hello = hello
-        self.daemon_version = hello.version
-        self._session_lost = False
 
     def _watch_session(self, call: Any, done: threading.Event, first: queue.Queue[Any]) -> None:
         try:
@@ -258,16 +299,20 @@ class Client:
         done.set()
         with self._lock:
             if self._session_call is call:
-                # daemon restarted or stopped: the next call reconnects, and namespace ids are
-                # asked for again (a restarted daemon may number them differently)
+                # daemon restarted or stopped: the next call opens a new session, and namespace
+                # ids are asked for again (cheap; a restarted daemon may know other namespaces)
                 self._session_id = None
                 self._session_call = None
-                self._session_lost = True
                 self._namespace_ids.clear()
 
     def _arena_view(self) -> np.ndarray:
+        """The current daemon's arena (mapped on first use); DaemonNotRunning when it is gone."""
         if self._arena is None:
-            fd = os.open(self._hello.arena_path, os.O_RDWR)
+            try:
+                fd = os.open(self._hello.arena_path, os.O_RDWR)
+            except OSError as exc:
+                raise DaemonNotRunning(f"the arena of kvstored on {self.socket} is gone ({exc.strerror}); "
+                                       "the daemon restarted or stopped") from None
             try:
                 flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                 self._arena_map = mmap.mmap(fd, self._hello.arena_bytes, flags=flags)
@@ -331,20 +376,26 @@ class Client:
             except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
                 pass   # the lease expires by itself; nothing the caller can do about it
 
-    def _release_later(self, lease_id: int) -> None:
-        # The future must stay referenced until it is done: grpc cancels a collected one.
-        fut = self._stub.Release.future(pb.ReleaseRequest(session_id=self._session(), lease_id=lease_id),
-                                        timeout=self._timeout)
+    def _release_later(self, session_id: str, lease_id: int) -> None:
+        """Send the release of a lease of session ``session_id`` without waiting for it. Never
+        raises: a lease that cannot be released (the session or the client is gone) expires."""
+        if session_id != self._session_id:
+            return   # its session ended: the daemon released the lease with it
+        try:
+            # The future must stay referenced until it is done: grpc cancels a collected one.
+            fut = self._stub.Release.future(pb.ReleaseRequest(session_id=session_id, lease_id=lease_id),
+                                            timeout=self._timeout)
+        except ValueError:   # the channel is closed
+            return
         with self._releases_lock:
             self._pending_releases = [f for f in self._pending_releases if not f.done()]
             self._pending_releases.append(fut)
 
-    def _release_now(self, lease_id: int) -> None:
+    def _release_now(self, session_id: str, lease_id: int) -> None:
         """Give a lease back on a failure path; the original error is what the caller sees."""
         try:
-            self._stub.Release(pb.ReleaseRequest(session_id=self._session(), lease_id=lease_id),
-                               timeout=self._timeout)
-        except (grpc.RpcError, KVStoreError):
+            self._stub.Release(pb.ReleaseRequest(session_id=session_id, lease_id=lease_id), timeout=self._timeout)
+        except (grpc.RpcError, ValueError):
             pass   # it expires by itself
 
     # -- reuse --------------------------------------------------------------------------------
@@ -371,7 +422,9 @@ class Client:
         ``push_to`` (a peer node id) the daemon also pushes the chain to that node in the
         background, in order, skipping what it holds.
         """
-        session = self._session()   # first: a new session after a restart renews the namespace ids
+        # first: a new session after a restart renews the namespace ids; and the arena goes with it
+        session, arena = self._session_arena()
+        assert arena is not None, "an arena comes with the session when asked for"
         ns_id, spec = self._ns(namespace)
         keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
         rows = _rows(kv)
@@ -384,7 +437,6 @@ class Client:
             session_id=session, namespace_id=ns_id, keys=keys, block_bytes=block_bytes))
         if spec.block_bytes == 0:
             self._namespace_ids.pop(namespace or self.namespace, None)  # learn the fixed size
-        arena = self._arena_view()
         first = resp.present_blocks
         for i, offset in enumerate(resp.offsets):
             arena[offset: offset + block_bytes] = rows[first + i]
@@ -402,7 +454,9 @@ class Client:
         uint8 array (or ``dtype``) is returned. Raises LeaseExpired if the read outlived its lease;
         bad ``out``/``dtype`` raise InvalidArgument (nothing stays leased).
         """
-        session = self._session()   # first: a new session after a restart renews the namespace ids
+        # first: a new session after a restart renews the namespace ids; and the arena goes with it
+        session, arena = self._session_arena()
+        assert arena is not None, "an arena comes with the session when asked for"
         ns_id, spec = self._ns(namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
         out_rows = None if out is None else _writable_rows(out)
@@ -437,16 +491,15 @@ class Client:
                     raise InvalidArgument(f"a block of {block_bytes} bytes is not a whole number of "
                                           f"{row_type} items")
                 data = rows if row_type is None else rows.view(row_type)
-            arena = self._arena_view()
             for i, offset in enumerate(resp.offsets):
                 rows[i] = arena[offset: offset + block_bytes]
         except BaseException:
-            self._release_now(resp.lease_id)
+            self._release_now(session, resp.lease_id)
             raise
         # The daemon's deadline is at least ttl after our request left: well inside it, the
         # bytes were pinned for the whole copy and the release need not be waited for.
         if time.monotonic() - started < resp.lease_ttl_ms / 2000:
-            self._release_later(resp.lease_id)
+            self._release_later(session, resp.lease_id)
         else:
             try:
                 self._call(self._stub.Release, pb.ReleaseRequest(session_id=session, lease_id=resp.lease_id))
@@ -565,7 +618,8 @@ class Client:
         it stopped; a short stream is not an error (the engine recomputes the rest).
         """
         ns = buffers.namespace if buffers is not None else namespace
-        session = self._session()
+        # the arena before the call starts, and with the session: offsets go with this mapping
+        session, arena = self._session_arena(buffers is None)
         ns_id, spec = self._ns(ns)
         keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
@@ -573,9 +627,12 @@ class Client:
         request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id, keys=keys,
                                          buffers_id=buffers.buffers_id if buffers is not None else 0,
                                          block_ids=_block_ids(block_ids or [], buffers), peers=peers)
-        call = self._stub.StreamBlocks(request, timeout=self._timeout)
-        arena = self._arena_view() if buffers is None else None
-        return BlockStream(self, call, arena, spec.block_size, spec.block_bytes)
+        try:
+            call = self._stub.StreamBlocks(request, timeout=self._timeout)
+        except ValueError:   # closed channel
+            self._check_open()
+            raise
+        return BlockStream(self, session, call, arena, spec.block_size, spec.block_bytes)
 
     def pull(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
              namespace: Namespace | None = None, cache_salt: str | None = None) -> StreamOutcome:
@@ -617,7 +674,8 @@ class Client:
         pushed_blocks, failed_blocks, dropped_blocks, detail, done).
 
         A migration may take any time, but the daemon reports progress every few seconds: when
-        nothing comes for ``timeout_s``, DeadlineExceeded (the migration is cancelled)."""
+        nothing comes for ``timeout_s`` (at least 15 s), DeadlineExceeded (the migration is
+        cancelled)."""
         self._check_open()
         self._settle_releases()
         request = pb.MigrateRequest(to=to, model=model, drain=drain)
@@ -626,14 +684,15 @@ class Client:
             keys, _ = self._keys(spec, tokens, hashes, None)
             request.prefix.CopyFrom(keys)
             request.namespace_id = ns_id
-        for p in self._until_idle(self._stub.Migrate(request, timeout=None), "migration"):
+        for p in self._until_idle(self._stub.Migrate(request, timeout=None), "migration",
+                                  max(self._timeout, MIGRATE_IDLE_MIN_S)):
             yield {"total_blocks": p.total_blocks, "pushed_blocks": p.pushed_blocks,
                    "failed_blocks": p.failed_blocks, "dropped_blocks": p.dropped_blocks,
                    "detail": p.detail, "done": p.done}
 
-    def _until_idle(self, call: Any, what: str) -> Iterator[Any]:
+    def _until_idle(self, call: Any, what: str, idle_s: float) -> Iterator[Any]:
         """The messages of a server stream with no overall deadline, as they come; the call is
-        cancelled and DeadlineExceeded raised when none comes for ``timeout_s``."""
+        cancelled and DeadlineExceeded raised when none comes for ``idle_s``."""
         inbox: queue.Queue[Any] = queue.Queue()
         end = object()
 
@@ -649,10 +708,10 @@ class Client:
         try:
             while True:
                 try:
-                    item = inbox.get(timeout=self._timeout)
+                    item = inbox.get(timeout=idle_s)
                 except queue.Empty:
                     raise DeadlineExceeded(f"kvstored on {self.socket} reported no progress of the {what} "
-                                           f"for {self._timeout:g} s (Client timeout_s); cancelled") from None
+                                           f"for {idle_s:g} s; cancelled") from None
                 if item is end:
                     return
                 if isinstance(item, grpc.RpcError):
@@ -692,10 +751,12 @@ class Client:
         if self._closed:
             return
         self._settle_releases()
-        self._closed = True
-        self._session_done.set()
-        if self._session_call is not None:
-            self._session_call.cancel()
+        with self._lock:
+            self._closed = True
+            done, call = self._session_done, self._session_call
+        done.set()
+        if call is not None:
+            call.cancel()
         self._channel.close()
         self._arena = None
         if self._arena_map is not None:
@@ -789,9 +850,10 @@ class BlockStream:
     """A streamed load (``Client.stream``): iterate for :class:`BlockArrival` in token order;
     ``outcome`` afterwards. Leaving the loop early (or ``close``) cancels the rest."""
 
-    def __init__(self, client: Client, call: Any, arena: np.ndarray | None, block_size: int,
+    def __init__(self, client: Client, session_id: str, call: Any, arena: np.ndarray | None, block_size: int,
                  block_bytes: int) -> None:
         self._client = client
+        self._session_id = session_id
         self._call = call
         self._arena = arena
         self._block_size = block_size
@@ -825,7 +887,7 @@ class BlockStream:
             if lease_id:
                 # Also when left early: the daemon may have finished and handed the lease to an
                 # end this loop never read (releasing one it already dropped is a no-op).
-                self._client._release_later(lease_id)
+                self._client._release_later(self._session_id, lease_id)
 
     def close(self) -> None:
         """Stop the stream before its end; its lease (if the loop saw it) is released when the

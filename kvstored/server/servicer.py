@@ -74,7 +74,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         session = self._store.open_session(first.client_name, first.pid)
         log.info("session %s opened by %s (pid %d)", session.session_id[:8], first.client_name, first.pid)
         try:
-            await context.write(pb.SessionEvent(session_id=session.session_id))
+            await context.write(pb.SessionEvent(session_id=session.session_id, arena_path=str(self._arena.path),
+                                                arena_bytes=self._arena.capacity))
             reader = asyncio.ensure_future(context.read())
             closing = asyncio.ensure_future(self._shutting_down.wait())
             done, _ = await asyncio.wait({reader, closing}, return_when=asyncio.FIRST_COMPLETED)
