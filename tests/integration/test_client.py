@@ -259,6 +259,8 @@ def test_unregister_during_copy_waits_for_it(client) -> None:  # type: ignore[no
     dst_layers = [kvstored.shm.empty((2, 64, 16, 8, 64), "float16") for _ in range(8)]
     dst = client.register_buffers([t.numpy() for t in dst_layers], 1, namespace=ns)
     handle = client.load_blocks(dst, list(range(64)), tokens, wait=False)
+    # once the daemon has started copying (two calls on one channel may reach it in either order)
+    assert handle.result().blocks == 64
     client.unregister_buffers(dst)
     assert handle.wait(timeout=60).blocks == 64  # the copy was not cut short
     for i, t in enumerate(dst_layers):
