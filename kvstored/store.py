@@ -148,6 +148,9 @@ Landed = Callable[[int, str], Awaitable[None]]
 Fetcher = Callable[[int, list[bytes], Into, Landed], Awaitable[Fetched]]
 
 
+_FLUSH_ROUNDS = 6000   # write-back rounds (or 10 ms waits for other write-backs) a flush takes at most
+
+
 @dataclass(frozen=True, slots=True)
 class RestoreReport:
     namespaces: int
@@ -384,7 +387,12 @@ class BlockStore:
         ttl = self._config.leases.ttl_s
         if session is not None and hits:
             held = self._pin(session, LeaseKind.READ, namespace_id, hits, ttl)
-            n = await self._ensure_dram(hits)
+            try:
+                n = await self._ensure_dram(hits)
+            except BaseException:   # cancelled while blocks came up from SSD: the lease goes too
+                if self._leases.get(held.lease_id) is held:
+                    self._end(held, session, aborted=True)
+                raise
             if n < len(hits):
                 for block in hits[n:]:
                     block.pins -= 1
@@ -471,7 +479,9 @@ class BlockStore:
         if started:
             self._spawn(self._track_promoted(started))
         for i, fut in waits:
-            if not await fut:
+            # shielded: the promotion is shared (other readers, _finish_promotion, _track_promoted);
+            # a caller that is cancelled (a client gone, a transfer timed out) must not cancel it
+            if not await asyncio.shield(fut):
                 cut = min(cut, i)
         return cut
 
@@ -988,11 +998,16 @@ class BlockStore:
             raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)")
         ids = self._namespace_ids(model)
         total = 0
-        while True:
+        for _ in range(_FLUSH_ROUNDS):
             written = await self._write_back(float("inf"), force=True, models=ids)
             total += written
-            if written == 0:
+            if written:
+                continue
+            # Blocks another write-back is writing now are skipped above: wait for them to land
+            # (or fail) rather than count them as left.
+            if not any(b.flags & DEMOTING for ns_id in ids for b in self._namespaces[ns_id].index):
                 break
+            await asyncio.sleep(0.01)
         left = sum(1 for ns_id in ids for b in self._namespaces[ns_id].index
                    if b.sealed and b.in_dram and not b.on_ssd)
         if left:
@@ -1188,7 +1203,12 @@ class BlockStore:
         if block is None or not block.readable:
             return None
         block.pins += 1
-        if await self._ensure_dram([block]) < 1:
+        try:
+            ready = await self._ensure_dram([block])
+        except BaseException:   # cancelled while it was being read (the peer gave up): no pin left behind
+            block.pins -= 1
+            raise
+        if ready < 1:
             block.pins -= 1
             self._remove_if_hollow(block)
             return None

@@ -220,7 +220,11 @@ class _LoggedHandshake(ssl.SSLObject):
         except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
             raise   # the handshake is still under way
         except ssl.SSLError as exc:
-            log.warning("refused a peer's TLS handshake: %s", getattr(exc, "verify_message", "") or exc.reason or exc)
+            reason = getattr(exc, "verify_message", "") or exc.reason or str(exc)
+            if "ALERT" in str(exc.reason or ""):   # the peer refused ours (it sent an alert)
+                log.warning("a peer refused this node's TLS handshake: %s", reason)
+            else:
+                log.warning("refused a peer's TLS handshake: %s", reason)
             raise
 
 
@@ -780,6 +784,10 @@ class BlockServer:
                 current, upcoming = upcoming[1], None
                 try:
                     raw = await current
+                except asyncio.CancelledError:
+                    # given up (timeout, shutdown): a block that was checked out just now goes back
+                    await self._abandon(namespace_id, key, current)
+                    raise
                 except Exception as exc:
                     log.warning("serving block %s failed: %r", key.hex()[:16], exc)
                     await self._error(stream, f"serving block {i} failed: {exc}")

@@ -89,15 +89,20 @@ class Arena:
         if free is not None and capacity > free:
             raise ArenaTooLarge(f"dram.capacity of {capacity >> 20} MiB does not fit in {shm_dir}: "
                                 f"{free >> 20} MiB free there")
-        self.path = Path(shm_dir) / f"kvstored-{os.getpid()}-{secrets.token_hex(4)}"
+        name = f"kvstored-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = Path(shm_dir) / name
         self.capacity = capacity
+        # Made under a name the sweep ignores, locked, then renamed: another daemon's sweep never
+        # sees the arena unlocked.
+        making = Path(shm_dir) / f".{name}.new"
         old_umask = os.umask(0)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+            fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
         finally:
             os.umask(old_umask)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
+            os.rename(making, self.path)
             if prefault:
                 # Reserve every page now: a full tmpfs is an error here, not a SIGBUS later.
                 os.posix_fallocate(fd, 0, capacity)
@@ -106,6 +111,7 @@ class Arena:
             self._mmap = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
+            making.unlink(missing_ok=True)
             self.path.unlink(missing_ok=True)
             raise
         self._lock_fd = fd

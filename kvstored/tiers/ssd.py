@@ -66,13 +66,17 @@ def _lock_directory(path: Path) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise InUse(f"{path} is in use by another kvstored (pid {holder}); give each daemon its own "
-                    "ssd.path") from None
+        whom = "this process" if holder == str(os.getpid()) else f"another kvstored (pid {holder})"
+        raise InUse(f"{path} is in use by {whom}; give each daemon its own ssd.path") from None
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -192,23 +196,28 @@ class SSDTier:
         self._lock_fd = _lock_directory(self.path)
         # The index needs ~150 bytes a block; the map is sparse address space, so generous is free.
         self.map_size = max(map_size, 1 << 20)
-        try:
-            self._env = lmdb.open(path, map_size=self.map_size, max_dbs=4, writemap=False, readahead=True,
-                                  sync=sync, metasync=sync, max_readers=126, lock=True, subdir=True)
-        except BaseException:
-            os.close(self._lock_fd)
-            raise
-        self._meta = self._env.open_db(b"meta")
-        self._namespaces = self._env.open_db(b"namespaces")
-        self._sync = sync
         self._files: dict[int, _SlotFile] = {}
         self._files_lock = threading.Lock()
-        used: dict[int, set[int]] = {}
-        for item in self.scan():
-            if isinstance(item, BlockRecord):
-                used.setdefault(item.length, set()).add(item.slot)
-        for length, slots in used.items():
-            self._file(length, slots)
+        env = None
+        try:
+            env = self._env = lmdb.open(path, map_size=self.map_size, max_dbs=4, writemap=False, readahead=True,
+                                        sync=sync, metasync=sync, max_readers=126, lock=True, subdir=True)
+            self._meta = self._env.open_db(b"meta")
+            self._namespaces = self._env.open_db(b"namespaces")
+            used: dict[int, set[int]] = {}
+            for item in self.scan():
+                if isinstance(item, BlockRecord):
+                    used.setdefault(item.length, set()).add(item.slot)
+            for length, slots in used.items():
+                self._file(length, slots)
+        except BaseException:   # nothing stays open, the directory's lock included
+            for f in self._files.values():
+                f.close()
+            if env is not None:
+                env.close()
+            os.close(self._lock_fd)
+            raise
+        self._sync = sync
         self._group_bytes = group_commit_bytes
         self._ops: queue.Queue[_Op | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kvstored-ssd-writer", daemon=True)
@@ -391,14 +400,16 @@ class SSDTier:
 
     def close(self) -> None:
         """Finish queued writes, then close everything."""
-        self._ops.put(None)
-        self._writer.join()
-        self._readers.shutdown(wait=True)
-        self._env.close()
-        for f in self._files.values():
-            f.close()
-        with contextlib.suppress(OSError):
-            os.close(self._lock_fd)
+        try:
+            self._ops.put(None)
+            self._writer.join()
+            self._readers.shutdown(wait=True)
+            self._env.close()
+            for f in self._files.values():
+                f.close()
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
 
 
 def _settle(fut: Future[None], exc: Exception | None) -> None:

@@ -205,3 +205,49 @@ def test_ssd_admission_is_the_policys(tmp_path: Path, policy: str) -> None:
         written = asyncio.run(store._write_back(float(BLOCK), force=False, models=None))
         assert written == int(policy != "credit")
         assert cached(store, ns, new) == 1 and cached(store, ns, hot) == int(policy == "credit")
+
+
+def test_a_cancelled_reader_does_not_cancel_a_shared_promotion(tmp_path: Path) -> None:
+    """Regression (code review): two readers waited on one SSD promotion; cancelling one (a peer
+    transfer given up, a client gone) cancelled the promotion itself, failed the other reader and
+    left the block pinned for ever."""
+    with make_store(tmp_path, dram="lru", ssd="lru") as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        keys = chain(1, 777_000)
+        _to_ssd_only(store, s, ns, keys)
+
+        async def run() -> None:
+            first = asyncio.ensure_future(store.checkout(ns, keys[0]))
+            second = asyncio.ensure_future(store.checkout(ns, keys[0]))
+            await asyncio.sleep(0)          # both are waiting on the same read from SSD
+            first.cancel()
+            served = await second
+            assert served is not None and bytes(served[0]) != b"", "the other reader lost its block"
+            store.checkin(ns, keys[0])
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            await store.drain()
+
+        asyncio.run(run())
+        block = store._namespaces[ns].index.get(keys[0])
+        assert block is not None and block.pins == 0 and block.in_dram   # nothing left pinned
+        assert store.evict(tier=Tier.DRAM) == 1
+
+
+def test_flush_waits_for_a_write_back_already_under_way(tmp_path: Path) -> None:
+    """Regression (code review): a flush skipped the blocks another write-back was writing and
+    then counted them as 'still only in DRAM' (ResourceExhausted on a healthy node)."""
+    with make_store(tmp_path, dram="lru", ssd="lru") as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        save(store, s, ns, chain(4, 888_000))
+
+        async def run() -> int:
+            background = asyncio.ensure_future(store._write_back(float("inf"), True, {ns}))
+            await asyncio.sleep(0)          # the background round has marked its blocks
+            flushed = await store.flush()
+            return flushed + await background
+
+        assert asyncio.run(run()) == 4
+        assert all(b.on_ssd for b in store._namespaces[ns].index)

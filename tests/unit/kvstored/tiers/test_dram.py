@@ -33,6 +33,8 @@ def test_the_sweep_spares_an_arena_a_live_daemon_holds(tmp_path: Path) -> None:
 
 def test_an_arena_is_locked_until_closed(tmp_path: Path) -> None:
     arena = Arena(str(tmp_path), 1 << 20, prefault=True)
+    # made under a hidden name, locked, then renamed: only the locked arena is ever visible
+    assert [p.name for p in tmp_path.iterdir()] == [arena.path.name]
     fd = os.open(arena.path, os.O_RDONLY)
     try:
         try:

@@ -8,7 +8,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDTier
+from kvstored.tiers.ssd import BlockRecord, Corrupt, InUse, MapFull, SSDTier
 
 
 def payload(seed: int, n: int = 64 << 10) -> np.ndarray:
@@ -121,3 +121,28 @@ def test_no_writemap(tmp_path: Path) -> None:
         assert isinstance(ssd._env, lmdb.Environment)
     finally:
         ssd.close()
+
+
+def test_one_tier_per_directory_and_a_failed_open_leaves_it_free(tmp_path: Path) -> None:
+    """Two daemons on one directory overwrote each other's slots: the directory is locked while a
+    tier has it open. Regression (code review): an open that failed after taking the lock kept it
+    (the next open in the same process found the directory 'in use')."""
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    ssd.put(1, b"k" * 32, b"", 0, payload(1)).result(10)
+    with pytest.raises(InUse, match="in use by this process"):
+        SSDTier(str(tmp_path), 64 << 20)
+    ssd.close()
+    data = tmp_path / f"payload-{64 << 10}.dat"
+    data.rename(tmp_path / "aside")
+    data.mkdir()                        # opening the payload file fails after the lock is taken
+    with pytest.raises(OSError):
+        SSDTier(str(tmp_path), 64 << 20)
+    data.rmdir()
+    (tmp_path / "aside").rename(data)
+    again = SSDTier(str(tmp_path), 64 << 20)   # not "in use": the failed open let go of everything
+    try:
+        out = np.empty(64 << 10, dtype=np.uint8)
+        again.read_into(1, b"k" * 32, out).result(10)
+        assert np.array_equal(out, payload(1))
+    finally:
+        again.close()
