@@ -723,7 +723,9 @@ class Client:
     # -- admin --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The daemon's counters and per-tier usage as a plain dict (see ``kvctl stats``);
-        counts are ints."""
+        counts are ints. Lease releases this client sent in the background are done first, so
+        its own reads show as ended."""
+        self._settle_releases()
         resp = self._call(self._stub.Stats, pb.StatsRequest())
         out = json_format.MessageToDict(resp, preserving_proto_field_name=True,
                                         always_print_fields_with_no_presence=True)

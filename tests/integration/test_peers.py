@@ -352,14 +352,16 @@ def test_a_reader_that_stops_reading_does_not_pin_the_senders_blocks(daemon_fact
 
     pa, pb = free_ports(2)
     proxy = FaultProxy(("127.0.0.1", pa), rate_bytes_s=4 << 20)   # slow enough to still be sending
+    big = Namespace(model="pinned", block_bytes=1 << 20)   # a fetch's first 64 blocks outgrow any socket buffer
     try:
-        common = ("--set", "peers.token=t", "--set", "peers.deadline_s=2", "--dram-capacity", "128MiB")
+        common = ("--set", "peers.token=t", "--set", "peers.deadline_s=2", "--dram-capacity", "256MiB",
+                  "--set", "dram.page_bytes=2MiB")
         a = daemon_factory("--set", f"peers.listen=127.0.0.1:{pa}", "--set", "peers.node_id=a", *common)
         b = daemon_factory("--set", f"peers.listen=127.0.0.1:{pb}", "--set", "peers.node_id=b",
                            "--set", f"peers.static=a=127.0.0.1:{proxy.port}", *common)
-        tokens = prompt(200)
-        with kvstored.Client(a.socket, namespace=NS) as ca, kvstored.Client(b.socket, namespace=NS) as cb:
-            ca.save(tokens, rows(200, seed=3))
+        tokens = prompt(100)
+        with kvstored.Client(a.socket, namespace=big) as ca, kvstored.Client(b.socket, namespace=big) as cb:
+            ca.save(tokens, rows(100, seed=3, width=1 << 20))
             stream = cb.stream(tokens)
             next(iter(stream))
             proxy.stalled.set()        # nothing moves any more: a's sends block, as with a stuck reader
@@ -367,7 +369,7 @@ def test_a_reader_that_stops_reading_does_not_pin_the_senders_blocks(daemon_fact
             while "gave up a fetch" not in a.log() and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert "gave up a fetch" in a.log()
-            assert ca.evict() == 200   # nothing of the chain is still checked out on a
+            assert ca.evict() == 100   # nothing of the chain is still checked out on a
             stream.close()
     finally:
         proxy.close()
