@@ -269,9 +269,11 @@ class Client:
                 call.cancel()
                 done.set()
                 raise opened
-            if (opened.arena_path, opened.arena_bytes) != (self._hello.arena_path, self._hello.arena_bytes):
+            if opened.arena_path and \
+                    (opened.arena_path, opened.arena_bytes) != (self._hello.arena_path, self._hello.arena_bytes):
                 # Another daemon than the one the arena mapping and namespace ids came from (a
-                # restart): views other threads still hold keep the old mapping alive.
+                # restart): views other threads still hold keep the old mapping alive. (A daemon
+                # older than this field sends no arena_path: the Hello's stands.)
                 hello_now = pb.HelloResponse()
                 hello_now.CopyFrom(self._hello)
                 hello_now.arena_path, hello_now.arena_bytes = opened.arena_path, opened.arena_bytes
@@ -568,9 +570,10 @@ class Client:
         session = self._session()
         ns_id, spec = self._ns(buffers.namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
-        resp = self._call(self._stub.SaveBlocks, pb.SaveBlocksRequest(
-            session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id,
-            keys=keys, block_ids=_block_ids(block_ids, buffers), push_to=push_to))
+        request = pb.SaveBlocksRequest(session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id,
+                                       keys=keys, push_to=push_to)
+        _set_block_ids(request, block_ids, buffers)
+        resp = self._call(self._stub.SaveBlocks, request)
         return SaveResult(resp.present_blocks, resp.stored_blocks, spec.block_size)
 
     def load_blocks(self, buffers: Buffers, block_ids: Sequence[int], tokens: Any = None, *,
@@ -586,8 +589,8 @@ class Client:
         ns_id, spec = self._ns(buffers.namespace)
         keys, _ = self._keys(spec, tokens, hashes, cache_salt)
         request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns_id,
-                                       buffers_id=buffers.buffers_id, keys=keys,
-                                       block_ids=_block_ids(block_ids, buffers))
+                                       buffers_id=buffers.buffers_id, keys=keys)
+        _set_block_ids(request, block_ids, buffers)
         if not wait:
             return LoadHandle(self._stub.LoadBlocksStream(request, timeout=self._timeout), spec.block_size,
                               buffers.num_tensors, self._error)
@@ -625,8 +628,8 @@ class Client:
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
         request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id, keys=keys,
-                                         buffers_id=buffers.buffers_id if buffers is not None else 0,
-                                         block_ids=_block_ids(block_ids or [], buffers), peers=peers)
+                                         buffers_id=buffers.buffers_id if buffers is not None else 0, peers=peers)
+        _set_block_ids(request, block_ids or [], buffers)
         try:
             call = self._stub.StreamBlocks(request, timeout=self._timeout)
         except ValueError:   # closed channel
@@ -958,11 +961,16 @@ def _writable_rows(out: Any) -> np.ndarray:
     return rows
 
 
-def _block_ids(block_ids: Sequence[int], buffers: Buffers | None) -> list[int]:
-    """``block_ids`` as a list of ints, each a block of ``buffers``; InvalidArgument otherwise."""
-    ids = list(block_ids)
-    limit = buffers.num_blocks if buffers is not None else 1 << 32
-    for i, b in enumerate(ids):
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < limit:
-            raise InvalidArgument(f"block_ids[{i}] = {b!r} is not a block of the buffers (0..{limit - 1})")
-    return [int(b) for b in ids]
+def _set_block_ids(request: Any, block_ids: Sequence[int], buffers: Buffers | None) -> None:
+    """Put ``block_ids`` into ``request.block_ids``. Protobuf checks each is a uint32 (in C: a
+    128k-token prompt has 8,192 ids, and this is on the way to the first block); for one that is
+    not, InvalidArgument names it. Ids beyond the buffers are the daemon's to refuse."""
+    try:
+        request.block_ids.extend(block_ids)
+    except (TypeError, ValueError):
+        limit = buffers.num_blocks if buffers is not None else 1 << 32
+        for i, b in enumerate(block_ids):
+            if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < limit:
+                raise InvalidArgument(f"block_ids[{i}] = {b!r} is not a block of the buffers "
+                                      f"(0..{limit - 1})") from None
+        raise
