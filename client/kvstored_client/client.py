@@ -175,10 +175,17 @@ class Client:
         if self._closed:
             raise ClientClosed(f"this client of {self.socket} is closed; make a new one")
 
+    def _closed_during_call(self) -> ClientClosed:
+        return ClientClosed(f"this client of {self.socket} was closed during the call")
+
+    def _no_session(self) -> DeadlineExceeded:
+        return DeadlineExceeded(f"kvstored on {self.socket} did not open a session within {self._timeout:g} s "
+                                "(Client timeout_s)")
+
     def _error(self, exc: grpc.RpcError) -> KVStoreError:
         """The SDK error for a failed call, naming the daemon where the status alone would not."""
         if self._closed:
-            return ClientClosed(f"this client of {self.socket} was closed during the call")
+            return self._closed_during_call()
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE:
             return DaemonNotRunning(f"kvstored on {self.socket} went away: {exc.details()}")
@@ -195,7 +202,7 @@ class Client:
             raise self._error(exc) from None
         except ValueError:   # grpc's "Cannot invoke RPC on closed channel!"
             if self._closed:
-                raise ClientClosed(f"this client of {self.socket} was closed during the call") from None
+                raise self._closed_during_call() from None
             raise
 
     def _session(self) -> str:
@@ -232,8 +239,7 @@ class Client:
                     opening.set()
                 continue   # take the session (and arena) under the lock
             if not opening.wait(max(0.0, deadline - time.monotonic())) or time.monotonic() >= deadline:
-                raise DeadlineExceeded(f"kvstored on {self.socket} did not open a session within "
-                                       f"{self._timeout:g} s (Client timeout_s)")
+                raise self._no_session()
 
     def _open_session(self, timeout: float) -> None:
         """Open a session (the caller is the only thread doing so); raise on failure."""
@@ -258,8 +264,7 @@ class Client:
         try:
             opened = first.get(timeout=timeout)
         except queue.Empty:
-            opened = DeadlineExceeded(f"kvstored on {self.socket} did not open a session within "
-                                      f"{self._timeout:g} s (Client timeout_s)")
+            opened = self._no_session()
         with self._lock:
             if not isinstance(opened, BaseException) and self._session_call is not call:
                 opened = DaemonNotRunning(f"kvstored on {self.socket} ended the session at once")

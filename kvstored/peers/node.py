@@ -491,23 +491,16 @@ class PeerNode:
                 root_of[key] = root
             target = target_of.get(root)
             while True:
-                if target is None:
-                    if not alive:
-                        break
-                    target = alive[zlib.crc32(root) % len(alive)]
-                stored, result = await self.push_chain(target, namespace_id_, parent, keys)
-                if stored or result.stop is not Stop.UNREACHABLE or root in target_of or len(alive) < 2:
+                chosen = target or alive[zlib.crc32(root) % len(alive)]
+                stored, result = await self.push_chain(chosen, namespace_id_, parent, keys)
+                if stored or result.stop is not Stop.UNREACHABLE or target is not None or len(alive) < 2:
                     break
                 # a drain onto a node that is down (a static peer that left): its trees go to the others
-                alive.remove(target)
-                detail = f"{target}: {result.detail}"
-                target = None
-            if target is None:
-                stored = 0
-            else:
-                target_of[root] = target
-                if not result.complete:
-                    detail = f"{target}: {result.detail}"
+                alive.remove(chosen)
+                detail = f"{chosen}: {result.detail}"
+            target_of[root] = chosen
+            if not result.complete:
+                detail = f"{chosen}: {result.detail}"
             pushed += stored
             failed += len(keys) - stored
             moved.append((namespace_id_, keys[:stored]))
