@@ -13,11 +13,17 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from kvstored.errors import InvalidArgument
 from kvstored_client.layout import BlockRegion, TensorLayout, layout_signature
+
+# For each block of a chain, the engine buffers' block it goes to or comes from. A numpy array as
+# read from a request: a 128k-token prompt's 8,192 ids are not made Python ints on the way in.
+BlockIds: TypeAlias = Sequence[int] | npt.NDArray[np.uint32]
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvstored.buffers import RegisteredBuffers, TensorMemory
+from kvstored.buffers import BlockIds, RegisteredBuffers, TensorMemory
 from kvstored.tiers.dram import Arena
 
 TensorDone = Callable[[int], None]
@@ -34,7 +34,7 @@ def _arena_rows(arena: Arena, t: TensorMemory, offset: int) -> np.ndarray:
     return arena.buf[start: start + r.width * r.height].reshape(r.height, r.width)
 
 
-def _host_copy(arena: Arena, t: TensorMemory, block_ids: Sequence[int], offsets: Sequence[int],
+def _host_copy(arena: Arena, t: TensorMemory, block_ids: BlockIds, offsets: Sequence[int],
                to_arena: bool) -> None:
     for block_id, offset in zip(block_ids, offsets):
         engine, slot = _engine_rows(t, block_id), _arena_rows(arena, t, offset)
@@ -44,7 +44,7 @@ def _host_copy(arena: Arena, t: TensorMemory, block_ids: Sequence[int], offsets:
             np.copyto(engine, slot)
 
 
-def _run(arena: Arena, buffers: RegisteredBuffers, block_ids: Sequence[int], offsets: Sequence[int],
+def _run(arena: Arena, buffers: RegisteredBuffers, block_ids: BlockIds, offsets: Sequence[int],
          to_arena: bool, tensor_done: TensorDone | None) -> None:
     device = buffers.cuda
     for index, t in enumerate(buffers.tensors):
@@ -65,12 +65,12 @@ class CopyEngine:
         self._arena = arena
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstored-copy")
 
-    async def to_arena(self, buffers: RegisteredBuffers, block_ids: Sequence[int],
+    async def to_arena(self, buffers: RegisteredBuffers, block_ids: BlockIds,
                        offsets: Sequence[int]) -> None:
         """Copy engine blocks ``block_ids`` into arena slots ``offsets`` (same order)."""
         await self._submit(buffers, block_ids, offsets, True, None)
 
-    async def from_arena(self, buffers: RegisteredBuffers, block_ids: Sequence[int], offsets: Sequence[int],
+    async def from_arena(self, buffers: RegisteredBuffers, block_ids: BlockIds, offsets: Sequence[int],
                          tensor_done: TensorDone | None = None) -> None:
         """Copy arena slots ``offsets`` into engine blocks ``block_ids``; ``tensor_done(i)`` is
         called on the event loop once tensor ``i`` is complete for every block."""
@@ -83,9 +83,9 @@ class CopyEngine:
                 loop.call_soon_threadsafe(callback, index)
         await self._submit(buffers, block_ids, offsets, False, notify)
 
-    async def _submit(self, buffers: RegisteredBuffers, block_ids: Sequence[int], offsets: Sequence[int],
+    async def _submit(self, buffers: RegisteredBuffers, block_ids: BlockIds, offsets: Sequence[int],
                       to_arena: bool, notify: TensorDone | None) -> None:
-        if not block_ids:
+        if not len(block_ids):
             if notify is not None:
                 for i in range(len(buffers.tensors)):
                     notify(i)
@@ -93,7 +93,9 @@ class CopyEngine:
         buffers.busy += 1
         try:
             await asyncio.get_running_loop().run_in_executor(
-                self._pool, _run, self._arena, buffers, list(block_ids), list(offsets), to_arena, notify)
+                # Python ints: numpy's uint32 times a slot's stride would wrap past 4 GiB
+                self._pool, _run, self._arena, buffers, np.asarray(block_ids, dtype=np.int64).tolist(),
+                list(offsets), to_arena, notify)
         finally:
             buffers.busy -= 1
 

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvstored.buffers import RegisteredBuffers
+from kvstored.buffers import BlockIds, RegisteredBuffers
 from kvstored.copy import CopyEngine
 from kvstored.index import Block, Tier
 
@@ -34,7 +34,7 @@ class Handover:
     ``close`` always (cancels what is left and unpins it, after any copy in flight)."""
 
     def __init__(self, emit: Callable[[Arrival], None], copy: CopyEngine | None = None,
-                 buffers: RegisteredBuffers | None = None, block_ids: Sequence[int] = ()) -> None:
+                 buffers: RegisteredBuffers | None = None, block_ids: BlockIds = ()) -> None:
         assert (copy is None) == (buffers is None), "engine buffers need the copy engine"
         self._emit = emit
         self._copy = copy

@@ -25,9 +25,10 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
-from kvstored.buffers import RegisteredBuffers, TensorSource
+from kvstored.buffers import BlockIds, RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
 from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound, ResourceExhausted
@@ -66,6 +67,7 @@ class KeyRequest:
     token_ids: Sequence[int] = ()
     cache_salt: str = ""
     lora_name: str = ""
+    packed_hashes: bytes = b""   # the hashes end to end, each of the namespace's digest size
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,20 +338,27 @@ class BlockStore:
         state = self._namespace(namespace_id)
         spec = state.spec
         limit = self._config.server.max_batch_blocks
-        if keys.hashes and keys.token_ids:
-            raise InvalidArgument("give either block hashes or token ids, not both")
-        if keys.hashes:
+        if sum(map(bool, (keys.hashes, keys.packed_hashes, keys.token_ids))) > 1:
+            raise InvalidArgument("give one of hashes, packed_hashes or token_ids (not several)")
+        if keys.hashes or keys.packed_hashes:
             if keys.cache_salt or keys.lora_name:
                 raise InvalidArgument("cache_salt and lora_name apply to token ids only; "
                                       "engine hashes already include them")
-            if len(keys.hashes) > limit:
-                raise InvalidArgument(f"{len(keys.hashes)} blocks exceed server.max_batch_blocks={limit}")
+            size = spec.digest_size
+            if keys.packed_hashes and len(keys.packed_hashes) % size:
+                raise InvalidArgument(f"packed_hashes has {len(keys.packed_hashes)} bytes, not a whole number "
+                                      f"of {size}-byte {spec.hash_algo} keys")
+            n = len(keys.packed_hashes) // size or len(keys.hashes)
+            if n > limit:
+                raise InvalidArgument(f"{n} blocks exceed server.max_batch_blocks={limit}")
+            if keys.packed_hashes:   # numpy cuts them apart in C, each a bytes object of its own
+                return state, np.frombuffer(keys.packed_hashes, f"V{size}").tolist()
             chain = list(keys.hashes)
-            if set(map(len, chain)) != {spec.digest_size}:  # the common case costs one C-level pass
+            if set(map(len, chain)) != {size}:  # the common case costs one C-level pass
                 for i, h in enumerate(chain):
-                    if len(h) != spec.digest_size:
+                    if len(h) != size:
                         raise InvalidArgument(f"hashes[{i}] has {len(h)} bytes; {spec.hash_algo} keys have "
-                                              f"{spec.digest_size}")
+                                              f"{size}")
             return state, chain
         if len(keys.token_ids) // spec.block_size > limit:
             raise InvalidArgument(f"{len(keys.token_ids) // spec.block_size} blocks exceed "
@@ -1068,16 +1077,17 @@ class BlockStore:
         return entry[2]
 
     def _check_block_ids(self, buffers: RegisteredBuffers, chain: Sequence[bytes],
-                         block_ids: Sequence[int]) -> None:
+                         block_ids: BlockIds) -> None:
         if len(block_ids) != len(chain):
             raise InvalidArgument(f"{len(block_ids)} block ids for {len(chain)} blocks")
-        if block_ids and max(block_ids) >= buffers.num_blocks:   # one C-level pass in the usual case
-            i = next(i for i, b in enumerate(block_ids) if b >= buffers.num_blocks)
+        ids = np.asarray(block_ids)   # as the servicer passes them: no Python step per id
+        if ids.size and (ids.min() < 0 or ids.max() >= buffers.num_blocks):
+            i = next(i for i, b in enumerate(block_ids) if not 0 <= b < buffers.num_blocks)
             raise InvalidArgument(f"block_ids[{i}] = {block_ids[i]} out of range (buffers hold "
                                   f"{buffers.num_blocks} blocks)")
 
     async def save_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
-                          keys: KeyRequest, block_ids: Sequence[int]) -> tuple[int, int]:
+                          keys: KeyRequest, block_ids: BlockIds) -> tuple[int, int]:
         """Copy the not-yet-cached blocks of a chain from engine buffers into the store.
 
         Returns (already present, newly stored); stored may fall short when the tier is full.
@@ -1103,7 +1113,7 @@ class BlockStore:
         return present, stored
 
     async def load_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
-                          keys: KeyRequest, block_ids: Sequence[int],
+                          keys: KeyRequest, block_ids: BlockIds,
                           started: Callable[[list[Tier]], None] | None = None,
                           tensor_done: Callable[[int], None] | None = None) -> list[Tier]:
         """Copy the longest cached prefix of a chain into engine buffers; returns its tiers.
@@ -1352,7 +1362,7 @@ class BlockStore:
             self._writeback_wanted.set()
 
     async def stream_blocks(self, session_id: str, namespace_id: int, keys: KeyRequest, buffers_id: int,
-                            block_ids: Sequence[int], emit: Callable[[Arrival], None] | None,
+                            block_ids: BlockIds, emit: Callable[[Arrival], None] | None,
                             fetcher: Fetcher | None, on_lease: Callable[[int], None] | None = None) -> StreamEnd:
         """Hand a chain's blocks over one by one, in order, as each is in place: the cached prefix
         first, then (with ``fetcher``) the rest as a peer sends it, each block stored here and

@@ -7,11 +7,13 @@ bytes move by memory copies into and out of that arena, never inside protobuf me
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import mmap
 import os
 import queue
 import re
+import sys
 import threading
 import time
 from collections import Counter
@@ -343,8 +345,11 @@ class Client:
             self._namespace_ids[ns] = entry
         return entry
 
-    def _keys(self, spec: Namespace, tokens: Any, hashes: Sequence[bytes] | None,
-              cache_salt: str | None) -> tuple[pb.BlockKeys, int]:
+    def _keys(self, into: pb.BlockKeys, spec: Namespace, tokens: Any, hashes: Sequence[bytes] | None,
+              cache_salt: str | None) -> int:
+        """Put the chain's keys into ``into`` (the request's own field: a BlockKeys built apart and
+        copied in cost more than the rest of a 128k-token request) as ``packed_hashes``, one field
+        instead of one per block; returns how many blocks. InvalidArgument for bad tokens or hashes."""
         salt = cache_salt if cache_salt is not None else self._cache_salt
         if hashes is not None:
             if tokens is not None:
@@ -353,10 +358,18 @@ class Client:
                 raise InvalidArgument("cache_salt applies to tokens; engine hashes already include it")
             if isinstance(hashes, (bytes, bytearray, str)):
                 raise InvalidArgument("hashes must be a sequence of bytes objects, one per block")
+            chain = hashes if isinstance(hashes, (list, tuple)) else list(hashes)
             try:
-                return pb.BlockKeys(hashes=list(hashes)), len(hashes)
+                packed = b"".join(chain)
             except TypeError as exc:
                 raise InvalidArgument(f"hashes must be a sequence of bytes objects, one per block: {exc}") from None
+            size = spec.digest_size
+            # every length is checked: all at least ``size`` and ``size`` on average means all equal
+            if len(packed) != size * len(chain) or (chain and min(map(len, chain)) != size):
+                i, bad = next((i, h) for i, h in enumerate(chain) if len(h) != size)
+                raise InvalidArgument(f"hashes[{i}] has {len(bad)} bytes; {spec.hash_algo} keys have {size}")
+            into.packed_hashes = packed
+            return len(chain)
         if tokens is None:
             raise InvalidArgument("give tokens or hashes")
         hasher_key = (spec.block_size, spec.hash_seed, spec.hash_algo)
@@ -370,7 +383,8 @@ class Client:
             chain = hasher.hashes(_token_array(tokens), cache_salt=salt or None)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-        return pb.BlockKeys(hashes=chain), len(chain)
+        into.packed_hashes = b"".join(chain)
+        return len(chain)
 
     def _settle_releases(self) -> None:
         """Wait for the releases sent in the background, so a call that acts on what is leased
@@ -414,8 +428,9 @@ class Client:
         With ``peers`` the daemon also asks its peers for the blocks after its own prefix:
         ``per_peer`` says how many each holds, and the best one's run counts as tier "peer"."""
         ns_id, spec = self._ns(namespace)
-        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
-        resp = self._call(self._stub.Lookup, pb.LookupRequest(namespace_id=ns_id, keys=keys, peers=peers))
+        request = pb.LookupRequest(namespace_id=ns_id, peers=peers)
+        self._keys(request.keys, spec, tokens, hashes, cache_salt)
+        resp = self._call(self._stub.Lookup, request)
         return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, _per_tier(resp.tiers),
                             {h.node_id: h.blocks for h in resp.peer_hits})
 
@@ -433,15 +448,15 @@ class Client:
         session, arena = self._session_arena()
         assert arena is not None, "an arena comes with the session when asked for"
         ns_id, spec = self._ns(namespace)
-        keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
+        reserve = pb.ReserveRequest(session_id=session, namespace_id=ns_id)
+        n_blocks = self._keys(reserve.keys, spec, tokens, hashes, cache_salt)
         rows = _rows(kv)
         if rows.shape[0] < n_blocks:
             raise InvalidArgument(f"kv has {rows.shape[0]} rows for {n_blocks} blocks")
         if n_blocks == 0:
             return SaveResult(0, 0, spec.block_size)
-        block_bytes = rows.shape[1]
-        resp = self._call(self._stub.Reserve, pb.ReserveRequest(
-            session_id=session, namespace_id=ns_id, keys=keys, block_bytes=block_bytes))
+        block_bytes = reserve.block_bytes = rows.shape[1]
+        resp = self._call(self._stub.Reserve, reserve)
         if spec.block_bytes == 0:
             self._namespace_ids.pop(namespace or self.namespace, None)  # learn the fixed size
         first = resp.present_blocks
@@ -465,7 +480,8 @@ class Client:
         session, arena = self._session_arena()
         assert arena is not None, "an arena comes with the session when asked for"
         ns_id, spec = self._ns(namespace)
-        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
+        lookup = pb.LookupRequest(namespace_id=ns_id, lease=True, session_id=session)
+        self._keys(lookup.keys, spec, tokens, hashes, cache_salt)
         out_rows = None if out is None else _writable_rows(out)
         try:
             row_type = None if dtype is None else np.dtype(dtype)
@@ -475,8 +491,7 @@ class Client:
             raise InvalidArgument(f"out has rows of {out_rows.shape[1]} bytes; blocks of this namespace have "
                                   f"{spec.block_bytes}")
         started = time.monotonic()
-        resp = self._call(self._stub.Lookup, pb.LookupRequest(
-            namespace_id=ns_id, keys=keys, lease=True, session_id=session))
+        resp = self._call(self._stub.Lookup, lookup)
         hit = resp.hit_blocks
         if not hit:   # rows as wide as the namespace's blocks (0 while its size is unknown)
             if out is not None:
@@ -574,9 +589,9 @@ class Client:
         background and in order; call this per chunk of prefill and each chunk leaves at once."""
         session = self._session()
         ns_id, spec = self._ns(buffers.namespace)
-        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
         request = pb.SaveBlocksRequest(session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id,
-                                       keys=keys, push_to=push_to)
+                                       push_to=push_to)
+        self._keys(request.keys, spec, tokens, hashes, cache_salt)
         _set_block_ids(request, block_ids, buffers)
         resp = self._call(self._stub.SaveBlocks, request)
         return SaveResult(resp.present_blocks, resp.stored_blocks, spec.block_size)
@@ -592,9 +607,8 @@ class Client:
         """
         session = self._session()
         ns_id, spec = self._ns(buffers.namespace)
-        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
-        request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns_id,
-                                       buffers_id=buffers.buffers_id, keys=keys)
+        request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id)
+        self._keys(request.keys, spec, tokens, hashes, cache_salt)
         _set_block_ids(request, block_ids, buffers)
         if not wait:
             return LoadHandle(self._stub.LoadBlocksStream(request, timeout=self._timeout), spec.block_size,
@@ -607,8 +621,9 @@ class Client:
         """Start moving a prompt's cached blocks from slower tiers to DRAM ahead of ``load``;
         returns at once with what is cached (``per_tier['promoting']``: blocks on their way)."""
         ns_id, spec = self._ns(namespace)
-        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
-        resp = self._call(self._stub.Prefetch, pb.PrefetchRequest(namespace_id=ns_id, keys=keys))
+        request = pb.PrefetchRequest(namespace_id=ns_id)
+        self._keys(request.keys, spec, tokens, hashes, cache_salt)
+        resp = self._call(self._stub.Prefetch, request)
         return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks,
                             {"promoting": resp.promoting_blocks} if resp.promoting_blocks else {})
 
@@ -629,11 +644,11 @@ class Client:
         # the arena before the call starts, and with the session: offsets go with this mapping
         session, arena = self._session_arena(buffers is None)
         ns_id, spec = self._ns(ns)
-        keys, n_blocks = self._keys(spec, tokens, hashes, cache_salt)
+        request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id,
+                                         buffers_id=buffers.buffers_id if buffers is not None else 0, peers=peers)
+        n_blocks = self._keys(request.keys, spec, tokens, hashes, cache_salt)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
-        request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id, keys=keys,
-                                         buffers_id=buffers.buffers_id if buffers is not None else 0, peers=peers)
         _set_block_ids(request, block_ids or [], buffers)
         try:
             call = self._stub.StreamBlocks(request, timeout=self._timeout)
@@ -650,9 +665,8 @@ class Client:
         The decode side's way to pull a prefix ahead of the request that needs it."""
         session = self._session()
         ns_id, spec = self._ns(namespace)
-        keys, _ = self._keys(spec, tokens, hashes, cache_salt)
-        request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id, keys=keys, peers=True,
-                                         end_only=True)
+        request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id, peers=True, end_only=True)
+        self._keys(request.keys, spec, tokens, hashes, cache_salt)
         try:
             for event in self._stub.StreamBlocks(request, timeout=self._timeout):
                 if event.HasField("end"):
@@ -689,8 +703,7 @@ class Client:
         request = pb.MigrateRequest(to=to, model=model, drain=drain)
         if tokens is not None or hashes is not None:
             ns_id, spec = self._ns(namespace)
-            keys, _ = self._keys(spec, tokens, hashes, None)
-            request.prefix.CopyFrom(keys)
+            self._keys(request.prefix, spec, tokens, hashes, None)
             request.namespace_id = ns_id
         for p in self._until_idle(self._stub.Migrate(request, timeout=None), "migration",
                                   max(self._timeout, MIGRATE_IDLE_MIN_S)):
@@ -967,15 +980,23 @@ def _writable_rows(out: Any) -> np.ndarray:
 
 
 def _set_block_ids(request: Any, block_ids: Sequence[int], buffers: Buffers | None) -> None:
-    """Put ``block_ids`` into ``request.block_ids``. Protobuf checks each is a uint32 (in C: a
-    128k-token prompt has 8,192 ids, and this is on the way to the first block); for one that is
-    not, InvalidArgument names it. Ids beyond the buffers are the daemon's to refuse."""
+    """Put ``block_ids`` into ``request.packed_block_ids`` (little-endian uint32s: one field, not
+    8,192 varints for a 128k-token prompt, on the way to the first block). For an id that is not a
+    uint32, InvalidArgument names it. Ids beyond the buffers are the daemon's to refuse."""
+    if isinstance(block_ids, np.ndarray) and block_ids.dtype.kind in "iu" and block_ids.ndim == 1 and (
+            not block_ids.size or (block_ids.min() >= 0 and block_ids.max() < 1 << 32)):
+        request.packed_block_ids = block_ids.astype("<u4").tobytes()
+        return
     try:
-        request.block_ids.extend(block_ids)
-    except (TypeError, ValueError):
+        ids = array.array("I", block_ids)
+    except (TypeError, ValueError, OverflowError):
         limit = buffers.num_blocks if buffers is not None else 1 << 32
         for i, b in enumerate(block_ids):
             if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < limit:
                 raise InvalidArgument(f"block_ids[{i}] = {b!r} is not a block of the buffers "
                                       f"(0..{limit - 1})") from None
         raise
+    assert ids.itemsize == 4, "array's 'I' is 32 bits on every platform numpy supports"
+    if sys.byteorder == "big":
+        ids.byteswap()
+    request.packed_block_ids = ids.tobytes()

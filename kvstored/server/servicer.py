@@ -8,8 +8,9 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
-from kvstored.buffers import TensorSource
+from kvstored.buffers import BlockIds, TensorSource
 from kvstored.errors import FailedPrecondition, InvalidArgument, KVError
 from kvstored.index import Tier
 from kvstored.peers.node import MigrateProgress, PeerNode
@@ -40,7 +41,18 @@ def _tiers_pb(tiers: list[Tier]) -> list[pb.Tier]:
 
 
 def _keys(msg: pb.BlockKeys) -> KeyRequest:
-    return KeyRequest(list(msg.hashes), msg.token_ids, msg.cache_salt, msg.lora_name)
+    return KeyRequest(list(msg.hashes), msg.token_ids, msg.cache_salt, msg.lora_name, msg.packed_hashes)
+
+
+def _block_ids(request: pb.SaveBlocksRequest | pb.LoadBlocksRequest | pb.StreamBlocksRequest) -> BlockIds:
+    """The request's block ids, from ``block_ids`` or ``packed_block_ids`` (little-endian uint32s),
+    as an array (numpy reads either without a Python step per id)."""
+    packed = request.packed_block_ids
+    if packed and len(request.block_ids):
+        raise InvalidArgument("give block_ids or packed_block_ids, not both")
+    if len(packed) % 4:
+        raise InvalidArgument(f"packed_block_ids has {len(packed)} bytes, not a whole number of uint32s")
+    return np.frombuffer(packed, "<u4") if packed else np.asarray(request.block_ids, dtype=np.uint32)
 
 
 def _tensor(i: int, msg: pb.TensorDesc) -> TensorSource:
@@ -159,7 +171,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         peers = self._push_target(request.push_to)
         present, stored = await self._store.save_blocks(
             request.session_id, request.namespace_id, request.buffers_id, _keys(request.keys),
-            request.block_ids)
+            _block_ids(request))
         if peers is not None:
             _, chain = self._store.resolve_keys(request.namespace_id, _keys(request.keys))
             peers.push_later(request.push_to, request.namespace_id, chain[: present + stored])
@@ -169,7 +181,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def LoadBlocks(self, request: pb.LoadBlocksRequest,
                          context: grpc.aio.ServicerContext) -> pb.LoadBlocksResponse:
         tiers = await self._store.load_blocks(request.session_id, request.namespace_id,
-                                              request.buffers_id, _keys(request.keys), request.block_ids)
+                                              request.buffers_id, _keys(request.keys), _block_ids(request))
         return pb.LoadBlocksResponse(loaded_blocks=len(tiers), tiers=_tiers_pb(tiers))
 
     async def LoadBlocksStream(self, request: pb.LoadBlocksRequest,
@@ -184,7 +196,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             try:
                 await self._store.load_blocks(
                     request.session_id, request.namespace_id, request.buffers_id, _keys(request.keys),
-                    request.block_ids, started=started,
+                    _block_ids(request), started=started,
                     tensor_done=lambda i: events.put_nowait(pb.LoadEvent(tensor_done=i)))
             finally:
                 events.put_nowait(pb.LoadEvent(done=True))
@@ -218,7 +230,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 fetcher = self._peers.fetch if request.peers and self._peers is not None else None
                 events.put_nowait(await self._store.stream_blocks(
                     request.session_id, request.namespace_id, _keys(request.keys), request.buffers_id,
-                    request.block_ids, None if request.end_only else events.put_nowait, fetcher, on_lease))
+                    _block_ids(request), None if request.end_only else events.put_nowait, fetcher, on_lease))
             except Exception as exc:   # handed to the response loop, which ends the call with it
                 events.put_nowait(exc)
 

@@ -87,8 +87,51 @@ def test_malformed_hash_and_both_key_kinds(raw: Raw) -> None:
     raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "has 3 bytes", raw.stub.Reserve,
                pb.ReserveRequest(session_id=raw.session, namespace_id=raw.ns, block_bytes=512,
                                  keys=pb.BlockKeys(hashes=[b"abc"])))
-    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "not both", raw.stub.Lookup,
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "not several", raw.stub.Lookup,
                pb.LookupRequest(namespace_id=raw.ns, keys=pb.BlockKeys(hashes=[bytes(32)], token_ids=[1] * 16)))
+
+
+def test_packed_hashes_and_block_ids(raw: Raw) -> None:
+    """The packed forms the SDK sends: cut at the namespace's digest size, refused when they do
+    not divide, mixed with the repeated form, or exceed the batch limit; equal to the repeated form."""
+    chain = list(keys(3).hashes)
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "not a whole number of 32-byte", raw.stub.Reserve,
+               pb.ReserveRequest(session_id=raw.session, namespace_id=raw.ns, block_bytes=512,
+                                 keys=pb.BlockKeys(packed_hashes=b"".join(chain) + b"x")))
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "not several", raw.stub.Reserve,
+               pb.ReserveRequest(session_id=raw.session, namespace_id=raw.ns, block_bytes=512,
+                                 keys=pb.BlockKeys(packed_hashes=b"".join(chain), hashes=chain)))
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "max_batch_blocks", raw.stub.Reserve,
+               pb.ReserveRequest(session_id=raw.session, namespace_id=raw.ns, block_bytes=512,
+                                 keys=pb.BlockKeys(packed_hashes=bytes(32) * 16385)))
+    buf = kvstored.shm.empty((4, 256), "float16")
+    b = raw.client.register_buffers([buf.numpy()], block_dim=0)
+    ns = raw.client._ns(b.namespace)[0]
+    packed_ids = np.array([0, 1, 2], "<u4").tobytes()
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "whole number of uint32s", raw.stub.SaveBlocks,
+               pb.SaveBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
+                                    keys=keys(3), packed_block_ids=packed_ids[:-1]))
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "not both", raw.stub.LoadBlocks,
+               pb.LoadBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
+                                    keys=keys(3), packed_block_ids=packed_ids, block_ids=[0, 1, 2]))
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "block_ids[1] = 9 out of range", raw.stub.SaveBlocks,
+               pb.SaveBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
+                                    keys=keys(3), packed_block_ids=np.array([0, 9, 2], "<u4").tobytes()))
+    # saved in packed form (ids too), found in repeated form: the same chain
+    rows = np.arange(3 * 512, dtype=np.uint8).reshape(3, 512) % 251
+    buf.numpy().view(np.uint8).reshape(4, 512)[1:] = rows
+    saved = raw.stub.SaveBlocks(pb.SaveBlocksRequest(
+        session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
+        keys=pb.BlockKeys(packed_hashes=b"".join(chain)), packed_block_ids=np.array([1, 2, 3], "<u4").tobytes()))
+    assert saved.stored_blocks == 3
+    assert raw.stub.Lookup(pb.LookupRequest(namespace_id=ns, keys=pb.BlockKeys(hashes=chain))).hit_blocks == 3
+    out = kvstored.shm.empty((4, 256), "float16")
+    b2 = raw.client.register_buffers([out.numpy()], block_dim=0, namespace=b.namespace)
+    loaded = raw.stub.LoadBlocks(pb.LoadBlocksRequest(session_id=raw.session, namespace_id=ns,
+                                                      buffers_id=b2.buffers_id, keys=keys(3), block_ids=[3, 0, 1]))
+    assert loaded.loaded_blocks == 3
+    got = out.numpy().view(np.uint8).reshape(4, 512)
+    assert (got[3] == rows[0]).all() and (got[0] == rows[1]).all() and (got[1] == rows[2]).all()
 
 
 def test_bad_namespace_spec(raw: Raw) -> None:

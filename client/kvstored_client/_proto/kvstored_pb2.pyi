@@ -43,16 +43,18 @@ class NamespaceSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., layout: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class BlockKeys(_message.Message):
-    __slots__ = ("hashes", "token_ids", "cache_salt", "lora_name")
+    __slots__ = ("hashes", "token_ids", "cache_salt", "lora_name", "packed_hashes")
     HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    PACKED_HASHES_FIELD_NUMBER: _ClassVar[int]
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     lora_name: str
-    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    packed_hashes: bytes
+    def __init__(self, hashes: _Optional[_Iterable[bytes]] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., packed_hashes: _Optional[bytes] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ()
@@ -255,20 +257,22 @@ class UnregisterBuffersResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SaveBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "buffers_id", "keys", "block_ids", "push_to")
+    __slots__ = ("session_id", "namespace_id", "buffers_id", "keys", "block_ids", "packed_block_ids", "push_to")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PUSH_TO_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: int
     buffers_id: int
     keys: BlockKeys
     block_ids: _containers.RepeatedScalarFieldContainer[int]
+    packed_block_ids: bytes
     push_to: str
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., buffers_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., push_to: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., buffers_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., packed_block_ids: _Optional[bytes] = ..., push_to: _Optional[str] = ...) -> None: ...
 
 class SaveBlocksResponse(_message.Message):
     __slots__ = ("present_blocks", "stored_blocks")
@@ -279,18 +283,20 @@ class SaveBlocksResponse(_message.Message):
     def __init__(self, present_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ...) -> None: ...
 
 class LoadBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "buffers_id", "keys", "block_ids")
+    __slots__ = ("session_id", "namespace_id", "buffers_id", "keys", "block_ids", "packed_block_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: int
     buffers_id: int
     keys: BlockKeys
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., buffers_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    packed_block_ids: bytes
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., buffers_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., packed_block_ids: _Optional[bytes] = ...) -> None: ...
 
 class LoadBlocksResponse(_message.Message):
     __slots__ = ("loaded_blocks", "tiers")
@@ -353,7 +359,7 @@ class LoadEvent(_message.Message):
     def __init__(self, started: _Optional[_Union[LoadBlocksResponse, _Mapping]] = ..., tensor_done: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class StreamBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "keys", "buffers_id", "block_ids", "peers", "end_only")
+    __slots__ = ("session_id", "namespace_id", "keys", "buffers_id", "block_ids", "peers", "end_only", "packed_block_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +367,7 @@ class StreamBlocksRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     END_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: int
     keys: BlockKeys
@@ -368,7 +375,8 @@ class StreamBlocksRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     peers: bool
     end_only: bool
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., buffers_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[bool] = ..., end_only: _Optional[bool] = ...) -> None: ...
+    packed_block_ids: bytes
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., buffers_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[bool] = ..., end_only: _Optional[bool] = ..., packed_block_ids: _Optional[bytes] = ...) -> None: ...
 
 class BlockReady(_message.Message):
     __slots__ = ("index", "tier", "peer", "offset")
