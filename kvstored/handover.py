@@ -43,6 +43,8 @@ class Handover:
         self._queue: list[tuple[int, Block, Tier, str]] = []
         self._copying: list[tuple[int, Block, Tier, str]] = []
         self._wake = asyncio.Event()
+        self._settled = asyncio.Event()   # nothing given is waiting for its copy
+        self._settled.set()
         self._ending = False
         self._inflight: asyncio.Future[None] | None = None
         self._task = asyncio.ensure_future(self._copier()) if buffers is not None else None
@@ -56,7 +58,19 @@ class Handover:
         for i, (block, tier) in enumerate(zip(blocks, tiers)):
             block.pins += 1   # until its bytes are in the engine's buffers
             self._queue.append((first + i, block, tier, peer))
+        if self._queue:
+            self._settled.clear()
         self._wake.set()
+
+    async def settled(self) -> None:
+        """Wait until every block given so far is in the engine's buffers and reported (at once
+        for arena readers). Raises nothing: a failed copy is ``finish``'s to raise."""
+        if self._task is not None and not self._task.done():
+            waiter = asyncio.ensure_future(self._settled.wait())
+            try:
+                await asyncio.wait((waiter, self._task), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
 
     async def _copier(self) -> None:
         assert self._copy is not None and self._buffers is not None
@@ -77,6 +91,8 @@ class Handover:
                         done, self._copying = self._copying, []
                 for i, _, tier, peer in done:
                     self._emit(Arrival(i, tier, peer, 0))
+            if not self._queue:
+                self._settled.set()
             if self._ending and not self._queue:
                 return
 

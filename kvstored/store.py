@@ -1487,6 +1487,12 @@ class BlockStore:
             sealed += 1
             self._n.peer_fetched += 1
             handover.give(start + i, [block], [Tier.PEER], peer)
+            if start + i == 0:
+                # The reader's first block goes out before the next one is received: while
+                # the rest of a long prompt streams in, its copy and event would queue behind
+                # the receiving (milliseconds on two cores). The sender fills the socket
+                # buffers meanwhile, so the stream hardly pauses.
+                await handover.settled()
 
         try:
             got = await fetcher(state.namespace_id, chain[start:], into, landed)

@@ -366,9 +366,11 @@ class Client:
             size = spec.digest_size
             # every length is checked: all at least ``size`` and ``size`` on average means all equal
             if len(packed) != size * len(chain) or (chain and min(map(len, chain)) != size):
-                i, bad = next((i, h) for i, h in enumerate(chain) if len(h) != size)
+                i, bad = next(((i, h) for i, h in enumerate(chain) if len(h) != size), (-1, b""))
+                if i < 0:   # len() is not the byte count (e.g. an array of 2-byte items)
+                    raise InvalidArgument("hashes must be a sequence of bytes objects, one per block")
                 raise InvalidArgument(f"hashes[{i}] has {len(bad)} bytes; {spec.hash_algo} keys have {size}")
-            into.packed_hashes = packed
+            self._put_keys(into, packed, chain)
             return len(chain)
         if tokens is None:
             raise InvalidArgument("give tokens or hashes")
@@ -383,8 +385,14 @@ class Client:
             chain = hasher.hashes(_token_array(tokens), cache_salt=salt or None)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
-        into.packed_hashes = b"".join(chain)
+        self._put_keys(into, b"".join(chain), chain)
         return len(chain)
+
+    def _put_keys(self, into: pb.BlockKeys, packed: bytes, chain: Sequence[bytes]) -> None:
+        if self._hello.packed_keys:
+            into.packed_hashes = packed
+        else:   # a daemon from before packed keys would see none
+            into.hashes.extend(bytes(h) for h in chain)
 
     def _settle_releases(self) -> None:
         """Wait for the releases sent in the background, so a call that acts on what is leased
@@ -592,7 +600,7 @@ class Client:
         request = pb.SaveBlocksRequest(session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id,
                                        push_to=push_to)
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
-        _set_block_ids(request, block_ids, buffers)
+        _set_block_ids(request, block_ids, buffers, self._hello.packed_keys)
         resp = self._call(self._stub.SaveBlocks, request)
         return SaveResult(resp.present_blocks, resp.stored_blocks, spec.block_size)
 
@@ -609,7 +617,7 @@ class Client:
         ns_id, spec = self._ns(buffers.namespace)
         request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id)
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
-        _set_block_ids(request, block_ids, buffers)
+        _set_block_ids(request, block_ids, buffers, self._hello.packed_keys)
         if not wait:
             return LoadHandle(self._stub.LoadBlocksStream(request, timeout=self._timeout), spec.block_size,
                               buffers.num_tensors, self._error)
@@ -649,7 +657,7 @@ class Client:
         n_blocks = self._keys(request.keys, spec, tokens, hashes, cache_salt)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
-        _set_block_ids(request, block_ids or [], buffers)
+        _set_block_ids(request, [] if block_ids is None else block_ids, buffers, self._hello.packed_keys)
         try:
             call = self._stub.StreamBlocks(request, timeout=self._timeout)
         except ValueError:   # closed channel
@@ -703,6 +711,7 @@ class Client:
         request = pb.MigrateRequest(to=to, model=model, drain=drain)
         if tokens is not None or hashes is not None:
             ns_id, spec = self._ns(namespace)
+            request.prefix.SetInParent()   # present even when it names no whole block
             self._keys(request.prefix, spec, tokens, hashes, None)
             request.namespace_id = ns_id
         for p in self._until_idle(self._stub.Migrate(request, timeout=None), "migration",
@@ -979,11 +988,15 @@ def _writable_rows(out: Any) -> np.ndarray:
     return rows
 
 
-def _set_block_ids(request: Any, block_ids: Sequence[int], buffers: Buffers | None) -> None:
-    """Put ``block_ids`` into ``request.packed_block_ids`` (little-endian uint32s: one field, not
-    8,192 varints for a 128k-token prompt, on the way to the first block). For an id that is not a
-    uint32, InvalidArgument names it. Ids beyond the buffers are the daemon's to refuse."""
-    if isinstance(block_ids, np.ndarray) and block_ids.dtype.kind in "iu" and block_ids.ndim == 1 and (
+def _set_block_ids(request: Any, block_ids: Sequence[int], buffers: Buffers | None, packed: bool = True) -> None:
+    """Put ``block_ids`` (ints: numpy and torch integers too, and bools as the ints they are)
+    into ``request.packed_block_ids``, little-endian uint32s: one field, not 8,192 varints for a
+    128k-token prompt, on the way to the first block (``packed`` False: ``block_ids``, for a daemon
+    from before). For an id that is not a uint32, InvalidArgument names it. Ids beyond the buffers
+    are the daemon's to refuse."""
+    if isinstance(block_ids, (bytes, bytearray, str)):
+        raise InvalidArgument("block_ids must be a sequence of ints, one per block")
+    if packed and isinstance(block_ids, np.ndarray) and block_ids.dtype.kind in "iu" and block_ids.ndim == 1 and (
             not block_ids.size or (block_ids.min() >= 0 and block_ids.max() < 1 << 32)):
         request.packed_block_ids = block_ids.astype("<u4").tobytes()
         return
@@ -992,10 +1005,13 @@ def _set_block_ids(request: Any, block_ids: Sequence[int], buffers: Buffers | No
     except (TypeError, ValueError, OverflowError):
         limit = buffers.num_blocks if buffers is not None else 1 << 32
         for i, b in enumerate(block_ids):
-            if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < limit:
+            if not isinstance(b, (int, np.integer)) or not 0 <= b < limit:
                 raise InvalidArgument(f"block_ids[{i}] = {b!r} is not a block of the buffers "
                                       f"(0..{limit - 1})") from None
         raise
+    if not packed:
+        request.block_ids.extend(ids)
+        return
     assert ids.itemsize == 4, "array's 'I' is 32 bits on every platform numpy supports"
     if sys.byteorder == "big":
         ids.byteswap()

@@ -472,9 +472,10 @@ class PeerNode:
         targets = [to] if to else sorted(self._peers)
         if not targets:
             raise FailedPrecondition("no peers to drain onto")
-        if prefix is not None and (prefix.hashes or prefix.token_ids):
+        if prefix is not None:   # one chain; a prefix of no whole block moves nothing
             _, chain = self._store.resolve_keys(namespace_id, prefix)
-            runs = [(namespace_id, b"", chain[: self._store.held(namespace_id, chain)])]
+            held = chain[: self._store.held(namespace_id, chain)]
+            runs = [(namespace_id, b"", held)] if held else []
         else:
             runs = self._store.namespace_chains(model)
         total = sum(len(r[2]) for r in runs)

@@ -77,7 +77,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
         return pb.HelloResponse(version=__version__, arena_path=str(self._arena.path),
                                 arena_bytes=self._arena.capacity, lease_ttl_ms=self._lease_ttl_ms,
-                                max_batch_blocks=self._max_batch)
+                                max_batch_blocks=self._max_batch, packed_keys=True)
 
     async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()

@@ -269,3 +269,45 @@ def test_unregister_during_copy_waits_for_it(client) -> None:  # type: ignore[no
     assert client.stats()["clients"] >= 1
     with pytest.raises(kvstored.NotFound):
         client.load_blocks(dst, [0], tokens[:16])
+
+
+def test_keys_go_packed_to_a_daemon_that_takes_them_and_repeated_to_one_that_does_not(client) -> None:  # type: ignore[no-untyped-def]
+    """A daemon from before packed keys ignores packed_hashes/packed_block_ids (it would store and
+    find nothing): the SDK sends them only when Hello says the daemon takes them. Block ids may be
+    a numpy array (was: stream() failed on its truth value)."""
+    assert client._hello.packed_keys, "this daemon takes packed keys"
+    sent: list[object] = []
+
+    def recording(call):  # type: ignore[no-untyped-def]
+        def record(request, *args, **kwargs):  # type: ignore[no-untyped-def]
+            sent.append(request)
+            return call(request, *args, **kwargs)
+        return record
+
+    for name in ("SaveBlocks", "LoadBlocks", "Lookup", "StreamBlocks"):
+        setattr(client._stub, name, recording(getattr(client._stub, name)))
+    src = kvstored.shm.empty((8, 2, 16, 2, 8), "float16")
+    src.numpy()[...] = np.random.default_rng(5).standard_normal(src.shape).astype(np.float16)
+    dst = kvstored.shm.empty((8, 2, 16, 2, 8), "float16")
+    ns = Namespace(model="old-daemon", kv_dtype="float16")
+    b_src = client.register_buffers([src.numpy()], 0, namespace=ns)
+    b_dst = client.register_buffers([dst.numpy()], 0, namespace=ns)
+    for packed, tokens in ((False, np.arange(48)), (True, np.arange(1000, 1048))):
+        client._hello.packed_keys = packed
+        sent.clear()
+        assert client.save_blocks(b_src, np.array([5, 1, 3]), tokens).stored == 3
+        assert client.lookup(tokens, namespace=b_src.namespace).blocks == 3
+        assert client.load_blocks(b_dst, [0, 1, 2], tokens).blocks == 3
+        assert [a.index for a in client.stream(tokens, buffers=b_dst, block_ids=np.array([4, 6, 7]))] == [0, 1, 2]
+        for i, j in zip([5, 1, 3], [0, 1, 2]):
+            assert np.array_equal(src.numpy()[i], dst.numpy()[j])
+        for i, j in zip([5, 1, 3], [4, 6, 7]):
+            assert np.array_equal(src.numpy()[i], dst.numpy()[j])
+        assert len(sent) == 4
+        for request in sent:
+            keys = request.keys  # type: ignore[attr-defined]
+            assert (bool(keys.packed_hashes), len(keys.hashes)) == ((True, 0) if packed else (False, 3)), request
+            if hasattr(request, "packed_block_ids"):
+                ids = request.packed_block_ids if packed else request.block_ids  # type: ignore[attr-defined]
+                assert len(ids) == (12 if packed else 3), request
+        dst.numpy()[...] = 0

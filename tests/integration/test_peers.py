@@ -389,6 +389,25 @@ def test_a_refused_push_says_why(daemon_factory) -> None:  # type: ignore[no-unt
         assert outcome.stop == "no_room" and not outcome.detail.startswith("a:"), outcome
 
 
+def test_migrate_of_a_prefix_moves_that_chain_only(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Regression: a prefix sent as packed hashes (as the SDK sends it), or one of no whole block,
+    was taken for no prefix at all: every block of every model moved, and a drain dropped them all."""
+    d = cluster(daemon_factory, ["a", "b"])
+    x, y = prompt(2, start=10_000), prompt(3, start=20_000)
+    with kvstored.Client(d["a"].socket, namespace=NS) as a, kvstored.Client(d["b"].socket, namespace=NS) as b:
+        a.save(x, rows(2, seed=1))
+        a.save(y, rows(3, seed=2))
+        for short in ({"tokens": [1, 2, 3]}, {"hashes": []}):
+            last = list(a.migrate("b", **short))[-1]   # type: ignore[arg-type]
+            assert last["done"] and last["total_blocks"] == 0, (short, last)
+        last = list(a.migrate("b", tokens=x))[-1]
+        assert last["total_blocks"] == last["pushed_blocks"] == 2, last
+        assert b.lookup(x).blocks == 2 and b.lookup(y).blocks == 0
+        last = list(a.migrate(drain=True, hashes=kvstored.block_hashes(x)))[-1]
+        assert last["dropped_blocks"] == 2, last
+        assert a.lookup(x).blocks == 0 and a.lookup(y).blocks == 3
+
+
 def test_migrate_to_this_node_is_refused_by_name(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     d = cluster(daemon_factory, ["a", "b"])
     with kvstored.Client(d["a"].socket, namespace=NS) as a:

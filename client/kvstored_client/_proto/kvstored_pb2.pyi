@@ -61,18 +61,20 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks")
+    __slots__ = ("version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "packed_keys")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     version: str
     arena_path: str
     arena_bytes: int
     lease_ttl_ms: int
     max_batch_blocks: int
-    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ...) -> None: ...
+    packed_keys: bool
+    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., packed_keys: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("client_name", "pid")

@@ -562,3 +562,46 @@ def test_prefix_index_chains_leave_out_unreadable_blocks() -> None:
     assert d.flags == 0
     assert idx.chains() == [(b"", [b"a", b"b", b"c"])]
     assert PrefixIndex(2).chains() == []
+
+
+# -- stream_blocks from a peer --------------------------------------------------------------------
+def test_a_fetched_first_block_reaches_the_reader_before_the_next_is_received(store: BlockStore) -> None:
+    """Into engine buffers, block 0's copy and event go out before the fetch lands block 1: while a
+    long prompt streams in, the first block's copy would otherwise queue behind the receiving."""
+    from kvstored.buffers import TensorSource
+    from kvstored.store import Fetched
+    from kvstored_client import shm
+    from kvstored_client.layout import TensorLayout
+
+    engine = shm.empty((4, BLOCK), "uint8")
+    session = store.open_session("decode", 1)
+    ns = store.open_namespace(NS).namespace_id
+    buffers = store.register_buffers(session.session_id, ns, [TensorSource(
+        engine.name, 0, TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0))])
+    keys = chain(3)
+    emitted: list[int] = []
+    seen_before_landing: list[list[int]] = []
+
+    async def fetcher(namespace_id: int, want: list[bytes], into, landed) -> Fetched:  # type: ignore[no-untyped-def]
+        for i in range(len(want)):
+            seen_before_landing.append(list(emitted))   # what the reader had when block i came in
+            view = await into(i, BLOCK)
+            view[:] = bytes(payload(i))
+            await landed(i, "peer-a")
+        return Fetched(len(want), "complete")
+
+    async def main() -> object:
+        try:
+            return await store.stream_blocks(session.session_id, ns, KeyRequest(hashes=keys), buffers.buffers_id,
+                                             [2, 0, 1], lambda a: emitted.append(a.index), fetcher)
+        finally:
+            await store.unregister_buffers(session.session_id, buffers.buffers_id)
+
+    try:
+        end = asyncio.run(main())
+        assert end.stop == "complete" and emitted == [0, 1, 2]   # type: ignore[attr-defined]
+        assert seen_before_landing[1] == [0], "block 1 was received before block 0 reached the reader"
+        rows = engine.numpy()
+        assert bytes(rows[2]) == bytes(payload(0)) and bytes(rows[1]) == bytes(payload(2))
+    finally:
+        engine.close()
