@@ -30,8 +30,9 @@ class Arrival:
 
 
 class Handover:
-    """``give`` blocks in chain order; ``finish`` when the chain ends (waits for the last copy);
-    ``close`` always (cancels what is left and unpins it, after any copy in flight)."""
+    """``give`` blocks in chain order; ``settled`` waits until those given are out; ``finish``
+    when the chain ends (waits for the last copy); ``close`` always (cancels what is left and
+    unpins it, after any copy in flight)."""
 
     def __init__(self, emit: Callable[[Arrival], None], copy: CopyEngine | None = None,
                  buffers: RegisteredBuffers | None = None, block_ids: BlockIds = ()) -> None:

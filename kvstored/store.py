@@ -1458,6 +1458,13 @@ class BlockStore:
             if length != block_bytes:
                 raise ValueError(f"peer sent block {start + i} of {length} bytes; expected {block_bytes}")
             assert i == len(new), "blocks must arrive in order"
+            if start == 0 and i == 1:
+                # The reader's first block goes out before the next one is received: while the
+                # rest of a long prompt streams in, its copy and event would queue behind the
+                # receiving (milliseconds on two cores). The sender fills the socket buffers
+                # meanwhile, so the stream hardly pauses. (Here, not in ``landed``: block 0 is
+                # counted as delivered by then, whatever happens while we wait.)
+                await handover.settled()
             outcome = self._reserve_next(reservation, state, chain[start + i])
             for _ in range(3):
                 # DRAM is full of this stream's own chain (a prompt larger than DRAM, each block
@@ -1487,12 +1494,6 @@ class BlockStore:
             sealed += 1
             self._n.peer_fetched += 1
             handover.give(start + i, [block], [Tier.PEER], peer)
-            if start + i == 0:
-                # The reader's first block goes out before the next one is received: while
-                # the rest of a long prompt streams in, its copy and event would queue behind
-                # the receiving (milliseconds on two cores). The sender fills the socket
-                # buffers meanwhile, so the stream hardly pauses.
-                await handover.settled()
 
         try:
             got = await fetcher(state.namespace_id, chain[start:], into, landed)

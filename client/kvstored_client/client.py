@@ -158,6 +158,9 @@ class Client:
                     "Client(socket=...) at a running one.") from None
             raise from_rpc_error(exc) from None
         self.daemon_version = self._hello.version
+        # whether the daemon takes packed keys: renewed with each session (a restart may bring
+        # another version), see _open_session
+        self._packed_keys = self._hello.packed_keys
         self._lock = threading.Lock()
         self._closed = False
         self._session_id: str | None = None
@@ -288,6 +291,7 @@ class Client:
                 self._arena = None
                 self._arena_map = None
                 self._namespace_ids.clear()
+            self._packed_keys = opened.packed_keys
             self._session_id = opened.session_id
 
     def _watch_session(self, call: Any, done: threading.Event, first: queue.Queue[Any]) -> None:
@@ -348,8 +352,9 @@ class Client:
     def _keys(self, into: pb.BlockKeys, spec: Namespace, tokens: Any, hashes: Sequence[bytes] | None,
               cache_salt: str | None) -> int:
         """Put the chain's keys into ``into`` (the request's own field: a BlockKeys built apart and
-        copied in cost more than the rest of a 128k-token request) as ``packed_hashes``, one field
-        instead of one per block; returns how many blocks. InvalidArgument for bad tokens or hashes."""
+        copied in cost more than the rest of a 128k-token request): as ``packed_hashes``, one field
+        instead of one per block, when the daemon takes them, else as ``hashes``. Returns how many
+        blocks. InvalidArgument for bad tokens or hashes."""
         salt = cache_salt if cache_salt is not None else self._cache_salt
         if hashes is not None:
             if tokens is not None:
@@ -389,7 +394,7 @@ class Client:
         return len(chain)
 
     def _put_keys(self, into: pb.BlockKeys, packed: bytes, chain: Sequence[bytes]) -> None:
-        if self._hello.packed_keys:
+        if self._packed_keys:
             into.packed_hashes = packed
         else:   # a daemon from before packed keys would see none
             into.hashes.extend(bytes(h) for h in chain)
@@ -600,7 +605,7 @@ class Client:
         request = pb.SaveBlocksRequest(session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id,
                                        push_to=push_to)
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
-        _set_block_ids(request, block_ids, buffers, self._hello.packed_keys)
+        _set_block_ids(request, block_ids, buffers, self._packed_keys)
         resp = self._call(self._stub.SaveBlocks, request)
         return SaveResult(resp.present_blocks, resp.stored_blocks, spec.block_size)
 
@@ -617,7 +622,7 @@ class Client:
         ns_id, spec = self._ns(buffers.namespace)
         request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id)
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
-        _set_block_ids(request, block_ids, buffers, self._hello.packed_keys)
+        _set_block_ids(request, block_ids, buffers, self._packed_keys)
         if not wait:
             return LoadHandle(self._stub.LoadBlocksStream(request, timeout=self._timeout), spec.block_size,
                               buffers.num_tensors, self._error)
@@ -657,7 +662,7 @@ class Client:
         n_blocks = self._keys(request.keys, spec, tokens, hashes, cache_salt)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
-        _set_block_ids(request, [] if block_ids is None else block_ids, buffers, self._hello.packed_keys)
+        _set_block_ids(request, [] if block_ids is None else block_ids, buffers, self._packed_keys)
         try:
             call = self._stub.StreamBlocks(request, timeout=self._timeout)
         except ValueError:   # closed channel
@@ -697,11 +702,12 @@ class Client:
         return out
 
     def migrate(self, to: str = "", *, model: str = "", tokens: Any = None, hashes: Sequence[bytes] | None = None,
-                namespace: Namespace | None = None, drain: bool = False) -> Iterator[dict[str, Any]]:
+                namespace: Namespace | None = None, drain: bool = False,
+                cache_salt: str | None = None) -> Iterator[dict[str, Any]]:
         """Push a model's blocks (all models when empty), or one prompt's cached prefix (``tokens``
-        or ``hashes``), to node ``to``; with ``drain`` (and no ``to``) everything goes to the
-        peers and the local copies are dropped. Yields progress dicts (total_blocks,
-        pushed_blocks, failed_blocks, dropped_blocks, detail, done).
+        or ``hashes``; a prompt of no whole block moves nothing), to node ``to``; with ``drain``
+        (and no ``to``) everything goes to the peers and the local copies are dropped. Yields
+        progress dicts (total_blocks, pushed_blocks, failed_blocks, dropped_blocks, detail, done).
 
         A migration may take any time, but the daemon reports progress every few seconds: when
         nothing comes for ``timeout_s`` (at least 15 s), DeadlineExceeded (the migration is
@@ -710,9 +716,14 @@ class Client:
         self._settle_releases()
         request = pb.MigrateRequest(to=to, model=model, drain=drain)
         if tokens is not None or hashes is not None:
+            self._session()   # the daemon's current session says whether it takes packed keys
             ns_id, spec = self._ns(namespace)
             request.prefix.SetInParent()   # present even when it names no whole block
-            self._keys(request.prefix, spec, tokens, hashes, None)
+            if not self._keys(request.prefix, spec, tokens, hashes, cache_salt):
+                # nothing to move; and a daemon from before took an empty prefix for none (all)
+                yield {"total_blocks": 0, "pushed_blocks": 0, "failed_blocks": 0, "dropped_blocks": 0,
+                       "detail": "", "done": True}
+                return
             request.namespace_id = ns_id
         for p in self._until_idle(self._stub.Migrate(request, timeout=None), "migration",
                                   max(self._timeout, MIGRATE_IDLE_MIN_S)):

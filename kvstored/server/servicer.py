@@ -87,7 +87,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         log.info("session %s opened by %s (pid %d)", session.session_id[:8], first.client_name, first.pid)
         try:
             await context.write(pb.SessionEvent(session_id=session.session_id, arena_path=str(self._arena.path),
-                                                arena_bytes=self._arena.capacity))
+                                                arena_bytes=self._arena.capacity, packed_keys=True))
             reader = asyncio.ensure_future(context.read())
             closing = asyncio.ensure_future(self._shutting_down.wait())
             done, _ = await asyncio.wait({reader, closing}, return_when=asyncio.FIRST_COMPLETED)

@@ -275,7 +275,7 @@ def test_keys_go_packed_to_a_daemon_that_takes_them_and_repeated_to_one_that_doe
     """A daemon from before packed keys ignores packed_hashes/packed_block_ids (it would store and
     find nothing): the SDK sends them only when Hello says the daemon takes them. Block ids may be
     a numpy array (was: stream() failed on its truth value)."""
-    assert client._hello.packed_keys, "this daemon takes packed keys"
+    assert client._hello.packed_keys and client._packed_keys, "this daemon takes packed keys"
     sent: list[object] = []
 
     def recording(call):  # type: ignore[no-untyped-def]
@@ -293,7 +293,7 @@ def test_keys_go_packed_to_a_daemon_that_takes_them_and_repeated_to_one_that_doe
     b_src = client.register_buffers([src.numpy()], 0, namespace=ns)
     b_dst = client.register_buffers([dst.numpy()], 0, namespace=ns)
     for packed, tokens in ((False, np.arange(48)), (True, np.arange(1000, 1048))):
-        client._hello.packed_keys = packed
+        client._packed_keys = packed
         sent.clear()
         assert client.save_blocks(b_src, np.array([5, 1, 3]), tokens).stored == 3
         assert client.lookup(tokens, namespace=b_src.namespace).blocks == 3

@@ -57,6 +57,22 @@ def test_a_client_follows_a_daemon_restart(daemon_factory) -> None:  # type: ign
     c.close()
 
 
+def test_whether_the_daemon_takes_packed_keys_is_renewed_with_each_session(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Was: read from the first Hello only, so a daemon restarted as another version (one that
+    ignores packed keys) saw no keys from this client: every save and lookup did nothing."""
+    d = daemon_factory()
+    c = kvstored.Client(d.socket)
+    c.save(np.arange(32), rows(2, seed=1))
+    c._packed_keys = False          # as if the daemon first met had been one from before
+    restart(d)
+    deadline = time.monotonic() + 10
+    while c._session_id is not None and time.monotonic() < deadline:   # the session's end is noticed
+        time.sleep(0.02)
+    assert c.save(np.arange(1000, 1032), rows(2, seed=2)).stored == 2
+    assert c._packed_keys, "the new session's first event says the daemon takes packed keys"
+    c.close()
+
+
 def test_flat_kv_is_refused_and_the_namespace_stays_usable(client) -> None:  # type: ignore[no-untyped-def]
     """Was: a 1-D ``kv`` was stored as one-byte blocks and fixed the namespace's size at 1 byte."""
     kv = rows(20)

@@ -400,12 +400,20 @@ def test_migrate_of_a_prefix_moves_that_chain_only(daemon_factory) -> None:  # t
         for short in ({"tokens": [1, 2, 3]}, {"hashes": []}):
             last = list(a.migrate("b", **short))[-1]   # type: ignore[arg-type]
             assert last["done"] and last["total_blocks"] == 0, (short, last)
+            migrate_rpc, a._stub.Migrate = a._stub.Migrate, None   # a daemon from before moved everything:
+            try:                                                   # the SDK does not even ask
+                assert list(a.migrate(drain=True, **short))[-1]["dropped_blocks"] == 0   # type: ignore[arg-type]
+            finally:
+                a._stub.Migrate = migrate_rpc
         last = list(a.migrate("b", tokens=x))[-1]
         assert last["total_blocks"] == last["pushed_blocks"] == 2, last
         assert b.lookup(x).blocks == 2 and b.lookup(y).blocks == 0
         last = list(a.migrate(drain=True, hashes=kvstored.block_hashes(x)))[-1]
         assert last["dropped_blocks"] == 2, last
         assert a.lookup(x).blocks == 0 and a.lookup(y).blocks == 3
+        a.save(x, rows(2, seed=3), cache_salt="tenant-1")   # a salted prompt moves by its tokens too
+        last = list(a.migrate("b", tokens=x, cache_salt="tenant-1"))[-1]
+        assert last["pushed_blocks"] == 2 and b.lookup(x, cache_salt="tenant-1").blocks == 2, last
 
 
 def test_migrate_to_this_node_is_refused_by_name(daemon_factory) -> None:  # type: ignore[no-untyped-def]

@@ -85,16 +85,18 @@ class SessionRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "closing", "arena_path", "arena_bytes")
+    __slots__ = ("session_id", "closing", "arena_path", "arena_bytes", "packed_keys")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CLOSING_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     closing: bool
     arena_path: str
     arena_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., closing: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ...) -> None: ...
+    packed_keys: bool
+    def __init__(self, session_id: _Optional[str] = ..., closing: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., packed_keys: _Optional[bool] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("spec",)

@@ -584,8 +584,8 @@ def test_a_fetched_first_block_reaches_the_reader_before_the_next_is_received(st
 
     async def fetcher(namespace_id: int, want: list[bytes], into, landed) -> Fetched:  # type: ignore[no-untyped-def]
         for i in range(len(want)):
-            seen_before_landing.append(list(emitted))   # what the reader had when block i came in
             view = await into(i, BLOCK)
+            seen_before_landing.append(list(emitted))   # what the reader had as block i comes in
             view[:] = bytes(payload(i))
             await landed(i, "peer-a")
         return Fetched(len(want), "complete")
