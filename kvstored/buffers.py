@@ -8,9 +8,10 @@ Everything above the copy primitive is the same for both.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
@@ -57,7 +58,7 @@ class RegisteredBuffers:
         self.buffers_id = buffers_id
         self.layouts = [s.layout for s in sources]
         self.device = "cpu"
-        self.busy = 0                 # copies in flight; unregistering waits for zero
+        self.busy = 0                 # requests using them; unregistering waits for zero
         self._maps: list[mmap.mmap] = []
         self._cuda: object | None = None
         self.tensors: list[TensorMemory] = []
@@ -130,13 +131,24 @@ class RegisteredBuffers:
             raise InvalidArgument(f"tensors[{i}]: {exc}") from None
         return TensorMemory(region, part, None, address)
 
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Hold the buffers for a whole request, its lookups and SSD reads too, not only its
+        copies: unregistering waits until it is over (else a load that waited for SSD found the
+        buffers closed and reported blocks it never copied)."""
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+
     @property
     def cuda(self) -> object | None:
         """The device mappings (``kvstored.cuda.DeviceMappings``) of a CUDA registration."""
         return self._cuda
 
     def close(self) -> None:
-        """Unmap everything (the caller has drained copies first)."""
+        """Unmap everything (the caller waited until nothing uses them: ``busy`` is zero)."""
         self.tensors = []
         for mm in self._maps:
             try:

@@ -9,6 +9,7 @@ and ``cudaMemcpy2DAsync`` on the daemon's own stream for device buffers (``kvsto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,6 +54,10 @@ def _run(arena: Arena, buffers: RegisteredBuffers, block_ids: BlockIds, offsets:
         else:
             device.copy(arena, t, block_ids, offsets, to_arena)  # type: ignore[attr-defined]
         if tensor_done is not None:
+            if device is not None:
+                # The device copies are only queued: a layer is complete once its stream has run
+                # them (reporting it earlier let an engine compute on a half-copied layer).
+                device.synchronize()  # type: ignore[attr-defined]
             tensor_done(index)
     if device is not None:
         device.synchronize()  # type: ignore[attr-defined]
@@ -92,10 +97,18 @@ class CopyEngine:
             return
         buffers.busy += 1
         try:
-            await asyncio.get_running_loop().run_in_executor(
+            fut = asyncio.get_running_loop().run_in_executor(
                 # Python ints: numpy's uint32 times a slot's stride would wrap past 4 GiB
                 self._pool, _run, self._arena, buffers, np.asarray(block_ids, dtype=np.int64).tolist(),
                 list(offsets), to_arena, notify)
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                # a running copy cannot be stopped: slots and buffers stay held until it is done
+                while not fut.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([fut])
+                raise
         finally:
             buffers.busy -= 1
 

@@ -65,6 +65,11 @@ class LeaseTable:
         session.leases.add(lease.lease_id)
         return lease
 
+    def renew(self, lease: Lease, ttl_s: float) -> None:
+        """The lease runs ``ttl_s`` from now (a lease handed to its reader at the end of a long
+        stream, say, which started its clock when the stream began)."""
+        lease.expires_at = self._clock() + ttl_s
+
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
 

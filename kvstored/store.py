@@ -17,6 +17,7 @@ arena, oldest first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -403,9 +404,12 @@ class BlockStore:
                     self._end(held, session, aborted=True)
                 raise
             if n < len(hits):
-                for block in hits[n:]:
-                    block.pins -= 1
-                del held.pinned[n:]
+                if self._leases.get(held.lease_id) is held:   # else its end unpinned them all
+                    for block in hits[n:]:
+                        block.pins -= 1
+                    del held.pinned[n:]
+                for block in reversed(hits[n:]):
+                    self._remove_if_hollow(block)
                 hits = hits[:n]
                 tiers = tiers[:n]
             if hits and self._leases.get(held.lease_id) is held:
@@ -444,6 +448,8 @@ class BlockStore:
             finally:
                 for block in hits:
                     block.pins -= 1
+                for block in reversed(hits):
+                    self._remove_if_hollow(block)
         self._spawn(run())
 
     def _spawn(self, coro: Coroutine[object, object, object]) -> None:
@@ -875,6 +881,14 @@ class BlockStore:
                 block.index.namespace_id, block.key, parent, block.depth,
                 self._arena.view(block.offset, self._block_bytes(block)))))
             self._ssd_used += self._block_bytes(block)  # reserved now; returned on failure
+        # A task of its own: a cancelled caller (a flush past its deadline) must not leave the
+        # blocks DEMOTING and pinned, nor their bytes reserved on SSD.
+        settle = asyncio.ensure_future(self._demoted(chosen, futures))
+        self._background.add(settle)
+        settle.add_done_callback(self._background.discard)
+        return await asyncio.shield(settle)
+
+    async def _demoted(self, chosen: list[Block], futures: list[asyncio.Future[None]]) -> int:
         results = await asyncio.gather(*futures, return_exceptions=True)
         written = 0
         for block, result in zip(chosen, results):
@@ -1085,6 +1099,15 @@ class BlockStore:
             i = next(i for i, b in enumerate(block_ids) if not 0 <= b < buffers.num_blocks)
             raise InvalidArgument(f"block_ids[{i}] = {block_ids[i]} out of range (buffers hold "
                                   f"{buffers.num_blocks} blocks)")
+        if ids.size > 1:
+            # Two blocks of a chain in one engine block: a save would store one block's bytes
+            # under the other's key, a load would overwrite one with the other.
+            order = np.argsort(ids, kind="stable")
+            repeats = np.flatnonzero(ids[order][1:] == ids[order][:-1])
+            if repeats.size:
+                first, second = sorted((int(order[repeats[0]]), int(order[repeats[0] + 1])))
+                raise InvalidArgument(f"block_ids[{first}] and block_ids[{second}] are both engine block "
+                                      f"{int(ids[first])}; each block needs its own")
 
     async def save_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
                           keys: KeyRequest, block_ids: BlockIds) -> tuple[int, int]:
@@ -1125,25 +1148,26 @@ class BlockStore:
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id)
         state, chain = self.resolve_keys(namespace_id, keys)
         self._check_block_ids(buffers, chain, block_ids)
-        result = await self._lookup_chain(state, chain, session)
-        if started is not None:
-            started(result.tiers)
-        if not result.blocks:
-            if tensor_done is not None:
-                for i in range(len(buffers.tensors)):
-                    tensor_done(i)
-            return []
-        lease = self._leases.get(result.lease_id)
-        assert lease is not None, "a fresh lease vanished"
-        try:
-            await self._copying(lease, self._copy.from_arena(
-                buffers, block_ids[: result.blocks], result.offsets, tensor_done))
-        finally:
-            doomed = lease.lease_id in self._doomed
-            self._finish_doomed(lease)
-            if not doomed and self._leases.get(lease.lease_id) is not None:
-                self._end(lease, session, aborted=True)
-        return result.tiers
+        with buffers.in_use():   # unregistering waits for the lookup too, not only the copy
+            result = await self._lookup_chain(state, chain, session)
+            if started is not None:
+                started(result.tiers)
+            if not result.blocks:
+                if tensor_done is not None:
+                    for i in range(len(buffers.tensors)):
+                        tensor_done(i)
+                return []
+            lease = self._leases.get(result.lease_id)
+            assert lease is not None, "a fresh lease vanished"
+            try:
+                await self._copying(lease, self._copy.from_arena(
+                    buffers, block_ids[: result.blocks], result.offsets, tensor_done))
+            finally:
+                doomed = lease.lease_id in self._doomed
+                self._finish_doomed(lease)
+                if not doomed and self._leases.get(lease.lease_id) is not None:
+                    self._end(lease, session, aborted=True)
+            return result.tiers
 
     async def _copying(self, lease: Lease, copy: object) -> None:
         self._busy.add(lease.lease_id)
@@ -1382,43 +1406,46 @@ class BlockStore:
         if buffers is not None:
             self._check_block_ids(buffers, chain, block_ids)
         ttl = self._config.leases.ttl_s
-        local = await self._lookup_chain(state, chain, session)
-        read = self._leases.get(local.lease_id) if local.lease_id else None
-        if read is None:
-            read = self._pin(session, LeaseKind.READ, namespace_id, [], ttl)
-        reservation: Lease | None = None
-        self._busy.add(read.lease_id)
-        stop, detail = "complete", ""
-        handed_lease = 0
-        pull = emit is None
-        if emit is None:
-            emit = _ignore_arrival
-            buffers = None
-        handover = Handover(emit, self._copy, buffers, block_ids) if buffers is not None else Handover(emit)
-        if on_lease is not None and buffers is None and not pull:
-            on_lease(read.lease_id)
-        try:
-            handover.give(0, read.pinned, local.tiers)   # the leased local prefix
-            delivered = local.blocks
-            if delivered < len(chain) and fetcher is None:
-                stop, detail = "missing", f"block {delivered} is not cached on this node"
-            elif delivered < len(chain) and fetcher is not None:
-                reservation, delivered, stop, detail = await self._fetch_rest(
-                    session, state, chain, read, delivered, handover, buffers is None and not pull, fetcher)
-            await handover.finish()
-            handed_lease = read.lease_id if buffers is None and read.pinned and not pull else 0
-            return StreamEnd(delivered, len(chain), stop, detail, handed_lease, ttl)
-        finally:
-            await handover.close()
-            for lease in (reservation, read):
-                if lease is None:
-                    continue
-                self._busy.discard(lease.lease_id)
-                if lease.lease_id in self._doomed or self._leases.get(lease.lease_id) is None:
-                    self._finish_doomed(lease)
-                elif lease.lease_id != handed_lease:   # the caller keeps only the lease it was handed
-                    self._end(lease, session if session.session_id in self._sessions else None,
-                              aborted=True)
+        with buffers.in_use() if buffers is not None else contextlib.nullcontext():
+            local = await self._lookup_chain(state, chain, session)
+            read = self._leases.get(local.lease_id) if local.lease_id else None
+            if read is None:
+                read = self._pin(session, LeaseKind.READ, namespace_id, [], ttl)
+            reservation: Lease | None = None
+            self._busy.add(read.lease_id)
+            stop, detail = "complete", ""
+            handed_lease = 0
+            pull = emit is None
+            if emit is None:
+                emit = _ignore_arrival
+                buffers = None
+            handover = Handover(emit, self._copy, buffers, block_ids) if buffers is not None else Handover(emit)
+            if on_lease is not None and buffers is None and not pull:
+                on_lease(read.lease_id)
+            try:
+                handover.give(0, read.pinned, local.tiers)   # the leased local prefix
+                delivered = local.blocks
+                if delivered < len(chain) and fetcher is None:
+                    stop, detail = "missing", f"block {delivered} is not cached on this node"
+                elif delivered < len(chain) and fetcher is not None:
+                    reservation, delivered, stop, detail = await self._fetch_rest(
+                        session, state, chain, read, delivered, handover, buffers is None and not pull, fetcher)
+                await handover.finish()
+                handed_lease = read.lease_id if buffers is None and read.pinned and not pull else 0
+                if handed_lease:
+                    self._leases.renew(read, ttl)   # the reader's time starts now, not at the lookup
+                return StreamEnd(delivered, len(chain), stop, detail, handed_lease, ttl)
+            finally:
+                await handover.close()
+                for lease in (reservation, read):
+                    if lease is None:
+                        continue
+                    self._busy.discard(lease.lease_id)
+                    if lease.lease_id in self._doomed or self._leases.get(lease.lease_id) is None:
+                        self._finish_doomed(lease)
+                    elif lease.lease_id != handed_lease:   # the caller keeps only the lease it was handed
+                        self._end(lease, session if session.session_id in self._sessions else None,
+                                  aborted=True)
 
     async def _fetch_rest(self, session: Session, state: NamespaceState, chain: list[bytes], read: Lease,
                           delivered: int, handover: Handover, lease_arrivals: bool,

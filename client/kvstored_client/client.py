@@ -663,12 +663,13 @@ class Client:
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
         _set_block_ids(request, [] if block_ids is None else block_ids, buffers, self._packed_keys)
+        started = time.monotonic()
         try:
             call = self._stub.StreamBlocks(request, timeout=self._timeout)
         except ValueError:   # closed channel
             self._check_open()
             raise
-        return BlockStream(self, session, call, arena, spec.block_size, spec.block_bytes)
+        return BlockStream(self, session, call, arena, spec.block_size, spec.block_bytes, started)
 
     def pull(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
              namespace: Namespace | None = None, cache_salt: str | None = None) -> StreamOutcome:
@@ -894,8 +895,9 @@ class BlockStream:
     ``outcome`` afterwards. Leaving the loop early (or ``close``) cancels the rest."""
 
     def __init__(self, client: Client, session_id: str, call: Any, arena: np.ndarray | None, block_size: int,
-                 block_bytes: int) -> None:
+                 block_bytes: int, started: float) -> None:
         self._client = client
+        self._started = started   # monotonic, before the call: the lease's clock starts later
         self._session_id = session_id
         self._call = call
         self._arena = arena
@@ -905,19 +907,26 @@ class BlockStream:
         self.outcome: StreamOutcome | None = None
 
     def __iter__(self) -> Iterator[BlockArrival]:
+        """Arrivals in token order. In arena mode (no buffers) each event's blocks are copied out
+        as soon as it is read, under the stream's lease; when the copies may have outlived that
+        lease (an engine slower than ``leases.ttl_s``), the loop ends with LeaseExpired after the
+        last arrival, as ``load`` does, instead of leaving bytes that may be another block's."""
         lease_id = 0
+        ttl_s = self._client._hello.lease_ttl_ms / 1000
         try:
             for event in self._call:
                 lease_id = lease_id or event.lease_id   # told first, so leaving early can release it
-                for b in event.blocks:
+                arrivals = []
+                for b in event.blocks:   # all copied before any is handed out (the loop may dawdle)
                     data = None
                     if self._arena is not None and self._keep_data:
-                        # copy now: the block stays leased only until the stream ends
                         data = self._arena[b.offset: b.offset + self._block_bytes].copy()
-                    yield BlockArrival(b.index, TIER_NAMES.get(b.tier, str(b.tier)), b.peer, data)
+                    arrivals.append(BlockArrival(b.index, TIER_NAMES.get(b.tier, str(b.tier)), b.peer, data))
+                yield from arrivals
                 if event.HasField("end"):
                     e = event.end
                     lease_id = e.lease_id   # 0 when nothing stayed leased
+                    ttl_s = e.lease_ttl_ms / 1000 or ttl_s
                     self.outcome = StreamOutcome(e.blocks, e.requested, e.blocks * self._block_size, e.stop, e.detail)
                     break
         except grpc.RpcError as exc:
@@ -927,10 +936,22 @@ class BlockStream:
         finally:
             if self.outcome is None:
                 self._call.cancel()   # left early: the daemon drops the rest
-            if lease_id:
+            if lease_id and (self.outcome is None or self._arena is None or not self._keep_data
+                             or time.monotonic() - self._started < ttl_s / 2):
                 # Also when left early: the daemon may have finished and handed the lease to an
-                # end this loop never read (releasing one it already dropped is a no-op).
+                # end this loop never read (releasing one it already dropped is a no-op). Well
+                # inside the lease (the daemon holds it for the stream and ttl after its end),
+                # every copy was pinned: the release need not be waited for.
                 self._client._release_later(self._session_id, lease_id)
+                lease_id = 0
+        if lease_id:
+            try:
+                self._client._call(self._client._stub.Release,
+                                   pb.ReleaseRequest(session_id=self._session_id, lease_id=lease_id))
+            except LeaseExpired as exc:
+                raise LeaseExpired(f"the stream's blocks were read after its lease ended: {exc}") from None
+            except KVStoreError:
+                pass   # not an expiry (the daemon went away after the end): the lease is gone with it
 
     def close(self) -> None:
         """Stop the stream before its end; its lease (if the loop saw it) is released when the

@@ -294,7 +294,11 @@ class SSDTier:
             if op.kind != "put":
                 continue
             assert op.record is not None and op.payload is not None, "put without a record"
-            f = self._file(op.record.length)
+            try:
+                f = self._file(op.record.length)
+            except OSError as exc:
+                failed.append((op, SSDError(f"payload file: {exc.strerror or exc}")))
+                continue
             slot = f.take()
             try:
                 f.write(slot, op.payload)

@@ -207,3 +207,15 @@ def test_calls_after_expiry(daemon_factory) -> None:  # type: ignore[no-untyped-
         assert raw.client.lookup(np.arange(1000, 1032)).blocks == 0  # nothing half-written is visible
     finally:
         raw.client.close()
+
+
+def test_duplicate_block_ids_are_refused(raw: Raw) -> None:
+    """Two blocks of one chain cannot come from, or go to, one engine block: SaveBlocks would store
+    engine block 0's bytes under block 1's key (a wrong cache entry every later load serves), and
+    LoadBlocks would overwrite block 0 with block 1 while reporting both loaded."""
+    buf = kvstored.shm.empty((4, 256), "float16")
+    b = raw.client.register_buffers([buf.numpy()], block_dim=0)
+    ns = raw.client._ns(b.namespace)[0]
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "block_ids", raw.stub.SaveBlocks,
+               pb.SaveBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
+                                    keys=keys(2), block_ids=[0, 0]))

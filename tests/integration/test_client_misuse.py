@@ -260,3 +260,34 @@ def test_a_failed_reconnect_never_leaves_the_old_arena_in_use(tmp_path) -> None:
             z.stop()
     finally:
         c.close()
+
+
+def test_a_slow_stream_reader_never_gets_another_blocks_bytes(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """client.stream() without buffers copies each block out of the arena only when the loop asks
+    for the next arrival, and never checks that the stream's lease is still held: a reader slower
+    than leases.ttl_s gets bytes of whatever now occupies the slot, silently (client.load raises
+    LeaseExpired in the same situation, README: 'A read that outlives its lease raises LeaseExpired')."""
+    d = daemon_factory("--set", "leases.ttl_s=0.5", "--set", "leases.reap_interval_s=0.05")
+    c = kvstored.Client(d.socket)
+    other = kvstored.Client(d.socket)
+    try:
+        ns = Namespace(model="slow-stream")
+        tokens = np.arange(16 * 4)
+        kv = rows(4, seed=1)
+        c.save(tokens, kv, namespace=ns)
+        got: list[np.ndarray] = []
+        try:
+            for arrival in c.stream(tokens, namespace=ns, peers=False):
+                got.append(arrival.data)
+                if arrival.index == 0:
+                    time.sleep(1.0)                    # the engine is busy; the lease runs out
+                    assert other.evict(model="slow-stream") == 4   # nothing pins them any more
+                    other.save(np.arange(10_000, 10_000 + 16 * 4), np.full((4, 4096), 0xEE, np.uint8),
+                               namespace=ns)           # takes the freed slots
+        except kvstored.LeaseExpired:
+            return   # an honest error is fine
+        for i, data in enumerate(got):
+            assert np.array_equal(data, kv[i]), f"block {i} holds another block's bytes"
+    finally:
+        other.close()
+        c.close()

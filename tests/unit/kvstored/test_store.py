@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import math
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -274,3 +275,305 @@ def test_new_blocks_outlive_older_read_ones(tmp_path: Path) -> None:
         _passes(store, clock, gap_s=DEFAULT_TAU_S * math.log(1.7) + 1.0)
     with _store(tmp_path, {"dram": {"policy": "credit"}}) as (store, clock), pytest.raises(AssertionError):
         _passes(store, clock, gap_s=1.0)
+
+
+# -- the SSD tier under the store (review: tier movement) ------------------------------------
+
+@contextlib.contextmanager
+def _ssd_store(tmp_path: Path, extra: dict[str, dict[str, object]] | None = None
+               ) -> Iterator[tuple[BlockStore, Clock]]:
+    """An 8-block arena (pages of 4 blocks) over an SSD tier of 16 blocks, both under LRU."""
+    from kvstored.tiers.ssd import SSDTier
+    values: dict[str, dict[str, object]] = {
+        "dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False, "policy": "lru"},
+        "ssd": {"enabled": True, "capacity": 16 * BLOCK, "policy": "lru", "high_watermark": 0.95,
+                "low_watermark": 0.5, "sync": False},
+        "leases": {"ttl_s": 10.0, "reservation_ttl_s": 20.0}}
+    for section, table in (extra or {}).items():
+        values.setdefault(section, {}).update(table)
+    cfg = config.build(values)
+    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
+    copy = CopyEngine(arena)
+    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False)
+    clock = Clock()
+    ids = iter(range(1, 1000))
+    store = BlockStore(cfg, arena, copy, tier, clock=clock, new_session_id=lambda: f"s{next(ids)}")
+    try:
+        yield store, clock
+    finally:
+        tier.close()
+        copy.close()
+        arena.close()
+
+
+def _to_ssd_only(store: BlockStore, sid: str, ns: int, keys: list[bytes]) -> None:
+    from kvstored.index import Tier
+    save(store, sid, ns, keys)
+    asyncio.run(store.flush())
+    store.evict(tier=Tier.DRAM)
+
+
+def _corrupt_on_disk(store: BlockStore, ns: int, key: bytes) -> None:
+    """Flip a byte of ``key``'s payload in its slot file, behind the tier's back."""
+    from kvstored.tiers.ssd import BlockRecord
+    ssd = store._ssd
+    assert ssd is not None
+    rec = next(r for r in ssd.scan() if isinstance(r, BlockRecord) and r.namespace_id == ns and r.key == key)
+    path = ssd.path / f"payload-{rec.length}.dat"
+    with open(path, "r+b") as fh:
+        fh.seek(rec.slot * BLOCK + 100)
+        b = fh.read(1)
+        fh.seek(rec.slot * BLOCK + 100)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_corrupt_leaf_read_by_a_load_leaves_the_index(tmp_path: Path) -> None:
+    """A leased lookup (load) whose last block fails its SSD checksum: the block is dropped, and a
+    hollow block with no children has nothing to wait for, so it must leave the index (README: "the
+    hollow block leaves with its last child"). It stayed, untracked by any policy, holding up its
+    ancestors on SSD for ever."""
+    with _ssd_store(tmp_path) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns_state = store.open_namespace(Namespace())
+        ns = ns_state.namespace_id
+        keys = chain(2)
+        _to_ssd_only(store, s, ns, keys)
+        _corrupt_on_disk(store, ns, keys[1])
+        r = lookup(store, ns, KeyRequest(hashes=keys), lease=True, session_id=s)
+        assert r.blocks == 1
+        store.release(s, r.lease_id)
+        st = store.stats()
+        assert st.tiers[1].read_errors == 1
+        assert st.index_blocks == 1, "the dropped leaf is still in the index"
+        # and its parent, back on SSD only, is an SSD leaf the tier can evict
+        from kvstored.index import Tier
+        assert store.evict(tier=Tier.DRAM) == 1
+        assert store._ssd_policy.victim() is ns_state.index.get(keys[0])
+
+
+def test_a_lease_ended_during_a_promotion_is_not_unpinned_twice(tmp_path: Path) -> None:
+    """A leased lookup waits for an SSD read; meanwhile its session closes (the client died) or
+    the lease is reaped, which unpins every block of the lease. The lookup then found a block it
+    could not bring up (here: corrupt) and unpinned the blocks from there on a second time: pins
+    went negative, so the block never counted as unpinned again (never evictable) or, pinned once
+    more by a later lease, counted as unpinned while leased."""
+    with _ssd_store(tmp_path) as (store, _):
+        s = store.open_session("t", 1).session_id
+        s2 = store.open_session("u", 2).session_id
+        ns_state = store.open_namespace(Namespace())
+        ns = ns_state.namespace_id
+        keys = chain(3)
+        _to_ssd_only(store, s, ns, keys)
+        _corrupt_on_disk(store, ns, keys[1])
+
+        async def run() -> None:
+            task = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s2))
+            await asyncio.sleep(0)          # the lookup waits for the SSD reads
+            store.close_session(s2)         # the client is gone: its leases end
+            await task
+            await store.drain()
+
+        asyncio.run(run())
+        pins = {i: b.pins for i, key in enumerate(keys) if (b := ns_state.index.get(key)) is not None}
+        assert all(p == 0 for p in pins.values()), f"pins after the lease ended: {pins}"
+
+
+def test_a_flush_cancelled_mid_write_leaves_nothing_pinned(tmp_path: Path) -> None:
+    """``kvctl flush`` past its deadline (Client timeout_s, 30 s by default: a large arena) or
+    interrupted cancels the Flush handler while the write-back awaits the SSD writer. The blocks it
+    had marked DEMOTING and pinned stayed so for ever: never written again, never evictable, their
+    bytes counted in ssd used_bytes, and every later flush waited a minute and then failed."""
+    with _ssd_store(tmp_path) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns_state = store.open_namespace(Namespace())
+        ns = ns_state.namespace_id
+        keys = chain(4)
+        save(store, s, ns, keys)
+
+        async def run() -> None:
+            task = asyncio.ensure_future(store.flush())
+            await asyncio.sleep(0)          # the write-back has queued its puts
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await store.drain()             # the daemon's loop runs on: let what it started finish
+
+        asyncio.run(run())
+        blocks = [ns_state.index.get(k) for k in keys]
+        assert all(b is not None and b.pins == 0 for b in blocks), [b.pins for b in blocks if b]
+        from kvstored.index import DEMOTING
+        assert not any(b.flags & DEMOTING for b in blocks if b is not None)
+        assert asyncio.run(store.flush()) + sum(b.on_ssd for b in blocks if b) >= 4
+        st = store.stats()
+        assert st.tiers[1].used_bytes == st.tiers[1].blocks * BLOCK
+
+
+def test_a_save_cancelled_mid_copy_does_not_write_into_a_reused_slot(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save_blocks whose caller goes away (client killed, deadline) while the copy thread is
+    still copying engine bytes into the reserved slots: the reservation was aborted at once and
+    its slots freed, while the thread went on writing into them. A slot handed meanwhile to
+    another client's block got the dead save's bytes after that block was sealed: wrong bytes
+    served under the other block's key."""
+    import threading
+
+    from kvstored import copy as copy_mod
+    from kvstored.buffers import TensorSource
+    from kvstored_client import shm
+    from kvstored_client.layout import TensorLayout
+
+    gate = threading.Event()
+    real_run = copy_mod._run
+
+    def slow_run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gate.wait(10)               # the copy is still under way when the caller goes
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(copy_mod, "_run", slow_run)
+    engine = shm.empty((4, BLOCK), "uint8")
+    engine.numpy()[:] = 0xAA
+    try:
+        with _store(tmp_path) as (store, _):
+            a = store.open_session("engine", 1).session_id
+            b = store.open_session("other", 2).session_id
+            ns = store.open_namespace(Namespace(block_bytes=BLOCK)).namespace_id
+            buffers = store.register_buffers(a, ns, [TensorSource(
+                engine.name, 0, TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0))])
+            other = chain(1, 5000)
+
+            async def run() -> int:
+                task = asyncio.ensure_future(store.save_blocks(a, ns, buffers.buffers_id,
+                                                               KeyRequest(hashes=chain(1)), [0]))
+                await asyncio.sleep(0.05)       # the copy thread has started
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                r = store.reserve(b, ns, KeyRequest(hashes=other), BLOCK)   # another client's block
+                store._arena.view(r.offsets[0], BLOCK)[:] = 0x55
+                store.seal(b, r.reservation_id)
+                gate.set()
+                await asyncio.sleep(0.2)        # the abandoned copy finishes
+                return r.offsets[0]
+
+            offset = asyncio.run(run())
+            block = store._namespaces[ns].index.get(other[0])
+            assert block is not None and block.offset == offset
+            assert bytes(store._arena.view(offset, BLOCK)) == b"\x55" * BLOCK, \
+                "another block's bytes were overwritten by a cancelled save's copy"
+    finally:
+        gate.set()
+        engine.close()
+# -- review: a cancelled copy must keep its slots, its lease and the buffers until it is out -------
+def _gated_copy(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Make the copy engine's worker wait on ``gate`` once it has started; ``seen`` gets its offsets."""
+    import kvstored.copy as copy_mod
+
+    started, gate, finished = threading.Event(), threading.Event(), threading.Event()
+    seen: list[list[int]] = []
+    real_run = copy_mod._run
+
+    def gated_run(arena, buffers, block_ids, offsets, to_arena, notify):  # type: ignore[no-untyped-def]
+        seen.append(list(offsets))
+        started.set()
+        gate.wait(10)
+        try:
+            real_run(arena, buffers, block_ids, offsets, to_arena, notify)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(copy_mod, "_run", gated_run)
+    return started, gate, finished, seen
+
+
+def _engine_buffers(store: BlockStore, session_id: str, ns: int, fill: int):  # type: ignore[no-untyped-def]
+    from kvstored.buffers import TensorSource
+    from kvstored_client import shm
+    from kvstored_client.layout import TensorLayout
+
+    engine = shm.empty((4, BLOCK), "uint8")
+    engine.numpy()[...] = fill
+    buffers = store.register_buffers(session_id, ns, [TensorSource(
+        engine.name, 0, TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0))])
+    return engine, buffers
+
+
+def test_a_cancelled_save_blocks_does_not_free_slots_its_copy_still_writes(
+        env: tuple[BlockStore, Clock], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SaveBlocks call cancelled mid-copy (client deadline, client gone) must not hand its slots
+    to another writer while the worker thread still copies into them: the other writer's sealed
+    blocks would end up holding the cancelled call's bytes."""
+    store, _ = env
+    s, other = store.open_session("engine", 1), store.open_session("other", 2)
+    ns = store.open_namespace(Namespace()).namespace_id
+    engine, buffers = _engine_buffers(store, s.session_id, ns, fill=7)
+    started, gate, finished, seen = _gated_copy(monkeypatch)
+
+    async def main() -> bytes:
+        task = asyncio.ensure_future(store.save_blocks(
+            s.session_id, ns, buffers.buffers_id, KeyRequest(hashes=chain(2)), [0, 1]))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.sleep(0.05)   # the cancellation has run its course; the copy is still gated
+        # another client saves 8 blocks of 0x55 while the cancelled copy is still in flight
+        keys = chain(8, 50_000)
+        r = store.reserve(other.session_id, ns, KeyRequest(hashes=keys), BLOCK)
+        for off in r.offsets:
+            store._arena.view(off, BLOCK)[:] = 0x55
+        store.seal(other.session_id, r.reservation_id)
+        gate.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.to_thread(finished.wait, 10)
+        hit = await store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=other.session_id)
+        return b"".join(store._arena.view(o, BLOCK).tobytes() for o in hit.offsets)
+
+    try:
+        data = asyncio.run(main())
+        assert data == b"\x55" * len(data), (
+            f"the cancelled save's copy (slots {seen[0]}) overwrote another client's sealed blocks")
+    finally:
+        gate.set()
+        engine.close()
+
+
+def test_unregister_after_a_cancelled_load_blocks_waits_for_its_copy(
+        env: tuple[BlockStore, Clock], monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: unregister_buffers returns only after the daemon drained its copies. A LoadBlocks
+    cancelled mid-copy leaves the worker thread writing into the engine's buffers, yet unregister
+    returns at once (buffers.busy was decremented by the cancelled await, not by the copy)."""
+    store, _ = env
+    s = store.open_session("engine", 1)
+    ns = store.open_namespace(Namespace()).namespace_id
+    src_engine, src = _engine_buffers(store, s.session_id, ns, fill=9)
+    dst_engine, dst = _engine_buffers(store, s.session_id, ns, fill=0)
+    keys = KeyRequest(hashes=chain(2))
+
+    async def save() -> None:
+        assert await store.save_blocks(s.session_id, ns, src.buffers_id, keys, [0, 1]) == (0, 2)
+    asyncio.run(save())
+    started, gate, finished, _ = _gated_copy(monkeypatch)
+
+    async def main() -> tuple[bool, int]:
+        task = asyncio.ensure_future(store.load_blocks(s.session_id, ns, dst.buffers_id, keys, [0, 1]))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.sleep(0.05)   # the cancellation has run its course; the copy is still gated
+        leases_during_copy = store.stats().active_leases
+        threading.Timer(0.3, gate.set).start()   # the copy finishes a little later
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await store.unregister_buffers(s.session_id, dst.buffers_id)
+        copy_done_before_unregister_returned = finished.is_set()
+        await asyncio.to_thread(finished.wait, 10)
+        return copy_done_before_unregister_returned, leases_during_copy
+
+    try:
+        drained, leases = asyncio.run(main())
+        assert drained, "unregister_buffers returned while a copy into the buffers was still running"
+        assert leases == 1, "the read lease was dropped while its blocks were still being copied out"
+    finally:
+        gate.set()
+        src_engine.close()
+        dst_engine.close()

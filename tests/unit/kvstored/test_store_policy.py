@@ -251,3 +251,85 @@ def test_flush_waits_for_a_write_back_already_under_way(tmp_path: Path) -> None:
 
         assert asyncio.run(run()) == 4
         assert all(b.on_ssd for b in store._namespaces[ns].index)
+
+
+def test_a_lease_ended_while_its_blocks_come_up_from_ssd_leaves_no_pin_behind(tmp_path: Path) -> None:
+    """A leasing lookup whose blocks come up from SSD, with DRAM room for only part of the prefix,
+    while its session closes (the client died) or the lease is reaped: the session close unpins
+    the lease's blocks, then the lookup unpins the blocks past the cut a second time (store.py
+    _lookup_chain: ``for block in hits[n:]: block.pins -= 1`` without checking that the lease
+    is still live). A block left with pins == -1 can never be evicted, and the next lease that
+    pins it brings it to 0 (evictable) while that reader still copies it."""
+    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=64) as (store, _):
+        holder = store.open_session("holder", 1).session_id
+        reader = store.open_session("reader", 2).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        a = chain(2)
+        save(store, holder, ns, a)
+
+        async def main() -> None:
+            assert await store.flush() == 2
+            assert store.evict("", Tier.DRAM) == 2            # a lives on SSD only
+            others = chain(7, 10_000)
+            assert save(store, holder, ns, others) == 7
+            await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=holder)  # 7 of 8 slots pinned
+            task = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=reader))
+            for _ in range(100):
+                await asyncio.sleep(0)
+                if store._promoting or task.done():
+                    break
+            assert store._promoting and not task.done(), "block 0 should be on its way up from SSD"
+            store.close_session(reader)                       # the client went away meanwhile
+            r = await task
+            assert r.blocks == 0
+
+        asyncio.run(main())
+        pins = [store._namespaces[ns].index.get(k).pins for k in a]  # type: ignore[union-attr]
+        assert pins == [0, 0], f"pins after the lease ended: {pins}"
+
+
+def test_a_load_blocks_racing_unregister_never_reports_blocks_it_did_not_copy(tmp_path: Path) -> None:
+    """load_blocks looks the buffers up, then awaits the SSD promotion of the prefix; an
+    unregister_buffers meanwhile finds no copy in flight (busy == 0), closes the buffers (their
+    ``tensors`` become []) and returns. The load then 'copies' over no tensors and reports every
+    block loaded: the engine computes on KV that was never written."""
+    from kvstored.buffers import TensorSource
+    from kvstored.errors import KVError
+    from kvstored_client import shm
+    from kvstored_client.layout import TensorLayout
+
+    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=64) as (store, _):
+        s = store.open_session("engine", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        src, dst = shm.empty((4, BLOCK), "uint8"), shm.empty((4, BLOCK), "uint8")
+        src.numpy()[...] = 9
+        layout = TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0)
+        b_src = store.register_buffers(s, ns, [TensorSource(src.name, 0, layout)])
+        b_dst = store.register_buffers(s, ns, [TensorSource(dst.name, 0, layout)])
+        keys = KeyRequest(hashes=chain(2))
+
+        async def main() -> list[object] | None:
+            assert await store.save_blocks(s, ns, b_src.buffers_id, keys, [0, 1]) == (0, 2)
+            assert await store.flush() == 2
+            assert store.evict("", Tier.DRAM) == 2        # the prefix is on SSD only
+            task = asyncio.ensure_future(store.load_blocks(s, ns, b_dst.buffers_id, keys, [2, 3]))
+            for _ in range(100):
+                await asyncio.sleep(0)
+                if store._promoting or task.done():
+                    break
+            assert store._promoting and not task.done(), "the load should be waiting for SSD reads"
+            await store.unregister_buffers(s, b_dst.buffers_id)   # returns at once: busy == 0
+            try:
+                return await task   # type: ignore[return-value]
+            except KVError:
+                return None          # refusing the load is fine
+
+        try:
+            tiers = asyncio.run(main())
+            if tiers is not None:
+                assert len(tiers) == 2
+                assert (dst.numpy()[2:4] == 9).all(), (
+                    "load_blocks reported 2 blocks loaded but copied nothing into the buffers")
+        finally:
+            src.close()
+            dst.close()

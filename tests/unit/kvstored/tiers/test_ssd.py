@@ -8,7 +8,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from kvstored.tiers.ssd import BlockRecord, Corrupt, InUse, MapFull, SSDTier
+from kvstored.tiers.ssd import BlockRecord, Corrupt, InUse, MapFull, SSDError, SSDTier
 
 
 def payload(seed: int, n: int = 64 << 10) -> np.ndarray:
@@ -146,3 +146,19 @@ def test_one_tier_per_directory_and_a_failed_open_leaves_it_free(tmp_path: Path)
         assert np.array_equal(out, payload(1))
     finally:
         again.close()
+
+
+def test_a_payload_file_that_cannot_be_opened_fails_the_put_not_the_writer(tmp_path: Path) -> None:
+    """The first block of a new size opens its payload file on the writer thread, outside the
+    try that turns OSError into SSDError: an open that fails (EMFILE, EACCES, ENOSPC, EISDIR)
+    killed the writer thread with that batch's futures never settled (the store's write-back
+    awaited them for ever, its blocks pinned) and every later put queued with no writer."""
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        (tmp_path / "payload-4096.dat").mkdir()      # this size's file cannot be opened
+        with pytest.raises(SSDError):
+            ssd.put(1, b"a" * 32, b"", 0, payload(1, 4096)).result(5)
+        ssd.put(1, b"b" * 32, b"", 0, payload(2)).result(5)   # other sizes still get written
+    finally:
+        (tmp_path / "payload-4096.dat").rmdir()
+        ssd.close()
