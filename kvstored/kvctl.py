@@ -63,7 +63,19 @@ def render_stats(stats: dict[str, Any], console: Console) -> None:
     console.print(counters)
 
 
-@click.group()
+class _Commands(click.Group):
+    """The command group: a daemon's refusal or a failed call (any SDK error) is one line on
+    stderr and exit status 1, from every command, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KVStoreError as exc:
+            click.echo(f"kvctl: {exc}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Commands)
 @click.option("--socket", envvar="KVSTORED_SOCKET", default=None,
               help="daemon socket path, or host:port of its server.tcp listener (default: the daemon's "
                    "default socket)")
@@ -74,11 +86,7 @@ def cli(ctx: click.Context, socket: str | None) -> None:
 
 
 def _client(socket: str | None) -> Client:
-    try:
-        return Client(socket, client_name="kvctl")
-    except KVStoreError as exc:
-        click.echo(f"kvctl: {exc}", err=True)
-        sys.exit(1)
+    return Client(socket, client_name="kvctl")
 
 
 @cli.command()
@@ -104,11 +112,7 @@ def stats(socket: str | None, as_json: bool) -> None:
 def evict(socket: str | None, model: str, tier: str) -> None:
     """Drop cached blocks (leased blocks stay)."""
     with _client(socket) as client:
-        try:
-            n = client.evict(model, None if tier == "all" else tier)
-        except KVStoreError as exc:
-            click.echo(f"kvctl: {exc}", err=True)
-            sys.exit(1)
+        n = client.evict(model, None if tier == "all" else tier)
     click.echo(f"evicted {n} block(s)" + (f" of {model}" if model else "") + f" from {tier}")
 
 
@@ -118,11 +122,7 @@ def evict(socket: str | None, model: str, tier: str) -> None:
 def flush(socket: str | None, model: str) -> None:
     """Write every DRAM block without an SSD copy to the SSD tier now (e.g. before a restart)."""
     with _client(socket) as client:
-        try:
-            n = client.flush(model)
-        except KVStoreError as exc:
-            click.echo(f"kvctl: {exc}", err=True)
-            sys.exit(1)
+        n = client.flush(model)
     click.echo(f"flushed {n} block(s) to ssd")
 
 
@@ -132,11 +132,7 @@ def flush(socket: str | None, model: str) -> None:
 def peers(socket: str | None, as_json: bool) -> None:
     """This node and its peers: address, state (up/down/unknown), blocks moved, last error."""
     with _client(socket) as client:
-        try:
-            data = client.peers()
-        except KVStoreError as exc:
-            click.echo(f"kvctl: {exc}", err=True)
-            sys.exit(1)
+        data = client.peers()
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
@@ -159,13 +155,9 @@ def _run_migration(socket: str | None, to: str, model: str, drain: bool) -> None
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=Console(stderr=True), transient=False) as bar:
             task = bar.add_task("draining" if drain else f"migrating to {to}", total=None)
-            try:
-                for p in client.migrate(to, model=model, drain=drain):
-                    last = p
-                    bar.update(task, total=p["total_blocks"], completed=p["pushed_blocks"] + p["failed_blocks"])
-            except KVStoreError as exc:
-                click.echo(f"kvctl: {exc}", err=True)
-                sys.exit(1)
+            for p in client.migrate(to, model=model, drain=drain):
+                last = p
+                bar.update(task, total=p["total_blocks"], completed=p["pushed_blocks"] + p["failed_blocks"])
     click.echo(f"pushed {last.get('pushed_blocks', 0)} of {last.get('total_blocks', 0)} block(s)"
                + (f", dropped {last['dropped_blocks']} local copies" if drain else "")
                + (f"; {last['failed_blocks']} failed: {last['detail']}" if last.get("failed_blocks") else ""))

@@ -816,7 +816,8 @@ class BlockStore:
 
     def reap(self) -> int:
         """End leases past their deadline (busy ones once their copy finishes); returns the count."""
-        expired = self._leases.expired()
+        # a busy lease already past its deadline ends with its copy: counted (and logged) once
+        expired = [lease for lease in self._leases.expired() if lease.lease_id not in self._doomed]
         for lease in expired:
             self._leases.mark_expired(lease.lease_id)
             self._end(lease, self._sessions.get(lease.session_id), aborted=True)

@@ -473,8 +473,14 @@ class Client:
         if spec.block_bytes == 0:
             self._namespace_ids.pop(namespace or self.namespace, None)  # learn the fixed size
         first = resp.present_blocks
-        for i, offset in enumerate(resp.offsets):
-            arena[offset: offset + block_bytes] = rows[first + i]
+        try:
+            for i, offset in enumerate(resp.offsets):
+                arena[offset: offset + block_bytes] = rows[first + i]
+        except BaseException:
+            # interrupted (KeyboardInterrupt, a bad row): the reservation would keep other writers
+            # of this prefix waiting until it expires
+            self._release_now(session, resp.reservation_id)
+            raise
         sealed = self._call(self._stub.Seal, pb.SealRequest(
             session_id=session, reservation_id=resp.reservation_id, push_to=push_to)).sealed_blocks
         return SaveResult(first, sealed, spec.block_size)
@@ -624,8 +630,12 @@ class Client:
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
         _set_block_ids(request, block_ids, buffers, self._packed_keys)
         if not wait:
-            return LoadHandle(self._stub.LoadBlocksStream(request, timeout=self._timeout), spec.block_size,
-                              buffers.num_tensors, self._error)
+            try:
+                call = self._stub.LoadBlocksStream(request, timeout=self._timeout)
+            except ValueError:   # the channel was closed meanwhile
+                self._check_open()
+                raise
+            return LoadHandle(call, spec.block_size, buffers.num_tensors, self._error)
         resp = self._call(self._stub.LoadBlocks, request)
         return _loaded(resp, spec.block_size)
 

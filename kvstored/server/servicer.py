@@ -169,11 +169,13 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def SaveBlocks(self, request: pb.SaveBlocksRequest,
                          context: grpc.aio.ServicerContext) -> pb.SaveBlocksResponse:
         peers = self._push_target(request.push_to)
+        keys = _keys(request.keys)
+        if peers is not None:   # the chain is needed twice: token ids are hashed once
+            _, chain = self._store.resolve_keys(request.namespace_id, keys)
+            keys = KeyRequest(hashes=chain)
         present, stored = await self._store.save_blocks(
-            request.session_id, request.namespace_id, request.buffers_id, _keys(request.keys),
-            _block_ids(request))
+            request.session_id, request.namespace_id, request.buffers_id, keys, _block_ids(request))
         if peers is not None:
-            _, chain = self._store.resolve_keys(request.namespace_id, _keys(request.keys))
             peers.push_later(request.push_to, request.namespace_id, chain[: present + stored])
         return pb.SaveBlocksResponse(present_blocks=present, stored_blocks=stored)
 

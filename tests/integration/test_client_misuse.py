@@ -291,3 +291,52 @@ def test_a_slow_stream_reader_never_gets_another_blocks_bytes(daemon_factory) ->
     finally:
         other.close()
         c.close()
+
+
+def test_a_save_interrupted_while_writing_the_arena_gives_its_reservation_back(daemon, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C (or a bad row) between Reserve and Seal: the reservation was held until it expired
+    (a minute), and every other writer of that prompt was told its blocks were being written."""
+    import kvstored_client.client as client_mod
+
+    real_rows = client_mod._rows
+
+    class Interrupting:
+        def __init__(self, arr: np.ndarray) -> None:
+            self.arr, self.shape = arr, arr.shape
+
+        def __getitem__(self, i: int) -> np.ndarray:
+            if i == 1:
+                raise KeyboardInterrupt
+            return self.arr[i]   # type: ignore[no-any-return]
+
+    tokens, kv = np.arange(16 * 4), rows(4, seed=3)
+    with kvstored.Client(daemon.socket) as c, kvstored.Client(daemon.socket) as other:
+        monkeypatch.setattr(client_mod, "_rows", lambda x: Interrupting(real_rows(x)))
+        with pytest.raises(KeyboardInterrupt):
+            c.save(tokens, kv)
+        monkeypatch.setattr(client_mod, "_rows", real_rows)
+        assert other.save(tokens, kv).stored == 4   # not "being written by another client"
+        assert np.array_equal(other.load(tokens).data, kv)
+        assert c.stats()["active_leases"] == 0
+
+
+def test_load_blocks_without_waiting_racing_close_is_client_closed(daemon, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """close() from another thread while load_blocks(wait=False) is past its checks: was a raw
+    ValueError from grpc ("Cannot invoke RPC on closed channel")."""
+    import kvstored_client.client as client_mod
+
+    c = kvstored.Client(daemon.socket)
+    buf = kvstored.shm.empty((4, 2, 16, 2, 8), "float16")
+    real = client_mod._set_block_ids
+
+    def closing_meanwhile(*args, **kwargs):  # type: ignore[no-untyped-def]
+        c.close()
+        return real(*args, **kwargs)
+
+    try:
+        b = c.register_buffers([buf.numpy()], 0, namespace=Namespace(model="closed", kv_dtype="float16"))
+        monkeypatch.setattr(client_mod, "_set_block_ids", closing_meanwhile)
+        with pytest.raises(kvstored.ClientClosed):
+            c.load_blocks(b, [0], np.arange(16), wait=False)
+    finally:
+        buf.close()

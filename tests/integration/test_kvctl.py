@@ -209,3 +209,20 @@ def test_a_peer_back_up_shows_no_stale_error(daemon_factory) -> None:  # type: i
     wait_serving(b.socket, b.proc)
     up = {p["node_id"]: p for p in json.loads(kvctl(a.socket, "peers", "--json").stdout)["peers"]}
     assert up["b"]["state"] == "up" and up["b"]["last_error"] == ""
+
+
+def test_a_call_that_fails_after_connecting_is_one_line_and_exit_1(daemon, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every command, not only those that caught it: `kvctl stats` against a daemon that stops
+    answering after the handshake printed a traceback."""
+    from click.testing import CliRunner
+
+    from kvstored import kvctl as kvctl_mod
+
+    def fail(self):  # type: ignore[no-untyped-def]
+        raise kvstored.DeadlineExceeded("kvstored did not answer within 30 s")
+
+    monkeypatch.setattr(kvstored.Client, "stats", fail)
+    out = CliRunner().invoke(kvctl_mod.cli, ["--socket", daemon.socket, "stats"])
+    assert out.exit_code == 1, out.output
+    assert out.stderr.strip() == "kvctl: kvstored did not answer within 30 s"
+    assert out.exception is None or isinstance(out.exception, SystemExit)
