@@ -24,6 +24,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,7 @@ class NamespaceState:
     namespace_id: int
     spec: Namespace
     index: PrefixIndex
+    on_ssd: bool = False   # its record is written (or on its way) to the SSD tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,8 +310,19 @@ class BlockStore:
         return state
 
     def _persist_namespace(self, state: NamespaceState) -> None:
-        if self._ssd is not None:
-            self._ssd.put_namespace(state.namespace_id, json.dumps(dataclasses.asdict(state.spec)).encode())
+        """Write the namespace's record to the SSD tier (restore needs it to take its blocks
+        back); if the write fails, ``on_ssd`` turns False and the next write-back of one of its
+        blocks writes the record again first."""
+        if self._ssd is None:
+            return
+        state.on_ssd = True
+
+        def written(fut: Future[None]) -> None:   # on the writer thread: one flag, read on the loop
+            if fut.exception() is not None:
+                state.on_ssd = False
+
+        self._ssd.put_namespace(state.namespace_id,
+                                json.dumps(dataclasses.asdict(state.spec)).encode()).add_done_callback(written)
 
     def _check_block_bytes(self, block_bytes: int) -> None:
         if block_bytes > self._config.dram.page_bytes:
@@ -873,6 +886,11 @@ class BlockStore:
             total += size
         if not chosen or not self._make_ssd_room(total):
             return 0
+        for namespace_id in {block.index.namespace_id for block in chosen}:
+            state = self._namespaces.get(namespace_id)
+            if state is not None and not state.on_ssd:
+                # its record failed to reach the disk: blocks without one are dropped at restart
+                self._persist_namespace(state)
         futures = []
         for block in chosen:
             block.flags |= DEMOTING

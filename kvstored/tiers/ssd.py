@@ -274,7 +274,13 @@ class SSDTier:
                         break
                     batch.append(nxt)
                     size += _size(nxt)
-                self._commit(batch)
+                try:
+                    self._commit(batch)
+                except Exception as exc:   # a bug or an error nobody foresaw: fail this batch, go on
+                    log.exception("SSD commit of %d op(s) failed unexpectedly", len(batch))
+                    self.write_errors += len(batch)
+                    for failed in batch:
+                        _settle(failed.done, SSDError(f"SSD write failed: {exc!r}"))
                 if stop:
                     return
         except BaseException:  # never die silently: queued callers would wait forever

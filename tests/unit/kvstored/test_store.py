@@ -608,3 +608,37 @@ def test_a_busy_lease_past_its_deadline_is_reaped_once(env: tuple[BlockStore, Cl
     finally:
         src_engine.close()
         dst_engine.close()
+
+
+def test_a_namespace_record_that_failed_to_reach_the_disk_is_written_with_its_blocks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A namespace whose record failed to commit (the LMDB map full at that moment, say) had its
+    blocks written to SSD all the same, and a restart dropped every one of them: restore cannot
+    take back blocks of a namespace it does not know."""
+    from concurrent.futures import Future
+
+    from kvstored.tiers.ssd import SSDError, SSDTier
+
+    real = SSDTier.put_namespace
+    failures: list[int] = []
+
+    def failing_once(self: SSDTier, namespace_id: int, spec_json: bytes) -> Future[None]:
+        if failures:
+            return real(self, namespace_id, spec_json)
+        failures.append(namespace_id)
+        fut: Future[None] = Future()
+        fut.set_exception(SSDError("LMDB map full"))
+        return fut
+
+    monkeypatch.setattr(SSDTier, "put_namespace", failing_once)
+    keys = chain(3)
+    with _ssd_store(tmp_path) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace(block_bytes=BLOCK)).namespace_id
+        assert failures == [ns]
+        save(store, s, ns, keys)
+        assert asyncio.run(store.flush()) == 3
+    with _ssd_store(tmp_path) as (store, _):   # the daemon restarts
+        report = store.restore()
+        assert (report.blocks, report.dropped) == (3, 0)
+        assert lookup(store, ns, KeyRequest(hashes=keys)).blocks == 3
