@@ -190,6 +190,21 @@ def _tiers(blocks: Sequence[Block]) -> list[Tier]:
     return [Tier.DRAM if b.offset != NO_SLOT else Tier.SSD for b in blocks]
 
 
+def _check_distinct(ids: np.ndarray, first: int = 0) -> None:
+    """InvalidArgument naming two positions (counted from ``first``) that share an engine block:
+    a save would store one block's bytes under the other's key, a load would overwrite one with
+    the other."""
+    if ids.size < 2:
+        return
+    ordered = np.sort(ids)   # finds out; the stable argsort (20x the cost at 16k ids) only names them
+    if (ordered[1:] == ordered[:-1]).any():
+        order = np.argsort(ids, kind="stable")
+        repeats = np.flatnonzero(ids[order][1:] == ids[order][:-1])
+        a, b = sorted((int(order[repeats[0]]), int(order[repeats[0] + 1])))
+        raise InvalidArgument(f"block_ids[{first + a}] and block_ids[{first + b}] are both engine block "
+                              f"{int(ids[a])}; each block needs its own")
+
+
 def _ignore_arrival(arrival: Arrival) -> None:
     """A pull's handover: the blocks are only brought to this node."""
 
@@ -415,6 +430,9 @@ class BlockStore:
             except BaseException:   # cancelled while blocks came up from SSD: the lease goes too
                 if self._leases.get(held.lease_id) is held:
                     self._end(held, session, aborted=True)
+                for block in reversed(hits):   # a read that already failed left a hollow block
+                    if not block.readable:
+                        self._remove_if_hollow(block)
                 raise
             if n < len(hits):
                 if self._leases.get(held.lease_id) is held:   # else its end unpinned them all
@@ -828,9 +846,10 @@ class BlockStore:
         self._n.saved_blocks += len(lease.new)
 
     def reap(self) -> int:
-        """End leases past their deadline (busy ones once their copy finishes); returns the count."""
-        # a busy lease already past its deadline ends with its copy: counted (and logged) once
-        expired = [lease for lease in self._leases.expired() if lease.lease_id not in self._doomed]
+        """End leases past their deadline, idle ones only; returns the count."""
+        # A busy lease (a copy or a stream in flight) is judged once it is idle: its blocks are
+        # pinned meanwhile anyway, and a stream renews the lease it hands over at its end.
+        expired = [lease for lease in self._leases.expired() if lease.lease_id not in self._busy]
         for lease in expired:
             self._leases.mark_expired(lease.lease_id)
             self._end(lease, self._sessions.get(lease.session_id), aborted=True)
@@ -1085,7 +1104,12 @@ class BlockStore:
         buffers = self._owned_buffers(session_id, buffers_id)
         session.buffers.discard(buffers_id)
         del self._buffers[buffers_id]
-        await self._close_when_idle(buffers)
+        # A task of its own: a caller that goes away meanwhile (a request may hold the buffers
+        # for a whole peer transfer) must not leave them mapped with nobody left to close them.
+        closing = asyncio.ensure_future(self._close_when_idle(buffers))
+        self._background.add(closing)
+        closing.add_done_callback(self._background.discard)
+        await asyncio.shield(closing)
 
     def _drop_buffers(self, buffers_id: int) -> None:
         entry = self._buffers.pop(buffers_id, None)
@@ -1110,7 +1134,8 @@ class BlockStore:
         return entry[2]
 
     def _check_block_ids(self, buffers: RegisteredBuffers, chain: Sequence[bytes],
-                         block_ids: BlockIds) -> None:
+                         block_ids: BlockIds, distinct: bool = True) -> None:
+        """One id per block, each a block of ``buffers``, and (``distinct``) no id twice."""
         if len(block_ids) != len(chain):
             raise InvalidArgument(f"{len(block_ids)} block ids for {len(chain)} blocks")
         ids = np.asarray(block_ids)   # as the servicer passes them: no Python step per id
@@ -1118,15 +1143,8 @@ class BlockStore:
             i = next(i for i, b in enumerate(block_ids) if not 0 <= b < buffers.num_blocks)
             raise InvalidArgument(f"block_ids[{i}] = {block_ids[i]} out of range (buffers hold "
                                   f"{buffers.num_blocks} blocks)")
-        if ids.size > 1:
-            # Two blocks of a chain in one engine block: a save would store one block's bytes
-            # under the other's key, a load would overwrite one with the other.
-            order = np.argsort(ids, kind="stable")
-            repeats = np.flatnonzero(ids[order][1:] == ids[order][:-1])
-            if repeats.size:
-                first, second = sorted((int(order[repeats[0]]), int(order[repeats[0] + 1])))
-                raise InvalidArgument(f"block_ids[{first}] and block_ids[{second}] are both engine block "
-                                      f"{int(ids[first])}; each block needs its own")
+        if distinct:
+            _check_distinct(ids)
 
     async def save_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
                           keys: KeyRequest, block_ids: BlockIds) -> tuple[int, int]:
@@ -1137,10 +1155,13 @@ class BlockStore:
         session = self._session(session_id)
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id)
         state, chain = self.resolve_keys(namespace_id, keys)
-        self._check_block_ids(buffers, chain, block_ids)
+        # The ids of blocks cached already are not used: an engine that no longer holds them may
+        # name them all by one placeholder (vLLM's null block, say); those copied must differ.
+        self._check_block_ids(buffers, chain, block_ids, distinct=False)
         lease = self._reserve_chain(session, state, chain)
         present = len(lease.pinned)
         try:
+            _check_distinct(np.asarray(block_ids[present: present + len(lease.new)]), first=present)
             await self._copying(lease, self._copy.to_arena(
                 buffers, block_ids[present: present + len(lease.new)], [b.offset for b in lease.new]))
         except BaseException:
@@ -1486,8 +1507,11 @@ class BlockStore:
             read.pinned.extend(extra)
             ready = await self._ensure_dram(extra)
             for block in extra[ready:]:
-                block.pins -= 1
+                block.pins -= 2          # the read lease's and the reservation's
             del read.pinned[len(read.pinned) - len(extra) + ready:]
+            del reservation.pinned[delivered + ready:]
+            for block in reversed(extra[ready:]):
+                self._remove_if_hollow(block)   # a copy that failed its checksum: a hollow leaf goes
             handover.give(delivered, extra[:ready], _tiers(extra[:ready]))
             if ready < len(extra):
                 return reservation, delivered + ready, "corrupt", f"block {delivered + ready} could not be read here"

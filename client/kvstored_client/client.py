@@ -926,13 +926,23 @@ class BlockStream:
         try:
             for event in self._call:
                 lease_id = lease_id or event.lease_id   # told first, so leaving early can release it
-                arrivals = []
-                for b in event.blocks:   # all copied before any is handed out (the loop may dawdle)
+                blocks = event.blocks
+                copied: dict[int, Any] = {}
+                for k, b in enumerate(blocks):
                     data = None
                     if self._arena is not None and self._keep_data:
-                        data = self._arena[b.offset: b.offset + self._block_bytes].copy()
-                    arrivals.append(BlockArrival(b.index, TIER_NAMES.get(b.tier, str(b.tier)), b.peer, data))
-                yield from arrivals
+                        if k not in copied and time.monotonic() - self._started >= ttl_s / 2:
+                            # The loop dawdles: copy the rest of this event while the lease (ttl
+                            # from the lookup, after the call started) surely still holds them.
+                            # Before this point every copy is under the lease: block 0 goes out
+                            # without waiting for (and holding) the whole event's bytes.
+                            for j in range(k, len(blocks)):
+                                o = blocks[j].offset
+                                copied[j] = self._arena[o: o + self._block_bytes].copy()
+                        data = copied.pop(k, None)
+                        if data is None:
+                            data = self._arena[b.offset: b.offset + self._block_bytes].copy()
+                    yield BlockArrival(b.index, TIER_NAMES.get(b.tier, str(b.tier)), b.peer, data)
                 if event.HasField("end"):
                     e = event.end
                     lease_id = e.lease_id   # 0 when nothing stayed leased

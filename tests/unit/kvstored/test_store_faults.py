@@ -1,0 +1,282 @@
+"""The store under faults and cancellations: leases outliving long streams, hollow blocks left
+by failed SSD reads, unregistering while a request holds the buffers, placeholder ids."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from clock import Clock
+
+from kvstored import config
+from kvstored.copy import CopyEngine
+from kvstored.store import BlockStore, Fetched, KeyRequest
+from kvstored.tiers.dram import Arena
+from kvstored_client.hashing import block_hashes
+from kvstored_client.namespace import Namespace
+
+BLOCK = 4096
+NS = Namespace(model="m", block_bytes=BLOCK)
+
+
+def chain(n: int, start: int = 0) -> list[bytes]:
+    return block_hashes(list(range(start, start + 16 * n)))
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
+    cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
+                                 "policy": "lru"},
+                        "leases": {"ttl_s": 10.0, "reservation_ttl_s": 20.0}})
+    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
+    copy = CopyEngine(arena)
+    clock = Clock()
+    yield BlockStore(cfg, arena, copy, clock=clock), clock
+    copy.close()
+    arena.close()
+
+
+def test_an_arena_stream_longer_than_the_ttl_still_hands_over_a_live_lease(env: tuple[BlockStore, Clock]) -> None:
+    """Arena-mode stream whose peer transfer takes longer than leases.ttl_s (the reaper runs
+    meanwhile, as app.reaper does every reap_interval_s). The handed lease runs ttl from the
+    stream's end (store.py renews it), but reap() had already doomed the busy lease, so the
+    finally of stream_blocks ended it right after the renew: the StreamEnd named a lease that no
+    longer existed, and BlockStream's synchronous Release (the loop took >= ttl/2) got
+    FailedPrecondition -> LeaseExpired on a reader that copied every block promptly."""
+    store, clock = env
+    s = store.open_session("decode", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    keys = chain(2)
+
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        for i in range(len(want)):
+            view = await into(i, BLOCK)
+            view[:] = bytes([i + 1]) * BLOCK
+            clock.now += 6.0          # a slow peer: 12 s in all, ttl is 10 s
+            store.reap()              # the daemon's reaper runs meanwhile
+            await landed(i, "peer-a")
+        return Fetched(len(want), "complete")
+
+    async def main():  # type: ignore[no-untyped-def]
+        return await store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], lambda a: None, fetcher)
+
+    end = asyncio.run(main())
+    assert end.stop == "complete" and end.blocks == 2 and end.lease_id
+    assert store._leases.get(end.lease_id) is not None, (
+        "the lease handed to the reader at the stream's end was already ended (reaped while busy)")
+    store.release(s, end.lease_id)   # the client's Release right after its loop: must not be 'expired'
+
+
+def _corrupt_on_disk(store: BlockStore, ns: int, key: bytes) -> None:
+    from kvstored.tiers.ssd import BlockRecord
+    ssd = store._ssd
+    assert ssd is not None
+    rec = next(r for r in ssd.scan() if isinstance(r, BlockRecord) and r.namespace_id == ns and r.key == key)
+    with open(ssd.path / f"payload-{rec.length}.dat", "r+b") as fh:
+        fh.seek(rec.slot * BLOCK + 100)
+        b = fh.read(1)
+        fh.seek(rec.slot * BLOCK + 100)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def ssd_env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
+    from kvstored.tiers.ssd import SSDTier
+    cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
+                                 "policy": "lru"},
+                        "ssd": {"enabled": True, "capacity": 64 * BLOCK, "policy": "lru",
+                                "high_watermark": 0.95, "low_watermark": 0.5, "sync": False}})
+    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
+    copy = CopyEngine(arena)
+    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False)
+    clock = Clock()
+    yield BlockStore(cfg, arena, copy, tier, clock=clock), clock
+    tier.close()
+    copy.close()
+    arena.close()
+
+
+def test_a_corrupt_leaf_read_by_a_streams_second_look_leaves_the_index(ssd_env: tuple[BlockStore, Clock]) -> None:
+    """Sibling of 'a corrupt leaf dropped by a load/prefetch leaves the index': stream_blocks'
+    _fetch_rest re-reads blocks its lookup stopped short of (``extra``: there was no DRAM room
+    for them then). When such a block fails its SSD checksum it becomes hollow, is unpinned
+    (store.py _fetch_rest: ``for block in extra[ready:]: block.pins -= 1``) and the reservation's
+    end unpins it again, but nobody calls _remove_if_hollow: the hollow leaf stays in the index
+    for ever, holding its parent off the SSD policy's leaves."""
+    from kvstored.index import Tier
+    store, _ = ssd_env
+    holder = store.open_session("holder", 1).session_id
+    reader = store.open_session("reader", 2).session_id
+    ns = store.open_namespace(NS).namespace_id
+    a = chain(2)
+
+    def save(keys: list[bytes]) -> None:
+        r = store.reserve(holder, ns, KeyRequest(hashes=keys), BLOCK)
+        store.seal(holder, r.reservation_id)
+
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        return Fetched(0, "missing", "no peer holds it")
+
+    async def main():  # type: ignore[no-untyped-def]
+        save(a)
+        assert await store.flush() == 2
+        assert store.evict("", Tier.DRAM) == 2                 # a lives on SSD only
+        _corrupt_on_disk(store, ns, a[1])
+        others = chain(7, 10_000)
+        save(others)
+        held = await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=holder)
+        assert held.blocks == 7                                # 7 of 8 slots pinned: room for a[0] only
+        task = asyncio.ensure_future(store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
+                                                         lambda arrival: None, fetcher))
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if store._promoting or task.done():
+                break
+        assert store._promoting and not task.done(), "a[0] should be on its way up from SSD"
+        store.release(holder, held.lease_id)                   # room again, while the lookup waits
+        end = await task
+        await store.drain()
+        return end
+
+    end = asyncio.run(main())
+    assert end.blocks == 1 and end.stop == "corrupt", end
+    store.release(reader, end.lease_id)
+    index = store._namespaces[ns].index
+    b = index.get(a[1])
+    assert b is None, f"hollow leaf left in the index (pins={b.pins}, flags={b.flags})"
+
+
+def test_a_corrupt_leaf_found_before_a_leasing_lookup_is_cancelled_leaves_the_index(
+        ssd_env: tuple[BlockStore, Clock]) -> None:
+    """Sibling of the hollow-leaf fix in _lookup_chain: the fix covers the path where the lookup
+    returns, not the one where it is cancelled (client deadline / gone) while it still waits for
+    an earlier block's SSD read. The leaf's read already failed its checksum (the block is
+    hollow, but pinned by the lease, so _finish_promotion's _remove_if_hollow kept it); the
+    cancelled lookup's ``except BaseException`` ends the lease (unpinning it) and never calls
+    _remove_if_hollow: the hollow leaf stays in the index for ever."""
+    import concurrent.futures
+
+    from kvstored.index import Tier
+    store, _ = ssd_env
+    s = store.open_session("holder", 1).session_id
+    reader = store.open_session("reader", 2).session_id
+    ns = store.open_namespace(NS).namespace_id
+    a = chain(2)
+    ssd = store._ssd
+    assert ssd is not None
+    real_read = ssd.read_into
+    slow: dict[str, object] = {}
+
+    def read_into(namespace_id, key, view):  # type: ignore[no-untyped-def]
+        if key == a[0]:      # block 0's read is slow: it completes when the test says so
+            fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+            slow.update(fut=fut, args=(namespace_id, key, view))
+            return fut
+        return real_read(namespace_id, key, view)
+
+    async def main() -> None:
+        r = store.reserve(s, ns, KeyRequest(hashes=a), BLOCK)
+        store.seal(s, r.reservation_id)
+        assert await store.flush() == 2
+        assert store.evict("", Tier.DRAM) == 2
+        _corrupt_on_disk(store, ns, a[1])
+        ssd.read_into = read_into  # type: ignore[method-assign]
+        block1 = store._namespaces[ns].index.get(a[1])
+        task = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=reader))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if block1 not in store._promoting:
+                break
+        assert block1 not in store._promoting, "block 1's read should have failed by now"
+        task.cancel()                                   # the client's deadline
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        fut = slow["fut"]
+        real_read(*slow["args"]).result(5)              # block 0's read completes after all
+        fut.set_result(None)                            # type: ignore[union-attr]
+        await asyncio.sleep(0.05)
+        await store.drain()
+
+    asyncio.run(main())
+    b = store._namespaces[ns].index.get(a[1])
+    assert b is None, f"hollow leaf left in the index (pins={b.pins}, readable={b.readable})"
+
+
+def test_an_unregister_cancelled_while_a_stream_holds_the_buffers_still_unmaps_them(
+        env: tuple[BlockStore, Clock]) -> None:
+    """unregister_buffers now waits for every request holding the buffers (in_use), which for a
+    stream includes its whole peer transfer. It takes the buffers out of the store's table and the
+    session's set first, then awaits _close_when_idle in the handler: when that handler is
+    cancelled (the engine is killed while it unregisters, or its deadline passes), nobody closes
+    the buffers any more (close_session no longer knows them): the mmaps, or for CUDA buffers the
+    IPC mappings of the dead engine's GPU memory, stay open in the daemon for good."""
+    from kvstored.buffers import TensorSource
+    from kvstored_client import shm
+    from kvstored_client.layout import TensorLayout
+
+    store, _ = env
+    s = store.open_session("decode", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    engine = shm.empty((4, BLOCK), "uint8")
+    buffers = store.register_buffers(s, ns, [TensorSource(
+        engine.name, 0, TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0))])
+    keys = chain(2)
+
+    async def main() -> None:
+        peer_answers = asyncio.Event()
+
+        async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+            await peer_answers.wait()     # a slow peer
+            return Fetched(0, "missing", "no peer holds it")
+
+        stream = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id,
+                                                           [0, 1], lambda a: None, fetcher))
+        await asyncio.sleep(0.01)
+        unregister = asyncio.ensure_future(store.unregister_buffers(s, buffers.buffers_id))
+        await asyncio.sleep(0.05)
+        assert not unregister.done()          # waiting for the stream, as the commit intends
+        unregister.cancel()                   # ... but its caller went away
+        with contextlib.suppress(asyncio.CancelledError):
+            await unregister
+        store.close_session(s)                # the engine's session ends too
+        peer_answers.set()
+        await stream
+        await asyncio.sleep(0.05)
+        await store.drain()
+
+    try:
+        asyncio.run(main())
+        assert buffers.busy == 0
+        assert buffers.tensors == [], "the buffers were never unmapped"
+    finally:
+        engine.close()
+
+
+def test_a_save_may_name_its_cached_prefix_with_placeholder_ids(env: tuple[BlockStore, Clock]) -> None:
+    """save_blocks never reads the ids of the chain's already-cached prefix, so an engine that no
+    longer holds those blocks (chunked prefill after the early blocks were freed, a sliding-window
+    group whose table holds the null block there) may name them by one placeholder; only the ids
+    of blocks it copies must differ (the duplicate-id check refused the whole save)."""
+    from kvstored.buffers import TensorSource
+    from kvstored_client import shm
+    from kvstored_client.layout import TensorLayout
+
+    store, _ = env
+    s = store.open_session("engine", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    engine = shm.empty((4, BLOCK), "uint8")
+    buffers = store.register_buffers(s, ns, [TensorSource(
+        engine.name, 0, TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0))])
+    keys = chain(3)
+
+    async def main() -> tuple[int, int]:
+        assert await store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys[:2]), [0, 1]) == (0, 2)
+        return await store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 0, 2])
+
+    try:
+        assert asyncio.run(main()) == (2, 1)
+    finally:
+        engine.close()
