@@ -1267,11 +1267,12 @@ class BlockStore:
         state = self._namespaces.get(namespace_id)
         return len(state.index.match(keys)) if state is not None else 0
 
-    async def checkout(self, namespace_id: int, key: bytes) -> tuple[memoryview, int] | None:
+    async def checkout(self, namespace_id: int, key: bytes, *, served: bool = True) -> tuple[memoryview, int] | None:
         """Pin a block for a peer to read, bringing it to DRAM first; its bytes and their xxh3-64
         checksum (computed once per block: a hot prefix served to many peers is hashed once), or
         None when this node does not hold it (or its SSD copy failed its checksum). Each view
-        needs one :meth:`checkin`."""
+        needs one :meth:`checkin`. ``served`` False: this node pushes the block (not a peer
+        fetching it): neither a hit nor a served block."""
         state = self._namespaces.get(namespace_id)
         block = state.index.get(key) if state is not None else None
         if block is None or not block.readable:
@@ -1286,8 +1287,9 @@ class BlockStore:
             block.pins -= 1
             self._remove_if_hollow(block)
             return None
-        self._hit([block])
-        self._n.peer_served += 1
+        if served:
+            self._hit([block])
+            self._n.peer_served += 1
         view = self._arena.view(block.offset, self._block_bytes(block)).data
         if block.check is None:
             block.check = xxhash.xxh3_64_intdigest(view)

@@ -43,6 +43,7 @@ PUSH_CHUNK_BLOCKS = 32     # blocks per push request: bounds what a push pins in
 FIRST_WINDOW = 64          # keys peers are asked about before a fetch starts
 MAX_FETCH_KEYS = 4096      # keys per fetch request after the first window
 IDLE_CONNECTIONS = 4       # kept open per peer
+MAX_LOOKUP_KEYS = Limits().max_keys   # keys per LOOKUP request: a longer chain is asked in parts
 
 
 def auth_from_config(cfg: PeersConfig) -> PeerAuth:
@@ -258,7 +259,7 @@ class PeerNode:
         conn = None
         try:
             conn = await self._acquire(peer, self._cfg.lookup_timeout_s)
-            held = await conn.lookup(namespace_id, keys, self._cfg.lookup_timeout_s)
+            held = await self._count_held(conn, namespace_id, keys)
             self._mark(peer)
             return held
         except PeerError as exc:
@@ -267,6 +268,16 @@ class PeerNode:
         finally:
             if conn is not None:
                 self._give_back(peer, conn)
+
+    async def _count_held(self, conn: PeerConnection, namespace_id: int, keys: list[bytes]) -> int:
+        """How many leading ``keys`` the peer holds, asked :data:`MAX_LOOKUP_KEYS` at a time."""
+        held = 0
+        while True:
+            part = keys[held: held + MAX_LOOKUP_KEYS]
+            got = await conn.lookup(namespace_id, part, self._cfg.lookup_timeout_s)
+            held += got
+            if got < len(part) or held >= len(keys):
+                return held
 
     async def holders(self, namespace_id: int, keys: list[bytes]) -> dict[str, int]:
         """How many leading ``keys`` each peer holds (peers that hold none or do not answer in
@@ -358,6 +369,10 @@ class PeerNode:
         except PeerError as exc:
             self._mark(peer, str(exc))
             return 0, "unreachable", str(exc)
+        except ValueError as exc:   # the peer sent a block this node cannot take (another size)
+            peer.fetched += arrived
+            self._mark(peer, str(exc))
+            return arrived, "peer_error", str(exc)
         except KVError as exc:   # the store had no slot for the next block: the connection is dropped
             peer.fetched += arrived
             return arrived, "no_room", str(exc)
@@ -414,7 +429,7 @@ class PeerNode:
             await conn.open_namespace(namespace_id, self._store.namespace_description(namespace_id),
                                       self._cfg.lookup_timeout_s)
             if skip_held:
-                done = await conn.lookup(namespace_id, keys, self._cfg.lookup_timeout_s)
+                done = await self._count_held(conn, namespace_id, keys)
                 parent = keys[done - 1] if done else parent
             while done < len(keys):
                 chunk = keys[done: done + PUSH_CHUNK_BLOCKS]
@@ -442,7 +457,7 @@ class PeerNode:
         checks: list[int | None] = []
         try:
             for key in keys:
-                served = await self._store.checkout(namespace_id, key)
+                served = await self._store.checkout(namespace_id, key, served=False)
                 if served is None:
                     break
                 views.append((key, served[0]))
@@ -481,7 +496,7 @@ class PeerNode:
         total = sum(len(r[2]) for r in runs)
         pushed = failed = 0
         detail = ""
-        moved: list[tuple[int, list[bytes]]] = []
+        moved: list[tuple[int, str, list[bytes]]] = []
         root_of: dict[bytes, bytes] = {}
         target_of: dict[bytes, str] = {}   # a whole tree goes to one node: a block is stored only under its parent
         alive = list(targets)
@@ -504,10 +519,15 @@ class PeerNode:
                 detail = f"{chosen}: {result.detail}"
             pushed += stored
             failed += len(keys) - stored
-            moved.append((namespace_id_, keys[:stored]))
+            moved.append((namespace_id_, chosen, keys[:stored]))
             yield MigrateProgress(total, pushed, failed, 0, detail, False)
         dropped = 0
         if drain:
-            for namespace_id_, keys in reversed(moved):
-                dropped += self._store.forget(namespace_id_, keys)
+            # The receivers took every block, evicting what they had to: by now some of what this
+            # drain pushed may be gone there. Only what they still hold leaves here.
+            for namespace_id_, node_id, keys in reversed(moved):
+                peer = self._peers.get(node_id)
+                still = await self._held_by(peer, namespace_id_, keys) if peer is not None and keys else 0
+                if isinstance(still, int) and still:
+                    dropped += self._store.forget(namespace_id_, keys[:still])
         yield MigrateProgress(total, pushed, failed, dropped, detail, True)

@@ -194,7 +194,7 @@ class PeerAuth:
             return None
         if not (self.tls.cert_file and self.tls.key_file and self.tls.ca_file):
             raise PeerConfigError("peer TLS on a listener needs ca_file, cert_file and key_file")
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)   # trusts ca_file only (no system roots)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         _load(ctx, self.tls)
         ctx.verify_mode = ssl.CERT_REQUIRED
@@ -204,7 +204,9 @@ class PeerAuth:
     def client_context(self) -> ssl.SSLContext | None:
         if self.tls is None:
             return None
-        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        # Not create_default_context: it loads the host's public roots too, and a certificate
+        # any of them issued for a peer's address would pass. Peers are trusted via ca_file alone.
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)   # CERT_REQUIRED, check_hostname
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         _load(ctx, self.tls)
         return ctx

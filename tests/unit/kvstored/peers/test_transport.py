@@ -866,3 +866,20 @@ def test_address_parsing() -> None:
     assert T.parse_address(("h", 1)) == ("h", 1)
     with pytest.raises(ValueError):
         T.parse_address("nohost")
+
+
+def test_a_peer_certificate_from_a_ca_the_host_trusts_is_refused(pki: PKI, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Peers are trusted through peers.tls_ca alone. A CA the host trusts (the system bundle, here
+    # SSL_CERT_FILE) must not let a certificate it issued for a peer's address pass as a peer:
+    # the client would send its token to, and fetch KV blocks from, whoever holds it.
+    public_ca = test_pki.make_ca("a public root the host trusts")
+    monkeypatch.setenv("SSL_CERT_FILE", test_pki.write(tmp_path, "public-ca", public_ca, with_key=False)[0])
+    impostor = test_pki.write(tmp_path, "impostor", test_pki.make_leaf("impostor", public_ca, server=True,
+                                                                        client=False))
+
+    async def client(addr: tuple[str, int]) -> None:
+        with pytest.raises(PeerAuthError, match="not trusted"):
+            await fetch(addr, tls(pki.ca, pki.client), NS, [key(0)], Collector(), 10)
+
+    _with_server(tls(pki.ca, impostor), client)

@@ -1,0 +1,167 @@
+"""PeerNode in process: two or more BlockStores, each with its PeerNode listening on loopback and
+a static member list naming the others, all in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import tempfile
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+from loopback import free_ports
+
+from kvstored import config
+from kvstored.copy import CopyEngine
+from kvstored.peers.node import PeerNode
+from kvstored.store import BlockStore, KeyRequest
+from kvstored.tiers.dram import Arena
+from kvstored_client.hashing import block_hashes
+from kvstored_client.namespace import Namespace
+
+BLOCK = 4096
+NS = Namespace(model="m", block_bytes=BLOCK)
+
+
+@dataclasses.dataclass
+class Node:
+    store: BlockStore
+    peers: PeerNode
+    arena: Arena
+    copy: CopyEngine
+
+    @property
+    def ns(self) -> int:
+        return NS.identity()
+
+
+@asynccontextmanager
+async def cluster(slots: dict[str, int], **settings: Any) -> AsyncIterator[dict[str, Node]]:
+    names = list(slots)
+    ports = free_ports(len(names))
+    static = [f"{n}=127.0.0.1:{p}" for n, p in zip(names, ports)]
+    nodes: dict[str, Node] = {}
+    try:
+        for name, port in zip(names, ports):
+            server = settings.get("server", {})
+            cfg = config.build({"server": server,
+                                "dram": {"capacity": slots[name] * BLOCK, "page_bytes": 4 * BLOCK,
+                                         "prefault": False, "policy": "lru"},
+                                "peers": {"listen": f"127.0.0.1:{port}", "node_id": name, "static": static,
+                                          "token": "t", "deadline_s": 3.0, "lookup_timeout_s": 1.0}})
+            arena = Arena(tempfile.mkdtemp(), cfg.dram.capacity, prefault=False)
+            copy = CopyEngine(arena)
+            store = BlockStore(cfg, arena, copy)
+            store.open_namespace(NS)
+            nodes[name] = Node(store, PeerNode(cfg, store), arena, copy)
+            await nodes[name].peers.start()
+        yield nodes
+    finally:
+        for node in nodes.values():
+            await node.peers.close()
+            node.copy.close()
+            node.arena.close()
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(coro)
+
+
+def chain(n: int, start: int = 0) -> list[bytes]:
+    return block_hashes(list(range(start, start + 16 * n)))
+
+
+def save(store: BlockStore, keys: list[bytes], fill: Callable[[int], bytes] = lambda i: bytes([i % 251 + 1]) * BLOCK,
+         ns: int | None = None) -> None:
+    s = store.open_session("saver", 1)
+    r = store.reserve(s.session_id, NS.identity() if ns is None else ns, KeyRequest(hashes=keys), BLOCK)
+    assert r.present == 0 and len(r.offsets) == len(keys)
+    for i, off in enumerate(r.offsets):
+        store._arena.view(off, BLOCK).data[:] = fill(i)
+    store.seal(s.session_id, r.reservation_id)
+
+
+def _has(store: BlockStore, key: bytes) -> bool:
+    block = store._namespaces[NS.identity()].index.get(key)
+    return block is not None and block.readable
+
+
+# -- pulls -----------------------------------------------------------------------------------------
+def test_a_peer_sending_blocks_of_another_size_gives_a_short_result() -> None:
+    # The namespace id leaves block_bytes out, so two nodes can hold one namespace with different
+    # block sizes (a model name reused for another model size). A stream must end short, saying
+    # why, like any other peer trouble: not raise out of the fetcher (an INTERNAL error to the client).
+    sizeless = Namespace(model="sizeless")
+
+    async def main() -> None:
+        async with cluster({"a": 8, "b": 8}) as nodes:
+            a, b = nodes["a"].store, nodes["b"].store
+            ns = a.open_namespace(dataclasses.replace(sizeless, block_bytes=BLOCK)).namespace_id
+            assert b.open_namespace(dataclasses.replace(sizeless, block_bytes=2 * BLOCK)).namespace_id == ns
+            keys = chain(3)
+            save(a, keys, ns=ns)
+            s = b.open_session("reader", 1)
+            end = await b.stream_blocks(s.session_id, ns, KeyRequest(hashes=keys), 0, (), lambda _: None,
+                                        nodes["b"].peers.fetch)
+            assert end.blocks == 0 and end.stop != "complete", end
+            assert b.stats().index_blocks == 0 and b.stats().tiers[0].used_bytes == 0
+
+    run(main())
+
+
+def test_lookup_of_a_chain_longer_than_one_peer_request() -> None:
+    # server.max_batch_blocks may be raised to 4M blocks; one peer request takes at most 65,536
+    # keys. lookup(peers=True) of a longer chain must still say what each peer holds.
+    async def main() -> None:
+        async with cluster({"a": 8, "b": 8}, server={"max_batch_blocks": 100_000}) as nodes:
+            head = chain(3)
+            save(nodes["a"].store, head)
+            keys = head + [i.to_bytes(32, "big") for i in range(70_000)]
+            local, holders = await nodes["b"].peers.lookup(NS.identity(), KeyRequest(hashes=keys))
+            assert local.blocks == 0 and holders == {"a": 3}
+
+    run(main())
+
+
+# -- drain -----------------------------------------------------------------------------------------
+def test_drain_keeps_local_copies_the_receiver_no_longer_holds() -> None:
+    # The receiver takes every pushed block, evicting what it must; with less room than the drain
+    # brings, it evicts blocks this very drain pushed. Their local copies must stay: otherwise
+    # the drain reports success while those blocks are gone from the cluster.
+    async def main() -> None:
+        async with cluster({"a": 16, "b": 4}) as nodes:
+            a, b = nodes["a"].store, nodes["b"].store
+            chains = [chain(4, 1000 * j) for j in range(3)]
+            for c in chains:
+                save(a, c)
+            steps = [p async for p in nodes["a"].peers.migrate("", drain=True)]
+            assert steps[-1].done and steps[-1].pushed == 12
+            lost = [k.hex()[:8] for c in chains for k in c if not _has(a, k) and not _has(b, k)]
+            assert not lost, f"{len(lost)} block(s) dropped here and held nowhere (dropped={steps[-1].dropped})"
+
+    run(main())
+
+
+# -- stats -----------------------------------------------------------------------------------------
+def test_pushed_blocks_are_not_counted_as_served_to_fetching_peers() -> None:
+    # peer_served_blocks: "blocks sent to peers that fetched them" (kvctl stats: fetched / served).
+    # A node that only pushes has served nothing; its pushes are counted in blocks_pushed.
+    async def main() -> None:
+        async with cluster({"a": 8, "b": 8}) as nodes:
+            a = nodes["a"]
+            keys = chain(3)
+            save(a.store, keys)
+            stored, result = await a.peers.push_chain("b", NS.identity(), b"", keys)
+            assert stored == 3 and result.complete
+            assert nodes["b"].store.stats().peer_received_blocks == 3
+            assert a.store.stats().peer_served_blocks == 0
+            # a peer that does fetch them is counted
+            s = nodes["b"].store.open_session("r", 1)
+            more = chain(2, 5000)
+            save(a.store, more)
+            end = await nodes["b"].store.stream_blocks(s.session_id, NS.identity(), KeyRequest(hashes=more), 0, (),
+                                                       None, nodes["b"].peers.fetch)
+            assert end.stop == "complete" and a.store.stats().peer_served_blocks == 2
+
+    run(main())
