@@ -395,9 +395,15 @@ class PeerNode:
 
     def push_later(self, node_id: str, namespace_id: int, chain: list[bytes]) -> None:
         """Queue the chain for ``node_id``; its blocks go out in order behind earlier pushes to
-        the same node, skipping those it holds. Failures are logged and counted, not raised."""
-        peer = self._peer(node_id)
+        the same node, skipping those it holds. Failures are logged and counted, not raised
+        (a node that left the cluster since the caller checked it, too: the save it follows
+        succeeded)."""
         if not chain:
+            return
+        peer = self._peers.get(node_id)
+        if peer is None:
+            self.failures += 1
+            log.warning("push of %d block(s) to %s dropped: it is no longer a peer", len(chain), node_id)
             return
         if peer.queue is None:
             peer.queue = asyncio.Queue()
