@@ -179,7 +179,7 @@ def migrate(socket: str | None, to: str, model: str) -> None:
 @click.pass_obj
 def drain(socket: str | None, to: str) -> None:
     """Empty this node onto its peers before shutdown: push every block, then drop the local
-    copies the peers stored. Exits 1 if any block could not be moved (those stay here)."""
+    copies of what the peers still hold. Exits 1 if any block could not be moved (those stay)."""
     _run_migration(socket, to, "", drain=True)
 
 

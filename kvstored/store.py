@@ -1161,7 +1161,17 @@ class BlockStore:
         lease = self._reserve_chain(session, state, chain)
         present = len(lease.pinned)
         try:
-            _check_distinct(np.asarray(block_ids[present: present + len(lease.new)]), first=present)
+            copied = np.asarray(block_ids[present: present + len(lease.new)])
+            _check_distinct(copied, first=present)
+            if present and copied.size:
+                # a placeholder naming the cached prefix must never be copied: if the daemon lost
+                # part of that prefix meanwhile, the placeholder's bytes would be stored as a block
+                shared = np.intersect1d(copied, np.asarray(block_ids[:present]))
+                if shared.size:
+                    i = present + int(np.flatnonzero(copied == shared[0])[0])
+                    raise InvalidArgument(f"block_ids[{i}] = {int(shared[0])} also names a cached block "
+                                          f"(a placeholder?), but block {i} is not cached here any more "
+                                          "and would be copied from it; save again with its real id")
             await self._copying(lease, self._copy.to_arena(
                 buffers, block_ids[present: present + len(lease.new)], [b.offset for b in lease.new]))
         except BaseException:
@@ -1501,6 +1511,22 @@ class BlockStore:
                                                 "(give Namespace.block_bytes, or register buffers first)")
         reservation = self._reserve_present(session, state, chain)
         self._busy.add(reservation.lease_id)
+        try:
+            return await self._fill_reservation(session, state, chain, read, reservation, delivered,
+                                                handover, lease_arrivals, fetcher)
+        except BaseException:
+            # cancelled (the client left) or failed: stream_blocks never learns of the reservation,
+            # which would stay busy, hence never reaped nor ended, for ever
+            self._busy.discard(reservation.lease_id)
+            if reservation.lease_id in self._doomed or self._leases.get(reservation.lease_id) is None:
+                self._finish_doomed(reservation)
+            else:
+                self._end(reservation, session if session.session_id in self._sessions else None, aborted=True)
+            raise
+
+    async def _fill_reservation(self, session: Session, state: NamespaceState, chain: list[bytes], read: Lease,
+                                reservation: Lease, delivered: int, handover: Handover, lease_arrivals: bool,
+                                fetcher: Fetcher) -> tuple[Lease | None, int, str, str]:
         start = len(reservation.pinned)
         if start > delivered:   # another client stored blocks since our lookup: hand them over too
             extra = reservation.pinned[delivered:start]

@@ -917,10 +917,11 @@ class BlockStream:
         self.outcome: StreamOutcome | None = None
 
     def __iter__(self) -> Iterator[BlockArrival]:
-        """Arrivals in token order. In arena mode (no buffers) each event's blocks are copied out
-        as soon as it is read, under the stream's lease; when the copies may have outlived that
-        lease (an engine slower than ``leases.ttl_s``), the loop ends with LeaseExpired after the
-        last arrival, as ``load`` does, instead of leaving bytes that may be another block's."""
+        """Arrivals in token order. In arena mode (no buffers) each block is copied out as the
+        loop reaches it (the rest of its event at once when half the lease has passed), under the
+        stream's lease; when the copies may have outlived that lease (an engine slower than
+        ``leases.ttl_s``), the loop ends with LeaseExpired after the last arrival, as ``load``
+        does, instead of leaving bytes that may be another block's."""
         lease_id = 0
         ttl_s = self._client._hello.lease_ttl_ms / 1000
         try:

@@ -312,10 +312,15 @@ class SSDTier:
                 f.free.append(slot)
                 failed.append((op, SSDError(f"payload write failed: {exc.strerror or exc}")))
                 continue
+            written.append((op, f, slot))   # first: an unforeseen error below gives the slot back
             rec = op.record
-            op.meta = encode_meta(BlockRecord(rec.namespace_id, rec.key, rec.parent, rec.depth, rec.length,
-                                              checksum(op.payload), slot))
-            written.append((op, f, slot))
+            try:
+                op.meta = encode_meta(BlockRecord(rec.namespace_id, rec.key, rec.parent, rec.depth, rec.length,
+                                                  checksum(op.payload), slot))
+            except BaseException:
+                for _, wf, ws in written:
+                    wf.free.append(ws)
+                raise
         try:
             if self._sync:
                 for f in {f for _, f, _ in written}:
@@ -342,9 +347,11 @@ class SSDTier:
                         except Corrupt:
                             pass
                     txn.put(op.key, op.meta, db=self._meta)
-        except (lmdb.Error, OSError) as exc:
-            for _, f, slot in written:
+        except BaseException as exc:
+            for _, f, slot in written:   # nothing committed: no record points at them
                 f.free.append(slot)
+            if not isinstance(exc, (lmdb.Error, OSError)):
+                raise                    # _write_loop fails the batch
             self.write_errors += len(written) + len(failed)
             error: SSDError = MapFull("LMDB map full") if isinstance(exc, lmdb.MapFullError) else SSDError(str(exc))
             log.warning("SSD commit of %d op(s) failed: %s", len(batch), exc)

@@ -280,3 +280,92 @@ def test_a_save_may_name_its_cached_prefix_with_placeholder_ids(env: tuple[Block
         assert asyncio.run(main()) == (2, 1)
     finally:
         engine.close()
+
+
+def test_a_placeholder_id_is_never_stored_as_a_blocks_bytes(env: tuple[BlockStore, Clock]) -> None:
+    """Chunked prefill as README recommends: chunk 1 saves blocks 0-1; the engine frees them and
+    names them by its null block 0 in chunk 2's save. Meanwhile the daemon evicted block 1 (a
+    leaf). present is then 1, so the placeholder at index 1 is *copied*: the null block's bytes
+    are sealed as block 1 and served to every later load of the prompt."""
+    """Chunked prefill names its cached prefix by the null block; the daemon evicted part of that
+    prefix between the chunks, so the save would copy the placeholder: the null block's bytes were
+    stored as block 1 and served to every later load."""
+    from kvstored.buffers import TensorSource
+    from kvstored.errors import InvalidArgument
+    from kvstored_client import shm
+    from kvstored_client.layout import TensorLayout
+
+    store, _ = env
+    s = store.open_session("engine", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    engine = shm.empty((4, BLOCK), "uint8")
+    try:
+        arr = engine.numpy()
+        buffers = store.register_buffers(s, ns, [TensorSource(
+            engine.name, 0, TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0))])
+        keys = block_hashes(list(range(16 * 3)))
+        arr[1], arr[2] = 11, 22                 # chunk 1: blocks 0, 1 in engine blocks 1, 2
+
+        async def main() -> tuple[int, int] | str:
+            assert await store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys[:2]), [1, 2]) == (0, 2)
+            arr[0] = 0                          # engine block 0: the null block
+            arr[1], arr[2] = 0, 33              # engine reuses its blocks: block 2 of the prompt in engine block 2
+            assert store.forget(ns, keys[1:2]) == 1   # the daemon evicted leaf block 1 (LRU, under pressure)
+            try:
+                return await store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 0, 2])
+            except InvalidArgument as exc:
+                return str(exc)
+
+        asyncio.run(main())
+        block1 = store._namespaces[ns].index.get(keys[1])
+        if block1 is not None and block1.readable:
+            data = bytes(store._arena.view(block1.offset, BLOCK).data)
+            assert data == bytes([11]) * BLOCK, (
+                f"block 1 was stored with the placeholder's bytes ({data[0]}), not its own KV")
+    finally:
+        engine.close()
+
+
+def test_a_stream_cancelled_during_its_peer_fetch_leaves_no_reservation(env: tuple[BlockStore, Clock]) -> None:
+    """The client of a StreamBlocks(peers=True) goes away (deadline, killed) while a peer sends
+    block 1: the servicer cancels stream_blocks inside _fetch_rest; the reservation never reaches
+    stream_blocks' finally, stays in _busy for ever, so neither reap() nor close_session ends it."""
+    """A client that leaves (or hits its deadline) while a peer still sends: the reservation of
+    the blocks being fetched stayed busy for ever (never reaped), its unsealed block pinned in the
+    index, and every other writer of that prompt was told it was being written."""
+    store, clock = env
+    s = store.open_session("decode", 1).session_id
+    other = store.open_session("other", 2).session_id
+    ns = store.open_namespace(NS).namespace_id
+    keys = chain(2)
+
+    async def main() -> None:
+        stuck = asyncio.Event()
+
+        async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+            view = await into(0, BLOCK)
+            view[:] = b"\x01" * BLOCK
+            await landed(0, "peer-a")
+            await into(1, BLOCK)
+            await stuck.wait()            # the peer is slow with block 1
+            return Fetched(2, "complete")
+
+        task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
+                                                         lambda a: None, fetcher))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert not task.done()
+        task.cancel()                     # the servicer cancels on the client's disconnect
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        store.close_session(s)            # and the client's session ends too
+        clock.now += 100.0
+        store.reap()
+
+    asyncio.run(main())
+    assert not store._busy, f"leases busy for ever: {store._busy}"
+    assert len(store._leases) == 0
+    b1 = store._namespaces[ns].index.get(keys[1])
+    assert b1 is None, f"block 1's reservation left in the index (pins={b1.pins}, flags={b1.flags})"
+    r = store.reserve(other, ns, KeyRequest(hashes=keys), BLOCK)   # another writer may store it
+    assert r.present == 1 and len(r.offsets) == 1, r
