@@ -1616,6 +1616,22 @@ class BlockStore:
                           self._n.promotions, self._n.demotions, self._n.dropped,
                           self._n.peer_fetched, self._n.peer_served, self._n.peer_received)
 
+    async def write_back_for_shutdown(self) -> int:
+        """Shutdown: write DRAM blocks without an SSD copy to SSD (as write-back would, under
+        ``ssd.admission`` and the SSD policy) until none is left that may go; returns how many
+        were written. Cancelling it (a deadline) leaves the writes under way to finish."""
+        written = 0
+        while self._ssd is not None:
+            n = await self._write_back(float("inf"), force=False, models=None)
+            if not n:
+                break
+            written += n
+        return written
+
+    def dram_only_blocks(self) -> int:
+        """Sealed blocks whose only copy is in DRAM (lost when the daemon stops)."""
+        return sum(1 for block in self._dirty if block.sealed and block.in_dram and not block.on_ssd)
+
     async def drain(self) -> None:
         """Wait for background promotions and write-backs in flight (shutdown)."""
         if self._background:

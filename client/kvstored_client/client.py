@@ -151,6 +151,11 @@ class Client:
             self._hello = self._stub.Hello(pb.HelloRequest(), timeout=min(timeout_s, 5.0), wait_for_ready=False)
         except grpc.RpcError as exc:
             self._channel.close()
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and "Permission denied" in (exc.details() or ""):
+                raise DaemonNotRunning(
+                    f"permission denied on {self.socket}: a daemon may well be running, but this user "
+                    "may not open its socket (the systemd unit's socket is mode 0660, group kvstored: "
+                    "add this user to that group)") from None
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise DaemonNotRunning(
                     f"no kvstored daemon answers on {self.socket}. Start one with `kvstored` "

@@ -20,11 +20,26 @@ def default_socket_path() -> str:
 
 
 def discover_socket_path() -> str:
-    """The socket a client should try: the user default if it exists, else the systemd one if it
-    exists, else the user default (so the error message names where the daemon would listen)."""
+    """The socket a client should try: the user default if it exists in a directory of this user
+    (or root), else the systemd one if it exists, else the user default (so the error message
+    names where the daemon would listen)."""
     user = default_socket_path()
-    if os.path.exists(user) or os.environ.get("KVSTORED_SOCKET"):
+    if os.environ.get("KVSTORED_SOCKET"):
         return user
-    if os.path.exists(SYSTEM_SOCKET):
+    planted = False
+    if os.path.exists(user):
+        if _ours(os.path.dirname(user)):
+            return user
+        planted = True   # another user's directory at our default name: never connect there
+    if os.path.exists(SYSTEM_SOCKET) or planted:
         return SYSTEM_SOCKET
     return user
+
+
+def _ours(directory: str) -> bool:
+    """``directory`` belongs to this user or root: /tmp/kvstored-$UID is a name any local user
+    can create first (the daemon refuses such a directory too)."""
+    try:
+        return os.stat(directory).st_uid in (os.getuid(), 0)
+    except OSError:
+        return False

@@ -126,6 +126,14 @@ def _prepare_socket(path: Path) -> None:
                 raise StartupError(f"another kvstored is already listening on {path}")
 
 
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _pin_for_cuda(arena: Arena) -> bool:
     """Page-lock the arena when cupy and a GPU are present; the daemon runs fine without either."""
     try:
@@ -220,6 +228,7 @@ async def serve(cfg: Config) -> int:
             server)
         await server.start()
         os.chmod(sock_path, cfg.server.socket_mode)
+        sock_id = _file_id(sock_path)
     except BaseException:
         # Whatever stopped the start-up, leave no arena in the shm dir and no socket nobody serves.
         with contextlib.suppress(Exception):
@@ -282,12 +291,32 @@ async def serve(cfg: Config) -> int:
             await task
     if peers is not None:
         await peers.close()
+    if ssd is not None and cfg.ssd.admission != "never":
+        # Blocks only in DRAM die with the arena: write them down (bounded, so that the stop
+        # stays within systemd's TimeoutStopSec=) and say what could not be.
+        budget = max(cfg.server.shutdown_grace_s, 1.0)
+        written = 0
+        try:
+            written = await asyncio.wait_for(store.write_back_for_shutdown(), budget)
+        except TimeoutError:
+            log.warning("write-back at shutdown stopped after %.0f s (server.shutdown_grace_s)", budget)
+        except Exception:
+            log.exception("write-back at shutdown failed")
+        await store.drain()
+        if written:
+            log.info("wrote %d DRAM-only block(s) to SSD before stopping", written)
     await store.drain()
+    if ssd is not None and (left := store.dram_only_blocks()):
+        log.warning("%d block(s) only in DRAM are dropped (not on SSD: ssd.admission, a full SSD tier "
+                    "or write errors)", left)
     copy.close()
     if ssd is not None:
         ssd.close()  # commits writes already queued
     arena.close()
-    with contextlib.suppress(FileNotFoundError):
-        sock_path.unlink()
+    # Only our own socket: a daemon started on this path since our listener closed (it found a
+    # stale socket and took the path) keeps its own.
+    if _file_id(sock_path) == sock_id:
+        with contextlib.suppress(FileNotFoundError):
+            sock_path.unlink()
     log.info("stopped")
     return 0

@@ -334,3 +334,76 @@ def test_empty_peer_token_file_is_a_startup_error_and_leaves_no_arena(tmp_path: 
     assert "Traceback" not in proc.stderr
     assert [line for line in _errors(proc.stderr) if f"peers.token_file {token} is empty" in line], proc.stderr
     assert list(shm.iterdir()) == []
+
+
+def test_a_socket_this_user_may_not_open_is_not_reported_as_no_daemon(tmp_path: Path) -> None:
+    """An engine user not (yet) in group kvstored meets the 0660 socket of a running daemon: the
+    SDK said "no kvstored daemon answers ... Start one with `kvstored` (or `systemctl start
+    kvstored`)", sending the operator to start a daemon that is running."""
+    import shutil
+    import tempfile
+
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv to run the client as another user")
+    base = Path(tempfile.mkdtemp(prefix="kvstored-perm-", dir="/tmp"))
+    base.chmod(0o755)   # traversable by the other user: only the socket's own mode refuses
+    d = start_daemon(base / "d")
+    try:
+        (base / "d").chmod(0o755)
+        if os.geteuid() == 0:
+            prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        else:
+            prefix = []
+            os.chmod(d.socket, 0o000)
+        code = ("import kvstored\n"
+                f"try:\n    kvstored.Client({d.socket!r})\n"
+                "except kvstored.KVStoreError as exc:\n    print(type(exc).__name__, exc)\n")
+        run = subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60, cwd="/")
+        assert run.returncode == 0, run.stderr
+        assert "ermission denied" in run.stdout, run.stdout
+        assert "Start one" not in run.stdout, run.stdout
+    finally:
+        d.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_stopping_daemon_does_not_remove_its_successors_socket(tmp_path: Path) -> None:
+    """A daemon that is stopping closes its listener first and removes the socket file last; a
+    daemon started on the same socket meanwhile takes the path (a stale socket to it) and serves,
+    and the old daemon's final unlink removed the new daemon's socket: running, unreachable.
+    (The stop is slowed here to widen the window; with ssd.enabled = false nothing else guards it.)"""
+    sock = tmp_path / "kv.sock"
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    code = ("import asyncio, sys\n"
+            "from kvstored.store import BlockStore\n"
+            "async def slow_drain(self): await asyncio.sleep(4)\n"
+            "BlockStore.drain = slow_drain\n"
+            "from kvstored.server.app import main\n"
+            f"sys.exit(main(['--socket', {str(sock)!r}, '--dram-capacity', '8MiB', '--set', 'dram.page_bytes=1MiB',\n"
+            f"               '--set', 'dram.shm_dir={shm}', '--set', 'ssd.enabled=false']))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "KVSTORED_SOCKET")}
+    old = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    new = None
+    try:
+        from conftest import wait_serving
+        wait_serving(str(sock), old)
+        old.send_signal(signal.SIGTERM)
+        time.sleep(1.0)                               # listener closed, drain under way
+        new = subprocess.Popen([sys.executable, "-m", "kvstored", "--socket", str(sock), "--dram-capacity", "8MiB",
+                                "--set", "dram.page_bytes=1MiB", "--set", f"dram.shm_dir={shm}",
+                                "--set", "ssd.enabled=false"], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_serving(str(sock), new)
+        assert old.wait(30) == 0
+        assert new.poll() is None
+        assert sock.exists(), "the old daemon removed the new daemon's socket"
+        with kvstored.Client(str(sock)) as c:
+            assert c.stats()["version"] == kvstored.__version__
+    finally:
+        for p in (old, new):
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)

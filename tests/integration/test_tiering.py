@@ -320,3 +320,23 @@ def test_a_lowered_ssd_capacity_holds_from_the_restart_on(tmp_path: Path) -> Non
         assert "to fit ssd.capacity" in again.log()
     finally:
         again.stop()
+
+
+def test_sigterm_writes_dram_only_blocks_before_exiting(tmp_path: Path) -> None:
+    """`systemctl restart kvstored` (SIGTERM, exit 0, restart) kept only what write-back had
+    already put on SSD: every block saved since, up to dram.writeback_watermark of the arena
+    (6 GiB of the example config's 8 GiB), was dropped without a word in the log."""
+    d = start_daemon(tmp_path)
+    with kvstored.Client(d.socket) as c:
+        for i in range(3):   # 48 blocks of 256 KiB: 12 MiB, under the 75% write-back watermark
+            c.save(prompt(i), content(prompt(i)))
+        assert c.stats()["tiers"][1]["blocks"] == 0   # nothing written back yet
+    assert d.stop() == 0
+    again = start_daemon(tmp_path)
+    try:
+        with kvstored.Client(again.socket) as c:
+            for i in range(3):
+                assert c.lookup(prompt(i)).blocks == 16, d.log()[-2000:]
+                assert np.array_equal(c.load(prompt(i)).data, content(prompt(i)))
+    finally:
+        again.stop()
