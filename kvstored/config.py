@@ -236,6 +236,8 @@ def _validate(cfg: Config) -> None:
         (cfg.server.shutdown_grace_s >= 0, "server.shutdown_grace_s: must not be negative"),
         (cfg.dram.shm_dir.strip() != "", "dram.shm_dir: must name a directory (e.g. /dev/shm)"),
         (0 <= cfg.server.socket_mode <= 0o777, "server.socket_mode: must be a file mode like '0660'"),
+        (cfg.server.socket_mode & 0o600 == 0o600,
+         "server.socket_mode: the owner (the daemon's user) needs read and write, e.g. '0660'"),
         (cfg.leases.ttl_s > 0, "leases.ttl_s: must be positive"),
         (cfg.leases.reservation_ttl_s > 0, "leases.reservation_ttl_s: must be positive"),
         (cfg.leases.reap_interval_s > 0, "leases.reap_interval_s: must be positive"),
@@ -286,7 +288,7 @@ def _validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
     host = cfg.server.tcp.rpartition(":")[0].strip("[]")
-    if cfg.server.tcp and not cfg.server.insecure and host not in ("127.0.0.1", "localhost", "::1"):
+    if cfg.server.tcp and not cfg.server.insecure and not is_loopback(host):
         raise ConfigError(f"server.tcp: {cfg.server.tcp} is not a loopback address and the API has no "
                           "authentication yet; set server.insecure = true to accept that explicitly")
 
@@ -322,13 +324,14 @@ def parse_override(text: str) -> tuple[str, str, str]:
     return section, key, value.strip()
 
 
-def load(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Read the config file (explicit path, else the system one if present) and apply overrides.
+def load(path: str | None = None, overrides: list[str] | None = None, system: bool = True) -> Config:
+    """Read the config file (explicit path, else the system one if present and ``system``) and
+    apply overrides.
 
     Raises ConfigError for a missing explicit file, TOML syntax errors, unknown keys, bad values.
     """
     values: dict[str, dict[str, Any]] = {}
-    file = Path(path) if path else (SYSTEM_CONFIG if SYSTEM_CONFIG.exists() else None)
+    file = Path(path) if path else (SYSTEM_CONFIG if system and SYSTEM_CONFIG.exists() else None)
     if file is not None:
         try:
             with open(file, "rb") as fh:

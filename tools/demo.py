@@ -118,7 +118,7 @@ def two_nodes() -> Iterator[tuple[kvstored.Client, kvstored.Client]]:
             for name, port in zip(("prefill", "decode"), ports):
                 sock = str(Path(tmp) / f"{name}.sock")
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvstored", "--socket", sock, "--dram-capacity", "256MiB",
+                    [sys.executable, "-m", "kvstored", "--no-config", "--socket", sock, "--dram-capacity", "256MiB",
                      "--set", "ssd.enabled=false", "--set", f"peers.listen=127.0.0.1:{port}",
                      "--set", f"peers.node_id={name}", "--set", f"peers.static={static}",
                      "--set", "peers.token=demo-token", "--log-level", "warning"],

@@ -7,7 +7,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e .
 log=$(mktemp -t kvstored-demo.XXXXXX.log)
-.venv/bin/kvstored >"$log" 2>&1 &
+.venv/bin/kvstored --no-config >"$log" 2>&1 &
 daemon=$!
 trap 'kill -TERM $daemon 2>/dev/null; wait $daemon 2>/dev/null || true' EXIT
 echo "kvstored started (pid $daemon, log $log)"

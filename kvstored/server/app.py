@@ -38,6 +38,8 @@ MAX_MESSAGE_BYTES = 64 << 20
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="kvstored", description="KV-cache storage daemon for LLM inference.")
     parser.add_argument("--config", help="TOML config file (default: /etc/kvstored/kvstored.toml if present)")
+    parser.add_argument("--no-config", action="store_true",
+                        help="embedded defaults and flags only: read no config file, not even the system one")
     parser.add_argument("--socket", help="Unix socket path (server.socket)")
     parser.add_argument("--tcp", help="additional TCP listener host:port (server.tcp)")
     parser.add_argument("--dram-capacity", help="DRAM arena size, e.g. 4GiB (dram.capacity)")
@@ -49,6 +51,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     parser.add_argument("--version", action="version", version=f"kvstored {__version__}")
     args = parser.parse_args(argv)
+    if args.no_config and args.config:
+        parser.error("--config and --no-config exclude each other")
     overrides = list(args.set)
     for flag, key in (("socket", "server.socket"), ("tcp", "server.tcp"),
                       ("dram_capacity", "dram.capacity"), ("ssd_path", "ssd.path"),
@@ -62,7 +66,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
     try:
-        cfg = config_mod.load(args.config, overrides)
+        cfg = config_mod.load(args.config, overrides, system=not args.no_config)
     except ConfigError as exc:
         print(f"kvstored: config error: {exc}", file=sys.stderr)
         return 2
@@ -272,6 +276,10 @@ async def serve(cfg: Config) -> int:
     interval = sdnotify.watchdog_interval_s()
     if interval and cfg.server.watchdog:
         tasks.append(asyncio.ensure_future(watchdog(interval)))
+    elif interval:
+        log.warning("systemd expects a watchdog ping every %.0f s (WatchdogSec=) but server.watchdog = false: "
+                    "it will stop this daemon; remove WatchdogSec= from the unit or set server.watchdog = true",
+                    2 * interval)
 
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)

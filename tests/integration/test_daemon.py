@@ -407,3 +407,16 @@ def test_a_stopping_daemon_does_not_remove_its_successors_socket(tmp_path: Path)
             if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 p.wait(30)
+
+
+def test_a_watchdog_systemd_expects_but_the_config_turns_off_is_warned_about(tmp_path: Path) -> None:
+    """server.watchdog = false under a unit with WatchdogSec=: systemd kills the daemon every
+    WatchdogSec; the log says why before it happens."""
+    d = start_daemon(tmp_path / "d", "--set", "server.watchdog=false", env={"WATCHDOG_USEC": "60000000"})
+    try:
+        deadline = time.monotonic() + 30
+        while "WatchdogSec" not in d.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "server.watchdog = false" in d.log()
+    finally:
+        d.stop()

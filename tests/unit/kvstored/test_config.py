@@ -291,3 +291,27 @@ def test_every_key_is_in_the_example_config() -> None:
             if block is None or not re.search(rf"^#?\s*{key.name}\s*=", block.group(1), re.M):
                 missing.append(f"{section.name}.{key.name}")
     assert missing == []
+
+
+def test_any_loopback_address_may_carry_the_tcp_listener() -> None:
+    """127.0.0.2 is loopback too: it was refused as 'not a loopback address'."""
+    assert config.build({"server": {"tcp": "127.0.0.2:7070"}}).server.tcp == "127.0.0.2:7070"
+    assert config.build({"server": {"tcp": "[::1]:7070"}}).server.tcp == "[::1]:7070"
+
+
+def test_a_socket_mode_that_locks_the_daemon_out_is_refused() -> None:
+    """0000 or 0007 made the socket (and arena) unusable by the daemon's own user, silently."""
+    for mode in ("0", "0007", "0460"):
+        with pytest.raises(ConfigError, match="owner"):
+            config.load(None, [f"server.socket_mode={mode}"])
+    assert config.load(None, ["server.socket_mode=0600"]).server.socket_mode == 0o600
+
+
+def test_no_config_reads_no_system_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvstored --no-config` (the demo's daemon) runs on the embedded defaults even where the
+    system config file exists."""
+    system = tmp_path / "kvstored.toml"
+    system.write_text("[dram]\ncapacity = \"64MiB\"\n")
+    monkeypatch.setattr(config, "SYSTEM_CONFIG", system)
+    assert config.load(None).dram.capacity == 64 << 20
+    assert config.load(None, system=False).dram.capacity == config.Config().dram.capacity
