@@ -50,6 +50,7 @@ def _run(arena: Arena, buffers: RegisteredBuffers, block_ids: BlockIds, offsets:
     device = buffers.cuda
     for index, t in enumerate(buffers.tensors):
         if device is None:
+            t.check_backing(index)
             _host_copy(arena, t, block_ids, offsets, to_arena)
         else:
             device.copy(arena, t, block_ids, offsets, to_arena)  # type: ignore[attr-defined]

@@ -569,8 +569,7 @@ class Client:
             try:
                 if cuda_export.is_cuda(t):
                     dev = cuda_export.export(t)
-                    layout = TensorLayout(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."),
-                                          dim)
+                    layout = TensorLayout(*cuda_export.layout_info(t), dim)
                     layout.validate()
                     desc = pb.TensorDesc(offset=dev.offset, cuda_ipc_handle=dev.handle,
                                          device_uuid=dev.device_uuid)

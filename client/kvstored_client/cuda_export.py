@@ -22,6 +22,16 @@ def is_cuda(tensor: Any) -> bool:
     return type(tensor).__module__.startswith("cupy")
 
 
+def layout_info(tensor: Any) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """Shape, strides in elements and dtype name of a CUDA tensor (torch or cupy)."""
+    if callable(getattr(tensor, "stride", None)):   # torch: strides in elements already
+        return tuple(tensor.shape), tuple(tensor.stride()), str(tensor.dtype).removeprefix("torch.")
+    item = tensor.dtype.itemsize                     # cupy: numpy-style strides in bytes
+    if any(s % item for s in tensor.strides):
+        raise ValueError("strides must be whole elements")
+    return tuple(tensor.shape), tuple(s // item for s in tensor.strides), str(tensor.dtype)
+
+
 def export(tensor: Any) -> DeviceExport:
     """Describe a CUDA tensor for registration; raises ValueError for anything else."""
     if getattr(getattr(tensor, "device", None), "type", None) == "cuda":

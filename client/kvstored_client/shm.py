@@ -34,6 +34,8 @@ class SharedTensor:
         if dtype not in DTYPE_SIZES:
             raise ValueError(f"unsupported dtype {dtype!r}")
         self.shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"shape {self.shape} has a negative dimension")
         self.dtype = dtype
         self.nbytes = math.prod(self.shape) * DTYPE_SIZES[dtype]
         self.name = f"kvstored-buf-{os.getpid()}-{secrets.token_hex(6)}"
@@ -44,6 +46,9 @@ class SharedTensor:
             # Allocate and map every page up front, like an engine's KV pool is at start.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(fd, max(self.nbytes, 1), flags=flags)
+        except BaseException:
+            _unlink(self.path)   # no finalizer yet: the file would stay behind
+            raise
         finally:
             os.close(fd)
         self.bytes = np.frombuffer(self._mmap, dtype=np.uint8, count=self.nbytes)
@@ -92,6 +97,8 @@ def describe(array: Any, block_dim: int) -> Placement:
     address, shape, strides, dtype = _array_info(array)
     for base, owner in list(_live.items()):
         if base <= address < base + owner.nbytes:
+            if owner.dtype in _NUMPY_STAND_INS and dtype == _NUMPY_STAND_INS[owner.dtype]:
+                dtype = owner.dtype   # numpy() shows these as same-width uints: same bytes, same layout
             layout = TensorLayout(shape, strides, dtype, block_dim)
             layout.validate()
             if address - base + layout.extent_bytes > owner.nbytes:
@@ -99,6 +106,9 @@ def describe(array: Any, block_dim: int) -> Placement:
             return Placement(owner.name, address - base, layout)
     raise ValueError("tensor is not in shared memory: allocate it with kvstored.shm.empty() "
                      "(CUDA tensors need the cuda extra)")
+
+
+_NUMPY_STAND_INS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 
 def _array_info(array: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], str]:

@@ -1,0 +1,24 @@
+"""Namespace identity: what makes blocks interchangeable, and what may not collide."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstored_client.namespace import Namespace
+
+
+def test_fields_holding_the_identity_separator_cannot_make_two_namespaces_one() -> None:
+    """identity() joins 'key=value' with a control character: a model and revision crafted around
+    it gave two different namespaces one id, so each would serve the other's blocks."""
+    a = Namespace(model="m\x1frevision=r", revision="")
+    b = Namespace(model="m", revision="r\x1frevision=")
+    assert a.identity() == b.identity()   # why validate() must refuse them
+    for ns in (a, b):
+        with pytest.raises(ValueError, match="control characters"):
+            ns.validate()
+    Namespace(model="meta-llama/Llama-3-8B", revision="main", kv_dtype="bfloat16").validate()
+
+
+def test_block_bytes_is_not_part_of_the_identity() -> None:
+    assert Namespace(model="x", block_bytes=0).identity() == Namespace(model="x", block_bytes=4096).identity()
+    assert Namespace(model="x").identity() != Namespace(model="y").identity()

@@ -1,0 +1,43 @@
+"""Shared-memory tensors of the SDK (review): allocation failures, shapes, and the dtype a view is
+registered under."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstored_client import shm
+from kvstored_client.layout import layout_signature
+
+
+def test_a_failed_allocation_leaves_no_file_behind(tmp_path: Path) -> None:
+    """SharedTensor creates the file with O_CREAT|O_EXCL, then ftruncate/mmap; when either fails
+    (too large, out of memory) the finalizer that unlinks it is not set up yet, so the file stays
+    in /dev/shm for good."""
+    with pytest.raises(OSError):
+        shm.SharedTensor((1 << 62,), "uint8", shm_dir=str(tmp_path))
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.parametrize("shape", [(-1, 4), (3, -2), (-1,)])
+def test_a_negative_dimension_is_rejected(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    """Was accepted: nbytes came out negative, the file got 1 byte and the object claimed the
+    shape."""
+    with pytest.raises(ValueError):
+        shm.SharedTensor(shape, "uint8", shm_dir=str(tmp_path))
+
+
+def test_numpy_and_torch_views_of_a_bfloat16_buffer_register_the_same_layout() -> None:
+    """``SharedTensor.numpy()`` shows bfloat16 as uint16 (numpy has no bfloat16), and ``describe``
+    then names the layout ``uint16[...]`` while the torch view of the same bytes is
+    ``bfloat16[...]``: the layout signature enters the namespace, so an engine registering one view
+    never finds blocks saved through the other (same model, same bytes, split namespaces)."""
+    pytest.importorskip("torch")
+    t = shm.empty((2, 4, 16, 2, 8), "bfloat16")
+    try:
+        via_numpy = shm.describe(t.numpy(), 1).layout
+        via_torch = shm.describe(t.torch(), 1).layout
+        assert layout_signature([via_numpy]) == layout_signature([via_torch])
+    finally:
+        t.close()
