@@ -577,9 +577,13 @@ class BlockStore:
         """
         if not blocks:
             return
-        if blocks[0].offset != NO_SLOT:
+        # Usually a DRAM run, then an SSD-only run; but a block may come up alone (a peer's
+        # checkout) or a chain's head lose its slots first (a stream's _drop_clean_slots), so a
+        # prefix may also start on SSD and end in DRAM: ask both ends.
+        first, last = blocks[0].offset != NO_SLOT, blocks[-1].offset != NO_SLOT
+        if first or last:
             self._dram_for(blocks[0]).hit(blocks)
-        if blocks[-1].offset == NO_SLOT:
+        if not (first and last):
             self._ssd_policy.hit(blocks)
         self._mark_pages(blocks)
 
@@ -883,6 +887,7 @@ class BlockStore:
         if self._ssd is None:
             return 0
         chosen: list[Block] = []
+        picked: set[Block] = set()
         total = 0
         cfg = self._config.ssd
         # One round writes at most the gap between the watermarks, so room can always be made.
@@ -891,7 +896,8 @@ class BlockStore:
         for block in self._dirty:  # not changed before the awaits below
             if total >= nbytes or total >= batch_cap:
                 break
-            if block.flags & (SEALED | ON_SSD | DEMOTING) != SEALED or block in self._promoting:
+            if block.flags & (SEALED | ON_SSD | DEMOTING) != SEALED or block in self._promoting \
+                    or block in picked:
                 continue
             if models is not None and block.index.namespace_id not in models:
                 continue
@@ -901,8 +907,19 @@ class BlockStore:
                           self._namespaces[block.index.namespace_id].spec)
                     and self._ssd_policy.admit(block.key, self._ssd_used + total + size > room)):
                 continue
-            chosen.append(block)
-            total += size
+            # A block is of use on SSD only under its parents: those passed over earlier (refused)
+            # go down with it. Left in DRAM without a copy, they could never leave it while it is
+            # in the index (only leaves leave), nor be rebuilt at restart.
+            run = [block]
+            parent = block.parent
+            while parent is not None and parent.flags & (SEALED | ON_SSD | DEMOTING) == SEALED \
+                    and parent.in_dram and parent not in picked and parent not in self._promoting:
+                run.append(parent)
+                parent = parent.parent
+            for b in reversed(run):
+                chosen.append(b)
+                picked.add(b)
+            total += size * len(run)
         if not chosen or not self._make_ssd_room(total):
             return 0
         for namespace_id in {block.index.namespace_id for block in chosen}:

@@ -14,7 +14,9 @@ hits save (Llama-3-8B shape, ``kvstored.policy.cost``), against two references:
 - per-block LRU, as LMCache and Mooncake evict: one recency list of blocks, blind to the tree
   (evicting an interior block strands its descendants, which still take space until they age out);
 - the offline bound, Belady-style and prefix-aware: the resident leaf whose next use is farthest
-  in the future is evicted, and a block is not stored when its next use is farther than that.
+  in the future is evicted, and a block is not stored when its next use is farther than that. It
+  bounds hit tokens; on saved FLOPs it is a reference, not a bound (it ignores that deeper blocks
+  save more, and on small traces a policy can save slightly more FLOPs with the same hits).
 
 The policies see the trace's timestamps as their clock.
 """

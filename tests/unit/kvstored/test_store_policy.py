@@ -28,13 +28,13 @@ BLOCK = 4096  # bytes per block; pages of 16 KiB hold 4 blocks, the arena 8
 
 @contextlib.contextmanager
 def make_store(tmp_path: Path, dram: str, ssd: str | None = None, ssd_blocks: int = 8,
-               ) -> Iterator[tuple[BlockStore, Clock]]:
+               admission: str = "always") -> Iterator[tuple[BlockStore, Clock]]:
     """An 8-block arena under policy ``dram``; with ``ssd``, an SSD tier of ``ssd_blocks`` blocks
     under that policy (evicting above 95% of it, down to 50%)."""
     values: dict[str, dict[str, object]] = {
         "dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False, "policy": dram},
         "ssd": {"enabled": ssd is not None, "capacity": ssd_blocks * BLOCK, "policy": ssd or "lru",
-                "high_watermark": 0.95, "low_watermark": 0.5, "sync": False}}
+                "high_watermark": 0.95, "low_watermark": 0.5, "sync": False, "admission": admission}}
     cfg = config.build(values)
     arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
     copy = CopyEngine(arena)
@@ -333,3 +333,56 @@ def test_a_load_blocks_racing_unregister_never_reports_blocks_it_did_not_copy(tm
         finally:
             src.close()
             dst.close()
+
+
+def test_ssd_admission_refusing_a_parent_does_not_strand_it_in_dram(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """ssd.admission = cost judges each block by its depth alone (Llama-3-8B, 16-token blocks:
+    admitted from depth 1800, i.e. 28.8k tokens in), so write-back stores the tail of a long
+    prompt on SSD and never its head (store.py _write_back: a refused block does not end the
+    chain, unlike BlockPolicy.admit's contract). The head then has no SSD copy and children in
+    the index, so _dram_can_evict refuses it for as long as the tail stays on SSD: long prompts
+    fill DRAM with blocks nothing can evict, and saves store less and less (then fail)."""
+    from kvstored.policy import cost
+    # the cost model's depth threshold, scaled down from 1800 blocks to 1
+    monkeypatch.setattr(cost, "admit_block", lambda spec, depth, model=None: depth >= 1)
+    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=64, admission="cost") as (store, clock):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        for i in range(8):   # long prompts, each read never again
+            clock.now += 1.0
+            save(store, s, ns, chain(2, 1000 * i))
+            asyncio.run(store._write_back(float("inf"), force=False, models=None))
+        clock.now += 1.0
+        # the arena holds 8 blocks, all of them long unused: a new 2-block prompt must fit
+        assert save(store, s, ns, chain(2, 999_000)) == 2, "DRAM is stuck full of heads nothing can evict"
+
+
+def test_a_hit_on_a_prefix_that_starts_on_ssd_and_ends_in_dram_reaches_the_policies(tmp_path: Path) -> None:
+    """store.py _hit tells the DRAM policy only when the prefix's first block is in DRAM and the
+    SSD policy only when its last block is not, assuming a DRAM-resident prefix is closed under
+    ancestors. It is not: a peer's checkout brings one deep block up alone (and a stream's
+    _drop_clean_slots frees the head of a chain first). A lookup of A, B (SSD only), C (DRAM)
+    then reaches neither policy, and C is evicted as if it had not just been read."""
+    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=64) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        abc = chain(3)
+        _to_ssd_only(store, s, ns, abc)
+        d = chain(1, 5000)
+
+        async def main() -> None:
+            assert await store.checkout(ns, abc[2]) is not None   # a peer reads C: C alone comes up
+            store.checkin(ns, abc[2])
+            await store.drain()
+            save(store, s, ns, d)                                 # D: stored after C came up
+            r = await store.lookup(ns, KeyRequest(hashes=abc))     # then A, B, C are read
+            assert r.tiers == [Tier.SSD, Tier.SSD, Tier.DRAM]
+            await store.drain()                                   # (A and B are prefetched)
+            save(store, s, ns, chain(4, 9000))                    # the arena is full now
+            save(store, s, ns, chain(1, 7000))                    # one leaf must go: D, not C
+
+        asyncio.run(main())
+        c = store._namespaces[ns].index.get(abc[2])
+        assert c is not None and c.in_dram, "C was evicted although it was read after D was stored"
+        assert cached(store, ns, d) == 0
