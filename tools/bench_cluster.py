@@ -118,17 +118,25 @@ def throughput(args: argparse.Namespace, a: Node, b: Node) -> dict[str, list[flo
         except MooncakeError as exc:
             print(f"Mooncake left out: {exc}", file=sys.stderr)
 
+    current = [chain]
+    fresh_seed = iter(range(1000, 10**9))
+
     def shipped(move: Callable[[], bool]) -> Callable[[], float]:
-        """B starts empty; ``move`` ships the chain (True once all of it is on B); bytes/s."""
+        """B starts empty and A holds a chain it has never served (outside the timing: A keeps a
+        block's xxh3 once it served it, so shipping one chain over and over left the sender's
+        checksum out of every timed run); ``move`` ships it (True once all of it is on B); bytes/s."""
         def run() -> float:
             b.client.evict()
+            a.client.evict()
+            current[0] = keys(nblocks, next(fresh_seed))
+            save_chain(a, ns, current[0], bb)
             t0 = time.perf_counter()
             assert move(), "the chain did not arrive whole"
             return nblocks * bb / (time.perf_counter() - t0)
         return run
 
-    pull = shipped(lambda: b.client.pull(hashes=chain, namespace=ns).complete)
-    stream = shipped(lambda: b.client.stream(hashes=chain, namespace=ns).wait().complete)
+    pull = shipped(lambda: b.client.pull(hashes=current[0], namespace=ns).complete)
+    stream = shipped(lambda: b.client.stream(hashes=current[0], namespace=ns).wait().complete)
     push = shipped(lambda: list(a.client.migrate("b", model=ns.model))[-1]["pushed_blocks"] == nblocks)
 
     paths: list[tuple[str, Callable[[], float]]] = [

@@ -83,7 +83,9 @@ class Plan:
         self.runs = a.runs
         self.ws = (a.ws_mib * MiB) if a.ws_mib else (64 * MiB if q else 1 * GiB)
         self.max_ops = 48 if q else 1024
-        self.lmcache_max_ops = 16 if q else 96
+        # same calls per pass as every other contender: with 96, LMCache's batch-1 passes moved
+        # 24 MiB (256 KiB blocks) or 192 MiB instead of 256 MiB / 1 GiB, cache-resident and ~20 ms long
+        self.lmcache_max_ops = self.max_ops
         self.dram = max(256 * MiB, 2 * self.ws + 256 * MiB)
         self.prefix_requests = 4 if q else 20
         self.prefix_samples = 20 if q else 200

@@ -244,7 +244,9 @@ def run_putget(impl: Impl, sizes: list[int], batches: list[int], ws_bytes: int, 
                             verified += ok
                             wrong += bad
                         if run:
-                            rec[op]["gbps"].append(ops * batch * block_bytes / elapsed / 1e9)
+                            # bytes that moved: a get that missed copied nothing and must not count
+                            moved = got if op == "get" else ops * batch
+                            rec[op]["gbps"].append(moved * block_bytes / elapsed / 1e9)
                             rec[op]["op_us"].append(float(np.median(lat)) * 1e6)
                     old_keys.append(keys)
                     if len(old_keys) > 2:

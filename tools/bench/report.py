@@ -138,12 +138,14 @@ def markdown(results: dict[str, Any]) -> str:
     if pre:
         w(f"## Prefix reuse: lookup of a {pre['prompt_tokens']:,}-token prompt ({pre['prompt_blocks']:,} blocks)\n")
         w(f"{pre['requests_per_run']} requests per run share a {pre['system_tokens']:,}-token system prompt and "
-          "have unique suffixes. Cold: first lookup of each new prompt; warm: the same prompt again "
-          "(both hash the tokens in the client); by hashes: precomputed block hashes. Per-run p50/p99 in µs, "
-          "median (min-max) over runs.\n")
+          "have unique suffixes. Cold: first lookup of each new prompt (its 2k-token suffix is hashed; the "
+          "shared prefix's hashes come from the SDK's memo, except for the first request of a run); warm: the "
+          "same prompt again (every hash from the memo); by hashes: precomputed block hashes; hashing alone: "
+          "all blocks hashed without the memo (a prompt the client has never seen pays this on top). "
+          "Per-run p50/p99 in µs, median (min-max) over runs.\n")
         w("| lookup | p50 µs | p50 min-max | p99 µs | p99 min-max | samples |")
         w("|---|---|---|---|---|---|")
-        for key, label in (("cold", "cold (hashing included)"), ("warm", "warm (hashing included)"),
+        for key, label in (("cold", "cold (new suffix, memoized prefix)"), ("warm", "warm (memoized hashes)"),
                            ("by_hash", "by precomputed hashes"), ("hash_only", "hashing alone (client)")):
             s = pre[key]
             w(f"| {label} | {_f(s['p50_us']['median'], 0)} | {_f(s['p50_us']['min'], 0)}-{_f(s['p50_us']['max'], 0)}"
