@@ -931,9 +931,9 @@ class BlockStore:
         for block in chosen:
             block.flags |= DEMOTING
             block.pins += 1
-            parent = block.parent.key if block.parent is not None else b""
+            parent_key = block.parent.key if block.parent is not None else b""
             futures.append(asyncio.wrap_future(self._ssd.put(
-                block.index.namespace_id, block.key, parent, block.depth,
+                block.index.namespace_id, block.key, parent_key, block.depth,
                 self._arena.view(block.offset, self._block_bytes(block)))))
             self._ssd_used += self._block_bytes(block)  # reserved now; returned on failure
         # A task of its own: a cancelled caller (a flush past its deadline) must not leave the
