@@ -47,15 +47,15 @@ class TensorMemory:
     part_offset: int          # where its rows start inside a block's payload
     host: np.ndarray | None   # CPU twin: the mapped file as bytes
     base: int                 # byte offset of element 0 in ``host``, or its device address
-    fd: int = -1              # CPU twin: the shared-memory file, kept open to check its size
+    mapping: mmap.mmap | None = None   # CPU twin: its mapping (whose own fd tells the file's size)
     end: int = 0              # the bytes of that file the tensor needs
 
     def check_backing(self, index: int) -> None:
         """FailedPrecondition when the file behind this tensor shrank since it was registered: a
         copy touching a page past its end would raise SIGBUS and kill the daemon."""
-        if self.fd < 0:
+        if self.mapping is None:
             return
-        size = os.fstat(self.fd).st_size
+        size = self.mapping.size()   # fstat of the descriptor mmap keeps: no second one per tensor
         if size < self.end:
             raise FailedPrecondition(f"tensors[{index}]: its shared-memory file shrank to {size} bytes since "
                                      f"it was registered (the tensor needs {self.end}); register the buffers "
@@ -73,7 +73,6 @@ class RegisteredBuffers:
         self.device = "cpu"
         self.busy = 0                 # requests using them; unregistering waits for zero
         self._maps: list[mmap.mmap] = []
-        self._fds: list[int] = []
         self._cuda: object | None = None
         self.tensors: list[TensorMemory] = []
         for i, src in enumerate(sources):
@@ -108,20 +107,23 @@ class RegisteredBuffers:
         except OSError as exc:
             self.close()
             raise InvalidArgument(f"{where}.shm_name: cannot open {name!r}: {exc.strerror}") from None
-        self._fds.append(fd)   # kept open: each copy checks the file has not shrunk (check_backing)
-        size = os.fstat(fd).st_size
-        end = src.offset + src.layout.extent_bytes
-        if end > size:
-            self.close()
-            raise InvalidArgument(f"{where}: tensor extends to byte {end} but {name!r} has {size}")
-        # Populate the page tables now: a copy into a page not yet mapped here costs far more.
         try:
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        except OSError as exc:
-            self.close()
-            raise InvalidArgument(f"{where}: cannot map {name!r}: {exc.strerror or exc}") from None
+            size = os.fstat(fd).st_size
+            end = src.offset + src.layout.extent_bytes
+            if end > size:
+                self.close()
+                raise InvalidArgument(f"{where}: tensor extends to byte {end} but {name!r} has {size}")
+            # Populate the page tables now: a copy into a page not yet mapped here costs far more.
+            # (mmap keeps a dup of fd: check_backing asks it for the file's size before each copy)
+            try:
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            except OSError as exc:
+                self.close()
+                raise InvalidArgument(f"{where}: cannot map {name!r}: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
         self._maps.append(mm)
-        return TensorMemory(region, part, np.frombuffer(mm, dtype=np.uint8), src.offset, fd, end)
+        return TensorMemory(region, part, np.frombuffer(mm, dtype=np.uint8), src.offset, mm, end)
 
     def _open_cuda(self, i: int, src: TensorSource, region: BlockRegion, part: int) -> TensorMemory:
         try:
@@ -173,9 +175,6 @@ class RegisteredBuffers:
             except BufferError:
                 pass  # a copy still holds a view; the mapping goes when it does
         self._maps.clear()
-        for fd in self._fds:
-            os.close(fd)
-        self._fds.clear()
         if self._cuda is not None:
             self._cuda.close()  # type: ignore[attr-defined]
             self._cuda = None

@@ -888,6 +888,7 @@ class BlockStore:
             return 0
         chosen: list[Block] = []
         picked: set[Block] = set()
+        too_big: set[Block] = set()
         total = 0
         cfg = self._config.ssd
         # One round writes at most the gap between the watermarks, so room can always be made.
@@ -913,9 +914,18 @@ class BlockStore:
             run = [block]
             parent = block.parent
             while parent is not None and parent.flags & (SEALED | ON_SSD | DEMOTING) == SEALED \
-                    and parent.in_dram and parent not in picked and parent not in self._promoting:
+                    and parent.in_dram and parent not in picked and parent not in self._promoting \
+                    and parent not in too_big:
                 run.append(parent)
                 parent = parent.parent
+            if parent in too_big or size * len(run) > room:
+                # could never fit under the high watermark: leave the chain in DRAM, whole (its
+                # blocks stay evictable leaves first), rather than fail the round after
+                # _make_ssd_room emptied the tier trying
+                too_big.update(run)
+                continue
+            if chosen and total + size * len(run) > batch_cap:
+                break   # this run goes first in a round of its own
             for b in reversed(run):
                 chosen.append(b)
                 picked.add(b)

@@ -67,7 +67,8 @@ def start_daemon(tmp: Path, *extra: str, env: dict[str, str] | None = None, wait
     tmp.mkdir(parents=True, exist_ok=True)
     socket = str(tmp / f"{name}.sock")
     log_path = tmp / f"{name}.log"
-    args = [sys.executable, "-m", "kvstored", "--socket", socket, "--dram-capacity", "64MiB",
+    config = [] if "--config" in extra else ["--no-config"]   # embedded defaults, whatever /etc holds
+    args = [sys.executable, "-m", "kvstored", *config, "--socket", socket, "--dram-capacity", "64MiB",
             "--set", "dram.page_bytes=1MiB", "--set", "log.level=debug",
             "--ssd-path", str(tmp / f"{name}-ssd"), "--ssd-capacity", "256MiB", *extra]
     full_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "KVSTORED_SOCKET")}

@@ -53,7 +53,7 @@ class Node:
         self.socket = str(tmp / f"{name}.sock")
         self.log = open(tmp / f"{name}.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstored", "--socket", self.socket, "--dram-capacity", str(dram),
+            [sys.executable, "-m", "kvstored", "--no-config", "--socket", self.socket, "--dram-capacity", str(dram),
              "--set", "ssd.enabled=false", "--set", "dram.page_bytes=32MiB",
              "--set", f"peers.listen=127.0.0.1:{port}", "--set", f"peers.node_id={name}",
              "--set", f"peers.static={static}", "--set", "peers.token=bench", "--set", "peers.deadline_s=120",

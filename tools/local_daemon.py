@@ -21,7 +21,7 @@ def local_daemon(*args: str, timeout_s: float = 60.0) -> Iterator[kvstored.Clien
     """Start ``kvstored --socket <tmp> *args`` and yield a connected client."""
     tmp = tempfile.mkdtemp(prefix="kvstored-bench-")
     sock = str(Path(tmp) / "kv.sock")
-    daemon = subprocess.Popen([sys.executable, "-m", "kvstored", "--socket", sock, "--ssd-path",
+    daemon = subprocess.Popen([sys.executable, "-m", "kvstored", "--no-config", "--socket", sock, "--ssd-path",
                                str(Path(tmp) / "ssd"), *args], cwd=ROOT)
     try:
         deadline = time.monotonic() + timeout_s

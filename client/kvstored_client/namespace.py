@@ -39,11 +39,11 @@ class Namespace:
         if self.block_bytes < 0:
             raise ValueError("namespace.block_bytes must not be negative")
         for name in ("model", "revision", "kv_dtype", "layout", "hash_algo", "hash_seed"):
-            # identity() joins the fields with a control character: none may hold one, or two
-            # different namespaces could share an id (and their blocks)
+            # identity() joins the fields with this character: a field holding it could make two
+            # different namespaces share an id (and their blocks)
             value = getattr(self, name)
-            if any(ord(c) < 32 or ord(c) == 127 for c in value):
-                raise ValueError(f"namespace.{name} must not contain control characters, got {value!r}")
+            if "\x1f" in value:
+                raise ValueError(f"namespace.{name} must not contain the control character \\x1f, got {value!r}")
 
     def identity(self) -> int:
         """A stable 63-bit id from every field except ``block_bytes`` (which may be fixed later)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 SYSTEM_SOCKET = "/run/kvstored/kvstored.sock"
@@ -40,6 +41,7 @@ def _ours(directory: str) -> bool:
     """``directory`` belongs to this user or root: /tmp/kvstored-$UID is a name any local user
     can create first (the daemon refuses such a directory too)."""
     try:
-        return os.stat(directory).st_uid in (os.getuid(), 0)
+        st = os.lstat(directory)   # not through a symlink: anyone may plant one in /tmp
     except OSError:
         return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid in (os.getuid(), 0)

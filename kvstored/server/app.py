@@ -130,12 +130,14 @@ def _prepare_socket(path: Path) -> None:
                 raise StartupError(f"another kvstored is already listening on {path}")
 
 
-def _file_id(path: Path) -> tuple[int, int] | None:
+def _file_id(path: Path) -> tuple[int, int, int] | None:
+    """Which file ``path`` is: an inode number freed by an unlink is often the next one given
+    out (ext4), so the change time tells a successor's socket from ours."""
     try:
         st = path.lstat()
     except OSError:
         return None
-    return st.st_dev, st.st_ino
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def _pin_for_cuda(arena: Arena) -> bool:

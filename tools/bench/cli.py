@@ -102,7 +102,7 @@ def daemon(procs: Procs, tmp: Path, logs: Path, name: str, capacity: int,
     """A fresh kvstored daemon: its own Unix socket and its own (empty) state directory, so no
     block or namespace of another daemon on this machine is recovered. Yields the socket path."""
     sock = tmp / f"{name}.sock"
-    argv = [sys.executable, "-m", "kvstored", "--socket", str(sock), "--dram-capacity", str(capacity),
+    argv = [sys.executable, "-m", "kvstored", "--no-config", "--socket", str(sock), "--dram-capacity", str(capacity),
             "--set", "dram.page_bytes=32MiB", "--log-level", "warning"]
     if os.environ.get("KVSTORED_SHM_DIR"):
         argv += ["--set", f"dram.shm_dir={os.environ['KVSTORED_SHM_DIR']}"]

@@ -31,3 +31,30 @@ def test_a_tmp_socket_directory_of_another_user_is_not_trusted(monkeypatch: pyte
         assert paths.discover_socket_path() != str(planted / "kvstored.sock")
     finally:
         shutil.rmtree(planted)
+
+
+def test_a_symlink_planted_at_the_tmp_socket_directory_is_not_trusted(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """(review of 8eebe3d) _ours() stats the directory through symlinks: another user links
+    /tmp/kvstored-$UID to a root-owned directory where they may create files (/tmp itself, sticky
+    but world-writable, or /dev/shm) and puts their socket there as kvstored.sock; the SDK sees
+    root's directory and connects to the stranger's daemon."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the link and the socket to another user")
+    fake_uid = 4_000_000 + os.getpid() % 100_000
+    monkeypatch.setattr(os, "getuid", lambda: fake_uid)
+    monkeypatch.delenv("KVSTORED_SOCKET", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    target = tmp_path / "world-writable-root-dir"      # stands in for /tmp or /dev/shm
+    target.mkdir()
+    os.chown(target, 0, 0)
+    target.chmod(0o1777)
+    (target / "kvstored.sock").write_bytes(b"")         # the stranger's socket
+    os.chown(target / "kvstored.sock", 65534, 65534)
+    planted = Path(f"/tmp/kvstored-{fake_uid}")
+    planted.symlink_to(target)
+    os.lchown(planted, 65534, 65534)
+    try:
+        assert paths.discover_socket_path() != str(planted / "kvstored.sock")
+    finally:
+        planted.unlink()

@@ -386,3 +386,24 @@ def test_a_hit_on_a_prefix_that_starts_on_ssd_and_ends_in_dram_reaches_the_polic
         c = store._namespaces[ns].index.get(abc[2])
         assert c is not None and c.in_dram, "C was evicted although it was read after D was stored"
         assert cached(store, ns, d) == 0
+
+
+def test_a_refused_head_too_big_for_the_ssd_tier_does_not_empty_it(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review of 1673d75) write-back takes a refused block's ancestors with an admitted
+    descendant, so one round's total is no longer bounded by the batch cap (the gap between the
+    watermarks): a long chain whose admitted block sits deeper than the SSD tier holds asks
+    _make_ssd_room for more than the high watermark. It evicts every SSD-only block trying,
+    then fails, and nothing is written: every round wipes the tier again."""
+    from kvstored.policy import cost
+    monkeypatch.setattr(cost, "admit_block", lambda spec, depth, model=None: depth >= 4)
+    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=4, admission="cost") as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        x = chain(1, 50_000)
+        _to_ssd_only(store, s, ns, x)                   # an SSD-only block worth keeping
+        assert store._namespaces[ns].index.get(x[0]).on_ssd
+        save(store, s, ns, chain(6))                     # depth 4 and 5 admitted; 0..3 refused
+        asyncio.run(store._write_back(float("inf"), force=False, models=None))
+        assert store._namespaces[ns].index.get(x[0]) is not None, \
+            "write-back emptied the SSD tier for a round it could not make room for"
