@@ -1304,12 +1304,15 @@ class BlockStore:
         state = self._namespaces.get(namespace_id)
         return len(state.index.match(keys)) if state is not None else 0
 
-    async def checkout(self, namespace_id: int, key: bytes, *, served: bool = True) -> tuple[memoryview, int] | None:
+    async def checkout(self, namespace_id: int, key: bytes, *,
+                       served: bool = True) -> tuple[memoryview, int | None] | None:
         """Pin a block for a peer to read, bringing it to DRAM first; its bytes and their xxh3-64
         checksum (computed once per block: a hot prefix served to many peers is hashed once), or
         None when this node does not hold it (or its SSD copy failed its checksum). Each view
         needs one :meth:`checkin`. ``served`` False: this node pushes the block (not a peer
-        fetching it): neither a hit nor a served block."""
+        fetching it): neither a hit nor a served block, and the checksum only if known (a push
+        checks out a chunk of blocks before sending any: the sender hashes each as it goes,
+        while the receiver takes the one before)."""
         state = self._namespaces.get(namespace_id)
         block = state.index.get(key) if state is not None else None
         if block is None or not block.readable:
@@ -1328,7 +1331,7 @@ class BlockStore:
             self._hit([block])
             self._n.peer_served += 1
         view = self._arena.view(block.offset, self._block_bytes(block)).data
-        if block.check is None:
+        if block.check is None and served:
             block.check = xxhash.xxh3_64_intdigest(view)
         return view, block.check
 

@@ -86,7 +86,7 @@ _SPILL_BYTES = 256 << 10   # received ahead of the reader before reading pauses
 _LINGER_S = 5.0            # how long a refused push is drained, waiting for the pusher to close
 _HASH_SLICE_BYTES = 256 << 10   # a checksummed read lands this much at a time (stays in cache)
 
-ServeBlock = Callable[[int, bytes], Awaitable["memoryview | tuple[memoryview, int] | None"]]
+ServeBlock = Callable[[int, bytes], Awaitable["memoryview | tuple[memoryview, int | None] | None"]]
 ReleaseBlock = Callable[[int, bytes], None]
 StoreBlock = Callable[[int, bytes, bytes, memoryview], "bool | Awaitable[bool]"]
 
@@ -777,7 +777,7 @@ class BlockServer:
 
     async def _send_blocks(self, stream: _Stream, namespace_id: int, keys: list[bytes]) -> bool:
         """Stream ``keys`` in order; True if the connection can take another request."""
-        upcoming: tuple[bytes, asyncio.Future[memoryview | tuple[memoryview, int] | None]] | None = None
+        upcoming: tuple[bytes, asyncio.Future[memoryview | tuple[memoryview, int | None] | None]] | None = None
         if keys:
             upcoming = (keys[0], asyncio.ensure_future(self._serve_block(namespace_id, keys[0])))
         try:
@@ -816,7 +816,7 @@ class BlockServer:
                 await self._abandon(namespace_id, *upcoming)
 
     async def _abandon(self, namespace_id: int, key: bytes,
-                       fut: asyncio.Future[memoryview | tuple[memoryview, int] | None]) -> None:
+                       fut: asyncio.Future[memoryview | tuple[memoryview, int | None] | None]) -> None:
         """A block served ahead but never sent: cancel it, or release it if it already came back."""
         if not fut.done():
             fut.cancel()
