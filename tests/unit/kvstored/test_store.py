@@ -26,8 +26,11 @@ BLOCK = 4096  # bytes per block; pages of 16 KiB hold 4 blocks
 
 
 @contextlib.contextmanager
-def _store(tmp_path: Path, extra: dict[str, dict[str, object]] | None = None) -> Iterator[tuple[BlockStore, Clock]]:
-    """A store over an 8-block arena in pages of 4 blocks, DRAM only, with ``extra`` config."""
+def _store(tmp_path: Path, extra: dict[str, dict[str, object]] | None = None,
+           ssd: bool = False) -> Iterator[tuple[BlockStore, Clock]]:
+    """A store over an 8-block arena in pages of 4 blocks, DRAM only unless ``ssd``, with ``extra``
+    config."""
+    from kvstored.tiers.ssd import SSDTier
     values: dict[str, dict[str, object]] = {
         "dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False},
         "leases": {"ttl_s": 10.0, "reservation_ttl_s": 20.0}}
@@ -36,12 +39,15 @@ def _store(tmp_path: Path, extra: dict[str, dict[str, object]] | None = None) ->
     cfg = config.build(values)
     arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
     copy = CopyEngine(arena)
+    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False) if ssd else None
     clock = Clock()
     ids = iter(range(1, 1000))
-    store = BlockStore(cfg, arena, copy, clock=clock, new_session_id=lambda: f"s{next(ids)}")
+    store = BlockStore(cfg, arena, copy, tier, clock=clock, new_session_id=lambda: f"s{next(ids)}")
     try:
         yield store, clock
     finally:
+        if tier is not None:
+            tier.close()
         copy.close()
         arena.close()
 
@@ -279,31 +285,16 @@ def test_new_blocks_outlive_older_read_ones(tmp_path: Path) -> None:
 
 # -- the SSD tier under the store (review: tier movement) ------------------------------------
 
-@contextlib.contextmanager
 def _ssd_store(tmp_path: Path, extra: dict[str, dict[str, object]] | None = None
-               ) -> Iterator[tuple[BlockStore, Clock]]:
+               ) -> contextlib.AbstractContextManager[tuple[BlockStore, Clock]]:
     """An 8-block arena (pages of 4 blocks) over an SSD tier of 16 blocks, both under LRU."""
-    from kvstored.tiers.ssd import SSDTier
     values: dict[str, dict[str, object]] = {
-        "dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False, "policy": "lru"},
+        "dram": {"policy": "lru"},
         "ssd": {"enabled": True, "capacity": 16 * BLOCK, "policy": "lru", "high_watermark": 0.95,
-                "low_watermark": 0.5, "sync": False},
-        "leases": {"ttl_s": 10.0, "reservation_ttl_s": 20.0}}
+                "low_watermark": 0.5, "sync": False}}
     for section, table in (extra or {}).items():
         values.setdefault(section, {}).update(table)
-    cfg = config.build(values)
-    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
-    copy = CopyEngine(arena)
-    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False)
-    clock = Clock()
-    ids = iter(range(1, 1000))
-    store = BlockStore(cfg, arena, copy, tier, clock=clock, new_session_id=lambda: f"s{next(ids)}")
-    try:
-        yield store, clock
-    finally:
-        tier.close()
-        copy.close()
-        arena.close()
+    return _store(tmp_path, values, ssd=True)
 
 
 def _to_ssd_only(store: BlockStore, sid: str, ns: int, keys: list[bytes]) -> None:

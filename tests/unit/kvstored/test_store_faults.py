@@ -26,6 +26,17 @@ def chain(n: int, start: int = 0) -> list[bytes]:
     return block_hashes(list(range(start, start + 16 * n)))
 
 
+def _engine_buffers(store: BlockStore, session_id: str, ns: int):  # type: ignore[no-untyped-def]
+    """Four engine blocks of BLOCK bytes in shared memory, registered with the store."""
+    from kvstored.buffers import TensorSource
+    from kvstored_client import shm
+    from kvstored_client.layout import TensorLayout
+
+    engine = shm.empty((4, BLOCK), "uint8")
+    return engine, store.register_buffers(session_id, ns, [TensorSource(
+        engine.name, 0, TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0))])
+
+
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
     cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
@@ -213,16 +224,11 @@ def test_an_unregister_cancelled_while_a_stream_holds_the_buffers_still_unmaps_t
     cancelled (the engine is killed while it unregisters, or its deadline passes), nobody closes
     the buffers any more (close_session no longer knows them): the mmaps, or for CUDA buffers the
     IPC mappings of the dead engine's GPU memory, stay open in the daemon for good."""
-    from kvstored.buffers import TensorSource
-    from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
 
     store, _ = env
     s = store.open_session("decode", 1).session_id
     ns = store.open_namespace(NS).namespace_id
-    engine = shm.empty((4, BLOCK), "uint8")
-    buffers = store.register_buffers(s, ns, [TensorSource(
-        engine.name, 0, TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0))])
+    engine, buffers = _engine_buffers(store, s, ns)
     keys = chain(2)
 
     async def main() -> None:
@@ -260,16 +266,11 @@ def test_a_save_may_name_its_cached_prefix_with_placeholder_ids(env: tuple[Block
     longer holds those blocks (chunked prefill after the early blocks were freed, a sliding-window
     group whose table holds the null block there) may name them by one placeholder; only the ids
     of blocks it copies must differ (the duplicate-id check refused the whole save)."""
-    from kvstored.buffers import TensorSource
-    from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
 
     store, _ = env
     s = store.open_session("engine", 1).session_id
     ns = store.open_namespace(NS).namespace_id
-    engine = shm.empty((4, BLOCK), "uint8")
-    buffers = store.register_buffers(s, ns, [TensorSource(
-        engine.name, 0, TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0))])
+    engine, buffers = _engine_buffers(store, s, ns)
     keys = chain(3)
 
     async def main() -> tuple[int, int]:
