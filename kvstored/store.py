@@ -889,6 +889,7 @@ class BlockStore:
         chosen: list[Block] = []
         picked: set[Block] = set()
         too_big: set[Block] = set()
+        held_above: dict[Block, int] = {}   # _ssd_bytes_above's memo for this round
         total = 0
         cfg = self._config.ssd
         # One round writes at most the gap between the watermarks, so room can always be made.
@@ -918,9 +919,10 @@ class BlockStore:
                     and parent not in too_big:
                 run.append(parent)
                 parent = parent.parent
-            if parent in too_big or size * len(run) > room:
-                # could never fit under the high watermark: leave the chain in DRAM, whole (its
-                # blocks stay evictable leaves first), rather than fail the round after
+            if parent in too_big or size * len(run) + self._ssd_bytes_above(parent, held_above) > room:
+                # could never fit under the high watermark (beside its ancestors on SSD, which
+                # cannot leave it while the run hangs under them): leave the chain in DRAM, whole
+                # (its blocks stay evictable leaves first), rather than fail the round after
                 # _make_ssd_room emptied the tier trying
                 too_big.update(run)
                 continue
@@ -952,6 +954,20 @@ class BlockStore:
         self._background.add(settle)
         settle.add_done_callback(self._background.discard)
         return await asyncio.shield(settle)
+
+    def _ssd_bytes_above(self, block: Block | None, memo: dict[Block, int]) -> int:
+        """The SSD bytes of ``block`` and its ancestors (written or being written): none of them
+        can leave the tier while a chain hangs under them."""
+        path: list[Block] = []
+        while block is not None and block not in memo:
+            path.append(block)
+            block = block.parent
+        acc = memo[block] if block is not None else 0
+        for b in reversed(path):
+            if b.flags & (ON_SSD | DEMOTING):
+                acc += self._block_bytes(b)
+            memo[b] = acc
+        return acc
 
     async def _demoted(self, chosen: list[Block], futures: list[asyncio.Future[None]]) -> int:
         results = await asyncio.gather(*futures, return_exceptions=True)

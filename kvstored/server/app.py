@@ -104,7 +104,10 @@ class StartupError(Exception):
 def _prepare_socket(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        # the directory's owner, and the link's where it is one: anyone may plant a symlink in /tmp
+        # (to a root-owned directory they can write, such as /tmp itself); the SDK refuses one too
         owner = path.parent.stat().st_uid
+        link_owner = path.parent.lstat().st_uid
     except FileExistsError:  # mkdir met a file where a directory should be
         raise StartupError(f"cannot create the directory of server.socket {path}: "
                            f"{path.parent} is not a directory") from None
@@ -114,7 +117,7 @@ def _prepare_socket(path: Path) -> None:
     if not path.parent.is_dir():
         raise StartupError(f"cannot create the directory of server.socket {path}: "
                            f"{path.parent} is not a directory")
-    if owner not in (os.getuid(), 0):
+    if owner not in (os.getuid(), 0) or link_owner not in (os.getuid(), 0):
         raise StartupError(f"{path.parent} belongs to another user; choose another server.socket")
     if path.exists() or path.is_symlink():
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:

@@ -407,3 +407,27 @@ def test_a_refused_head_too_big_for_the_ssd_tier_does_not_empty_it(tmp_path: Pat
         asyncio.run(store._write_back(float("inf"), force=False, models=None))
         assert store._namespaces[ns].index.get(x[0]) is not None, \
             "write-back emptied the SSD tier for a round it could not make room for"
+
+
+def test_a_run_whose_ancestors_on_ssd_leave_it_no_room_does_not_empty_the_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review of e133f56) the too-big check weighs the run against the whole high watermark, but
+    the run's ancestors already on SSD cannot leave it (they are not leaves while the run hangs
+    under them): a run that fits the watermark alone but not beside its ancestors still makes
+    _make_ssd_room evict every other SSD-only block, then fail, and nothing is written."""
+    from kvstored.policy import cost
+    monkeypatch.setattr(cost, "admit_block", lambda spec, depth, model=None: depth >= 7)
+    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=8, admission="cost") as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        long = chain(8)
+        x = chain(1, 50_000)
+        save(store, s, ns, long[:3])
+        _to_ssd_only(store, s, ns, x)                    # the head (3 blocks) and x: SSD only
+        idx = store._namespaces[ns].index
+        assert idx.get(x[0]).on_ssd and all(idx.get(k).on_ssd and not idx.get(k).in_dram for k in long[:3])
+        save(store, s, ns, long)                         # depth 3..7 in DRAM; 7 admitted, 3..6 refused
+        # 3 (ancestors, stay) + 5 (the run) blocks > 7.6 (95% of 8): the run can never be written
+        asyncio.run(store._write_back(float("inf"), force=False, models=None))
+        assert idx.get(x[0]) is not None, \
+            "write-back emptied the SSD tier for a round it could not make room for"

@@ -5,11 +5,14 @@ created in the directory usually gets the freed inode number back."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
 
-from kvstored.server.app import _file_id
+import pytest
+
+from kvstored.server.app import StartupError, _file_id, _prepare_socket
 
 
 def test_a_successor_socket_on_the_same_path_has_another_identity(tmp_path: Path) -> None:
@@ -26,3 +29,24 @@ def test_a_successor_socket_on_the_same_path_has_another_identity(tmp_path: Path
         assert _file_id(path) != mine, "the successor's socket is taken for ours (inode number reused)"
     finally:
         successor.close()
+
+
+def test_the_daemon_refuses_a_socket_directory_that_is_a_strangers_symlink(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review of e133f56) the SDK now refuses a /tmp/kvstored-$UID that is a symlink (lstat), but
+    the daemon's _prepare_socket still stat()s through it: a stranger's link to a root-owned
+    world-writable directory passes as root's, the daemon listens there, and the SDK (which
+    refuses the same path) never finds it. Both sides must judge the same directory."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the link to another user")
+    fake_uid = 4_000_000 + os.getpid() % 100_000
+    monkeypatch.setattr(os, "getuid", lambda: fake_uid)
+    target = tmp_path / "world-writable-root-dir"      # stands in for /tmp or /dev/shm
+    target.mkdir()
+    os.chown(target, 0, 0)
+    target.chmod(0o1777)
+    planted = tmp_path / f"kvstored-{fake_uid}"
+    planted.symlink_to(target)
+    os.lchown(planted, 65534, 65534)
+    with pytest.raises(StartupError):
+        _prepare_socket(planted / "kvstored.sock")
