@@ -932,8 +932,24 @@ class BlockStore:
                 chosen.append(b)
                 picked.add(b)
             total += size * len(run)
-        if not chosen or not self._make_ssd_room(total):
+        if not chosen:
             return 0
+        if not self._make_ssd_room(total):
+            # SSD bytes that cannot leave (ancestors of this round's other runs, of blocks left in
+            # DRAM, pinned ones) were more than the runs were weighed against. What could leave
+            # has left: write the part of the round that fits now rather than nothing. Any prefix
+            # of ``chosen`` holds each block's parent before it (runs go parent first, under
+            # blocks on SSD or picked before them).
+            free = room - self._ssd_used
+            keep = 0
+            for block in chosen:
+                free -= self._block_bytes(block)
+                if free < 0:
+                    break
+                keep += 1
+            if not keep:
+                return 0
+            del chosen[keep:]
         for namespace_id in {block.index.namespace_id for block in chosen}:
             state = self._namespaces.get(namespace_id)
             if state is not None and not state.on_ssd:

@@ -41,7 +41,10 @@ def _ours(directory: str) -> bool:
     """``directory`` belongs to this user or root: /tmp/kvstored-$UID is a name any local user
     can create first (the daemon refuses such a directory too)."""
     try:
-        st = os.lstat(directory)   # not through a symlink: anyone may plant one in /tmp
+        # the link's owner too, where it is one: anyone may plant one in /tmp (the daemon's
+        # _prepare_socket judges the same two owners)
+        link = os.lstat(directory)
+        st = os.stat(directory)
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid in (os.getuid(), 0)
+    return stat.S_ISDIR(st.st_mode) and link.st_uid in (os.getuid(), 0) and st.st_uid in (os.getuid(), 0)

@@ -431,3 +431,64 @@ def test_a_run_whose_ancestors_on_ssd_leave_it_no_room_does_not_empty_the_tier(
         asyncio.run(store._write_back(float("inf"), force=False, models=None))
         assert idx.get(x[0]) is not None, \
             "write-back emptied the SSD tier for a round it could not make room for"
+
+
+def test_a_round_counts_the_blocks_it_picked_above_a_run_as_held(tmp_path: Path) -> None:
+    """(review of ca0006f) under the default admission a chain's DRAM blocks go one run each, and
+    each run is weighed beside its ancestors already on SSD but not beside those picked earlier in
+    the same round: 5 on SSD + 3 picked = 8 blocks > 7.6 (95% of 8), so _make_ssd_room evicts the
+    other SSD-only block, fails, and nothing is written (every round again)."""
+    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=8) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        long = chain(8)
+        x = chain(1, 50_000)
+        save(store, s, ns, long[:5])
+        _to_ssd_only(store, s, ns, x)                    # long[:5] and x: SSD only (6 blocks)
+        idx = store._namespaces[ns].index
+        save(store, s, ns, long)                         # long[5:]: 3 blocks in DRAM, one run each
+        written = asyncio.run(store._write_back(float("inf"), force=False, models=None))
+        assert written or idx.get(x[0]) is not None, \
+            "write-back emptied the SSD tier for a round it could not make room for"
+
+
+def test_a_round_counts_the_ssd_ancestors_of_all_its_runs(tmp_path: Path) -> None:
+    """(review of ca0006f) two chains, each with 3 blocks on SSD and 1 in DRAM: each run fits
+    beside its own ancestors (1 + 3 <= 7.6), but the round needs 3 + 3 + 2 = 8 blocks."""
+    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=8) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        a, b = chain(4, 10_000), chain(4, 20_000)
+        x = chain(1, 50_000)
+        save(store, s, ns, a[:3])
+        save(store, s, ns, b[:3])
+        _to_ssd_only(store, s, ns, x)                    # 7 blocks on SSD only
+        idx = store._namespaces[ns].index
+        save(store, s, ns, a)
+        save(store, s, ns, b)
+        written = asyncio.run(store._write_back(float("inf"), force=False, models=None))
+        assert written or idx.get(x[0]) is not None, \
+            "write-back emptied the SSD tier for a round it could not make room for"
+
+
+def test_ssd_ancestors_held_by_another_chain_do_not_make_a_round_empty_the_tier(
+        tmp_path: Path) -> None:
+    """(review of ca0006f) under hit_before a chain's new, never-hit suffix stays in DRAM and holds
+    its ancestors on SSD (not leaves): a round of another chain that fits beside its own ancestors
+    does not fit beside those, and _make_ssd_room evicts every other SSD-only block, then fails."""
+    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=8, admission="hit_before") as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        held = chain(6, 10_000)
+        x = chain(1, 50_000)
+        save(store, s, ns, held[:5])
+        _to_ssd_only(store, s, ns, x)                    # held[:5] and x: SSD only (6 blocks)
+        idx = store._namespaces[ns].index
+        save(store, s, ns, held)                         # held[5]: DRAM, never hit (refused)
+        y = chain(3, 30_000)
+        save(store, s, ns, y)
+        hit = asyncio.run(store.lookup(ns, KeyRequest(hashes=y)))   # y: hit, admitted
+        assert hit.blocks == 3
+        written = asyncio.run(store._write_back(float("inf"), force=False, models=None))
+        assert written or idx.get(x[0]) is not None, \
+            "write-back emptied the SSD tier for a round it could not make room for"

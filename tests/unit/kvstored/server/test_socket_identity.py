@@ -50,3 +50,22 @@ def test_the_daemon_refuses_a_socket_directory_that_is_a_strangers_symlink(tmp_p
     os.lchown(planted, 65534, 65534)
     with pytest.raises(StartupError):
         _prepare_socket(planted / "kvstored.sock")
+
+
+def test_the_daemon_and_the_sdk_judge_a_socket_directory_alike(tmp_path: Path) -> None:
+    """(review of ca0006f) the daemon now accepts a socket directory that is a symlink of this
+    user (or root) to a directory of this user (or root), but the SDK's _ours() refuses every
+    symlink (lstat, S_ISDIR): the daemon listens at the default path and the SDK, taking it for a
+    planted one, goes to the system socket instead."""
+    from kvstored_client.paths import _ours
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "kvstored-link"
+    link.symlink_to(real)                               # ours: made by this user
+    try:
+        _prepare_socket(link / "kvstored.sock")
+        daemon_accepts = True
+    except StartupError:
+        daemon_accepts = False
+    assert daemon_accepts == _ours(str(link)), \
+        f"the daemon {'accepts' if daemon_accepts else 'refuses'} {link}, the SDK does not"
