@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import xxhash
@@ -46,6 +47,7 @@ from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
 log = logging.getLogger("kvstored.store")
+T = TypeVar("T")
 
 # The SSD tier holds blocks of every namespace's size; its policy's ghost list is sized as if they
 # were of this many bytes (16 tokens of an 8B model at tensor parallel 2), a bound on its memory,
@@ -483,10 +485,12 @@ class BlockStore:
                     self._remove_if_hollow(block)
         self._spawn(run())
 
-    def _spawn(self, coro: Coroutine[object, object, object]) -> None:
+    def _spawn(self, coro: Coroutine[object, object, T]) -> asyncio.Future[T]:
+        """Run ``coro`` as a background task that ``drain`` waits for; the task."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _ensure_dram(self, blocks: list[Block]) -> int:
         """Give every block of a (pinned) prefix a valid DRAM slot, reading SSD copies as needed.
@@ -966,10 +970,7 @@ class BlockStore:
             self._ssd_used += self._block_bytes(block)  # reserved now; returned on failure
         # A task of its own: a cancelled caller (a flush past its deadline) must not leave the
         # blocks DEMOTING and pinned, nor their bytes reserved on SSD.
-        settle = asyncio.ensure_future(self._demoted(chosen, futures))
-        self._background.add(settle)
-        settle.add_done_callback(self._background.discard)
-        return await asyncio.shield(settle)
+        return await asyncio.shield(self._spawn(self._demoted(chosen, futures)))
 
     def _ssd_bytes_above(self, block: Block | None, memo: dict[Block, int]) -> int:
         """The SSD bytes of ``block`` and its ancestors (written or being written): none of them
@@ -1165,10 +1166,7 @@ class BlockStore:
         del self._buffers[buffers_id]
         # A task of its own: a caller that goes away meanwhile (a request may hold the buffers
         # for a whole peer transfer) must not leave them mapped with nobody left to close them.
-        closing = asyncio.ensure_future(self._close_when_idle(buffers))
-        self._background.add(closing)
-        closing.add_done_callback(self._background.discard)
-        await asyncio.shield(closing)
+        await asyncio.shield(self._spawn(self._close_when_idle(buffers)))
 
     def _drop_buffers(self, buffers_id: int) -> None:
         entry = self._buffers.pop(buffers_id, None)
@@ -1231,8 +1229,7 @@ class BlockStore:
                     raise InvalidArgument(f"block_ids[{i}] = {int(shared[0])} also names a cached block "
                                           f"(a placeholder?), but block {i} is not cached here any more "
                                           "and would be copied from it; save again with its real id")
-            await self._copying(lease, self._copy.to_arena(
-                buffers, block_ids[present: present + len(lease.new)], [b.offset for b in lease.new]))
+            await self._copying(lease, self._copy.to_arena(buffers, copied, [b.offset for b in lease.new]))
         except BaseException:
             self._end(lease, self._sessions.get(session_id), aborted=True)
             raise
@@ -1284,6 +1281,15 @@ class BlockStore:
             await copy  # type: ignore[misc]
         finally:
             self._busy.discard(lease.lease_id)
+
+    def _end_busy(self, lease: Lease, session: Session, keep: bool = False) -> None:
+        """The request that kept ``lease`` busy is over: end it if it was doomed meanwhile (or is
+        gone), else abort it unless ``keep`` (a lease handed to the caller)."""
+        self._busy.discard(lease.lease_id)
+        if lease.lease_id in self._doomed or self._leases.get(lease.lease_id) is None:
+            self._finish_doomed(lease)
+        elif not keep:
+            self._end(lease, session if session.session_id in self._sessions else None, aborted=True)
 
     def _finish_doomed(self, lease: Lease) -> None:
         if lease.lease_id in self._doomed:
@@ -1552,14 +1558,8 @@ class BlockStore:
             finally:
                 await handover.close()
                 for lease in (reservation, read):
-                    if lease is None:
-                        continue
-                    self._busy.discard(lease.lease_id)
-                    if lease.lease_id in self._doomed or self._leases.get(lease.lease_id) is None:
-                        self._finish_doomed(lease)
-                    elif lease.lease_id != handed_lease:   # the caller keeps only the lease it was handed
-                        self._end(lease, session if session.session_id in self._sessions else None,
-                                  aborted=True)
+                    if lease is not None:   # the caller keeps only the lease it was handed
+                        self._end_busy(lease, session, keep=lease.lease_id == handed_lease)
 
     async def _fetch_rest(self, session: Session, state: NamespaceState, chain: list[bytes], read: Lease,
                           delivered: int, handover: Handover, lease_arrivals: bool,
@@ -1579,11 +1579,7 @@ class BlockStore:
         except BaseException:
             # cancelled (the client left) or failed: stream_blocks never learns of the reservation,
             # which would stay busy, hence never reaped nor ended, for ever
-            self._busy.discard(reservation.lease_id)
-            if reservation.lease_id in self._doomed or self._leases.get(reservation.lease_id) is None:
-                self._finish_doomed(reservation)
-            else:
-                self._end(reservation, session if session.session_id in self._sessions else None, aborted=True)
+            self._end_busy(reservation, session)
             raise
 
     async def _fill_reservation(self, session: Session, state: NamespaceState, chain: list[bytes], read: Lease,
