@@ -107,6 +107,7 @@ class _Peer:
     pushed: int = 0
     queue: asyncio.Queue[tuple[int, list[bytes]]] | None = None
     worker: asyncio.Task[None] | None = None
+    pushing: bool = False   # the worker is pushing a chain it took off the queue
 
 
 class PeerNode:
@@ -114,6 +115,7 @@ class PeerNode:
 
     def __init__(self, config: Config, store: BlockStore, *, membership: Membership | None = None) -> None:
         self._cfg = config.peers
+        self._page_bytes = config.dram.page_bytes
         self._store = store
         self._auth = auth_from_config(self._cfg)
         self.node_id = self._cfg.node_id or socket.gethostname()
@@ -141,7 +143,10 @@ class PeerNode:
             self._server = BlockServer(host, port, self._auth, store.checkout, release_block=store.checkin,
                                        store_block=store.adopt, land_block=store.land, count_blocks=store.held,
                                        open_namespace=store.learn_namespace, why_refused=store.refusal,
-                                       limits=Limits(transfer_timeout_s=self._cfg.deadline_s))
+                                       limits=Limits(transfer_timeout_s=self._cfg.deadline_s,
+                                                     # no larger block can be stored here: a frame
+                                                     # claiming more is refused before any byte of it
+                                                     max_block_bytes=self._page_bytes))
             await self._server.start()
             bound_host, bound_port = self._server.address
             self.listen = f"{bound_host}:{bound_port}"
@@ -183,19 +188,24 @@ class PeerNode:
             peer = self._peers[node_id]
             if node_id not in live or live[node_id].address != peer.member.address:
                 log.info("peer %s left (%s)", node_id, peer.member.address)
-                self._forget(peer)
+                self._forget(peer, "it left the cluster")
                 del self._peers[node_id]
         for node_id, member in live.items():
             if node_id not in self._peers:
                 log.info("peer %s joined at %s", node_id, member.address)
                 self._peers[node_id] = _Peer(member)
 
-    def _forget(self, peer: _Peer) -> None:
+    def _forget(self, peer: _Peer, why: str) -> None:
         for conn in peer.idle:
             conn.close()
         peer.idle.clear()
         if peer.worker is not None:
             peer.worker.cancel()
+        # pushes queued by push_later that will not go out now: counted and logged, as it promises
+        dropped = (peer.queue.qsize() if peer.queue is not None else 0) + peer.pushing
+        if dropped:
+            self.failures += dropped
+            log.warning("%d queued push(es) to %s dropped: %s", dropped, peer.member.node_id, why)
 
     async def close(self) -> None:
         """Leave the cluster (etcd: at once), stop listening, end connections and queued pushes."""
@@ -203,7 +213,7 @@ class PeerNode:
             if task is not None:
                 task.cancel()
         for peer in self._peers.values():
-            self._forget(peer)
+            self._forget(peer, "this node is shutting down")
         workers = [p.worker for p in self._peers.values() if p.worker is not None]
         for task in [self._watch, *self._tasks, *workers]:
             if task is not None:
@@ -236,7 +246,7 @@ class PeerNode:
                 return await PeerConnection.open(peer.member.address, self._auth)
         except TimeoutError:
             raise PeerError(f"no connection to {peer.member.node_id} within {timeout_s:g}s") from None
-        except OSError as exc:
+        except (OSError, ValueError, OverflowError) as exc:   # the latter two: an address no socket takes
             raise PeerError(f"cannot connect to {peer.member.node_id} at {peer.member.address}: {exc}") from None
 
     def _give_back(self, peer: _Peer, conn: PeerConnection) -> None:
@@ -413,6 +423,7 @@ class PeerNode:
     async def _push_worker(self, peer: _Peer, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:
         while True:
             namespace_id, chain = await queue.get()
+            peer.pushing = True
             try:
                 stored, result = await self.push_chain(peer.member.node_id, namespace_id, b"", chain, skip_held=True)
                 if not result.complete:
@@ -422,12 +433,17 @@ class PeerNode:
                                 stored, len(chain), result.detail)
             except Exception:   # a bug in one push must not stop later ones
                 log.exception("push to %s failed", peer.member.node_id)
+            finally:
+                peer.pushing = False
 
     async def push_chain(self, node_id: str, namespace_id: int, parent: bytes, keys: list[bytes], *,
                          skip_held: bool = False) -> tuple[int, PushResult]:
         """Push a run of blocks (under ``parent``, b"" = the root) to ``node_id`` in chunks;
-        returns how many the receiver holds now, and how the last exchange ended."""
-        peer = self._peer(node_id)
+        returns how many the receiver holds now, and how the last exchange ended (UNREACHABLE when
+        ``node_id`` is no longer a peer: it may leave the cluster in the middle of a migration)."""
+        peer = self._peers.get(node_id)
+        if peer is None:
+            return 0, PushResult(0, 0, Stop.UNREACHABLE, f"{node_id} is no longer a peer")
         conn = None
         done = 0
         try:

@@ -681,7 +681,13 @@ class BlockServer:
                         await self._error(stream, "malformed namespace request")
                         return
                     body = await stream.read_exact(key_bytes, "reading a namespace")
-                    await self._answer(stream, self._open_namespace(namespace_id, body), 0)
+                    try:
+                        opened = self._open_namespace(namespace_id, body)
+                        refusal = await opened if inspect.isawaitable(opened) else opened
+                    except Exception as exc:   # a description it chokes on: say so, like a refusal
+                        log.warning("opening namespace %x for %s failed: %r", namespace_id, _peername(stream), exc)
+                        refusal = f"opening namespace {namespace_id:x} failed: {exc!r}"
+                    await self._answer(stream, refusal, 0)
                     continue
                 if count > self._limits.max_keys or key_bytes > count * (1 + self._limits.max_key_bytes):
                     await self._error(stream, f"request too large: {count} keys, {key_bytes} key bytes")
@@ -708,8 +714,13 @@ class BlockServer:
                         await self._discard_until_closed(stream)
                         return
                 elif op == OP_LOOKUP and self._count_blocks is not None:
-                    counted = self._count_blocks(namespace_id, keys)
-                    held = await counted if inspect.isawaitable(counted) else counted
+                    try:
+                        counted = self._count_blocks(namespace_id, keys)
+                        held = await counted if inspect.isawaitable(counted) else counted
+                    except Exception as exc:
+                        log.warning("counting %d block(s) for %s failed: %r", len(keys), _peername(stream), exc)
+                        await self._error(stream, f"lookup failed: {exc!r}")
+                        continue
                     await self._answer(stream, "", int(held))
                 else:
                     await self._error(stream, f"operation {op} not supported by this peer")
@@ -849,8 +860,12 @@ class BlockServer:
             fkey = await stream.read_exact(klen, "reading a block")
             if kind == END:
                 break
-            if kind != BLOCK or index != i or fkey != key or length > self._limits.max_block_bytes:
+            if kind != BLOCK or index != i or fkey != key:
                 await self._ack(stream, stored, ERROR, f"malformed block frame at {i}")
+                return False
+            if length > self._limits.max_block_bytes:   # refused before a byte of it is buffered
+                await self._ack(stream, stored, ERROR, f"block {i} has {length} bytes; this node takes "
+                                                       f"at most {self._limits.max_block_bytes}")
                 return False
             landing = self._land_block(namespace_id, parent, key, length) if self._land_block else None
             if landing is not None:
@@ -1029,9 +1044,10 @@ class PeerConnection:
                     kind, klen, _, index, length, check = _FRAME.unpack(
                         await s.read_exact(_FRAME.size, f"waiting for block {i}"))
                     key = await s.read_exact(klen, f"reading block {i}")
-                    if kind == END and i == n:
+                    # (END and MISSING carry no payload: one would be read as the next request's answer)
+                    if kind == END and i == n and not length:
                         return FetchResult(n, n, Stop.COMPLETE)
-                    if kind == MISSING and index == i:
+                    if kind == MISSING and index == i and not length:
                         return FetchResult(i, n, Stop.MISSING, f"peer does not have block {i}")
                     if kind == ERROR:
                         message = (await s.read_exact(min(length, 4096), "reading an error")).decode(errors="replace")
@@ -1079,7 +1095,8 @@ class PeerConnection:
     async def lookup(self, namespace_id: int, keys: Sequence[bytes], deadline_s: float) -> int:
         """How many leading ``keys`` the peer holds. Raises :class:`PeerError` when it cannot tell
         (refused, closed, past the deadline)."""
-        return await self._exchange(_encode_request(OP_LOOKUP, namespace_id, keys, self._limits), deadline_s)
+        return await self._exchange(_encode_request(OP_LOOKUP, namespace_id, keys, self._limits), deadline_s,
+                                    len(keys))
 
     async def open_namespace(self, namespace_id: int, description: bytes, deadline_s: float) -> None:
         """Make the peer know a namespace before pushing blocks of it. Raises :class:`PeerError`
@@ -1087,10 +1104,10 @@ class PeerConnection:
         if len(description) > MAX_NAMESPACE_BYTES:
             raise ValueError(f"namespace description of {len(description)} bytes; at most {MAX_NAMESPACE_BYTES}")
         request = _REQUEST.pack(OP_NAMESPACE, 0, 0, 0, namespace_id, len(description)) + description
-        await self._exchange(request, deadline_s)
+        await self._exchange(request, deadline_s, 0)
 
-    async def _exchange(self, request: bytes, deadline_s: float) -> int:
-        """Send a one-answer request; the ACK's ``index``, or PeerError."""
+    async def _exchange(self, request: bytes, deadline_s: float, most: int) -> int:
+        """Send a one-answer request; the ACK's ``index`` (at most ``most``), or PeerError."""
         if not self.usable:
             raise PeerError(f"connection to {self._addr[0]}:{self._addr[1]} is closed")
         try:
@@ -1101,6 +1118,10 @@ class PeerConnection:
                 kind, klen, _, index, length, _ = _FRAME.unpack(head)
                 await s.read_exact(klen, "reading an answer")
                 if kind == ACK:
+                    if index > most or length:   # more than was asked, or bytes the next request would read
+                        self._break()
+                        raise PeerError(f"peer {self._addr[0]}:{self._addr[1]}: malformed answer (index {index} "
+                                        f"of {most}, {length} payload bytes)")
                     return int(index)
                 message = (await s.read_exact(min(length, 4096), "reading an error")).decode(errors="replace")
                 if kind != ERROR or length > 4096:
@@ -1171,9 +1192,11 @@ class PeerConnection:
             except BaseException:
                 self._break()
                 raise
-            if kind == ACK and stored == n:
+            if kind == ACK and stored == n and length <= 4096:
                 return PushResult(n, n, Stop.COMPLETE)
             self._break()
+            if stored > sent:   # it cannot have stored what it was not sent: trust none of it
+                return PushResult(0, sent, Stop.PEER_ERROR, f"peer acknowledged {stored} block(s) of {sent} sent")
             stop = Stop.CORRUPT if "checksum" in message else Stop.REFUSED if "refused" in message else Stop.PEER_ERROR
             return PushResult(stored, sent, stop, f"peer: {message}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import tempfile
+import zlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,7 +14,9 @@ from typing import Any
 from loopback import free_ports
 
 from kvstored import config
+from kvstored.cluster.membership import Member
 from kvstored.copy import CopyEngine
+from kvstored.peers import transport
 from kvstored.peers.node import PeerNode
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
@@ -178,5 +181,93 @@ def test_a_push_queued_for_a_node_that_left_is_counted_not_raised() -> None:
             before = a.peers.failures
             a.peers.push_later("c", NS.identity(), keys)   # "c" is not (or no longer) a member
             assert a.peers.failures == before + 1
+
+    run(main())
+
+
+def test_queued_pushes_to_a_node_that_leaves_are_counted_not_dropped_silently() -> None:
+    # push_later: "Failures are logged and counted, not raised". Chains queued for a node that
+    # then left the cluster were dropped with its push worker: no log line, no peer_failures.
+    async def main() -> None:
+        async with cluster({"a": 8, "b": 8}) as nodes:
+            a = nodes["a"].peers
+            chains = [chain(2, 100 * j) for j in range(3)]
+            for c in chains:
+                save(nodes["a"].store, c)
+                a.push_later("b", NS.identity(), c)
+            before = a.failures
+            a._set_members([Member("a", a.listen)])   # b leaves before its worker took any chain
+            assert a.failures == before + 3
+            assert nodes["b"].store.stats().index_blocks == 0
+
+    run(main())
+
+
+def test_a_drain_sends_around_a_node_that_leaves_the_cluster_midway() -> None:
+    # Regression: push_chain looked the node up with _peer, which raises NotFound: a drain (or a
+    # migration) whose target left the cluster after it started failed with NotFound, instead of
+    # sending that node's trees to the others (a drain) or counting them failed (a migration).
+    async def main() -> None:
+        async with cluster({"a": 32, "b": 32, "c": 32}) as nodes:
+            a = nodes["a"].peers
+            chains = [chain(2, 100 * j) for j in range(6)]
+            for c in chains:
+                save(nodes["a"].store, c)
+            assert {zlib.crc32(c[0]) % 2 for c in chains} == {0, 1}, "some tree must be meant for c"
+            steps = a.migrate("", drain=True)
+            first = await anext(steps)
+            assert not first.done and first.total == 12
+            a._set_members([Member("a", a.listen), Member("b", nodes["b"].peers.listen)])   # c leaves
+            rest = [p async for p in steps]
+            assert rest[-1].done and (rest[-1].pushed, rest[-1].failed) == (12, 0), rest[-1]
+            assert all(_has(nodes["b"].store, k) for c in chains for k in c)
+            # a migration to a node that left ends, counting what it could not move
+            for c in chains:
+                save(nodes["c"].store, c)
+            c_peers = nodes["c"].peers
+            moves = c_peers.migrate("a")
+            await anext(moves)
+            c_peers._set_members([Member("b", nodes["b"].peers.listen)])   # a leaves
+            last = [p async for p in moves][-1]
+            assert last.done and (last.pushed, last.failed) == (0, 12) and "a is no longer a peer" in last.detail
+
+    run(main())
+
+
+def test_a_member_with_an_address_no_socket_takes_is_down_not_an_error() -> None:
+    # Regression: a member whose address did not parse (no port) or whose port was out of range
+    # (as another node could advertise it through etcd) made _acquire raise ValueError /
+    # OverflowError: every lookup, stream from peers and `kvctl peers` failed instead of showing
+    # that one peer down.
+    async def main() -> None:
+        async with cluster({"a": 8, "b": 8}) as nodes:
+            a = nodes["a"].peers
+            keys = chain(2)
+            save(nodes["b"].store, keys)
+            b = Member("b", nodes["b"].peers.listen)
+            for bad in ("x-no-port", "127.0.0.1:70000"):
+                a._set_members([Member("a", a.listen), b, Member("x", bad)])
+                assert await a.holders(NS.identity(), keys) == {"b": 2}
+                views = {v.node_id: v for v in await a.probe()}
+                assert views["x"].state == "down" and bad in views["x"].last_error, views["x"]
+                stored, result = await a.push_chain("x", NS.identity(), b"", keys)
+                assert stored == 0 and result.stop.value == "unreachable"
+
+    run(main())
+
+
+def test_a_pushed_block_larger_than_any_this_node_stores_is_refused_before_it_is_read() -> None:
+    # Regression: the listener accepted frames of up to 1 GiB and buffered the whole payload of a
+    # block it could not land before refusing it, so one peer could make it allocate 1 GiB per
+    # connection. No block larger than dram.page_bytes can be stored here: it is refused at once.
+    async def main() -> None:
+        async with cluster({"a": 8, "b": 8}) as nodes:
+            b = nodes["b"].peers
+            huge = 4 * BLOCK + 4096   # one byte page over dram.page_bytes (4 blocks)
+            result = await transport.push(b.listen, nodes["a"].peers._auth, NS.identity(),
+                                          [(chain(1)[0], bytes(huge))], 3.0)
+            assert result.stored == 0 and not result.complete
+            assert f"has {huge} bytes" in result.detail and f"at most {4 * BLOCK}" in result.detail, result
+            assert nodes["b"].store.stats().index_blocks == 0
 
     run(main())

@@ -699,6 +699,112 @@ def test_lookup_of_a_silent_peer_fails_within_its_deadline() -> None:
     run(main())
 
 
+async def _answering_peer(answers: list[bytes]) -> asyncio.Server:
+    """A peer that welcomes, then reads each request and sends the next of ``answers`` as is."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(T._HELLO.size)
+        writer.write(T._WELCOME.pack(T.MAGIC, T.VERSION, T.WELCOME_OK, 0))
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            for answer in answers:
+                *_, body_bytes = T._REQUEST.unpack(await reader.readexactly(T._REQUEST.size))
+                await reader.readexactly(body_bytes)
+                writer.write(answer)
+            await reader.read()
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+@pytest.mark.parametrize("answer", ["more_than_asked", "ack_with_payload"])
+def test_a_malformed_answer_to_a_lookup_is_an_error_not_a_count(answer: str) -> None:
+    """Regression: a LOOKUP was answered with whatever index the peer put in its ACK (a node then
+    pushed from past the end of its chain: IndexError), and an ACK's payload was left unread for
+    the next request on the connection to take as its answer."""
+    # two keys asked: seven held; or one held, with 8 payload bytes behind the ACK
+    bad = T._frame(T.ACK, b"", 7) if answer == "more_than_asked" else T._frame(T.ACK, b"", 1, 8) + bytes(8)
+
+    async def main() -> None:
+        server = await _answering_peer([bad])
+        try:
+            conn = await PeerConnection.open(server.sockets[0].getsockname()[:2], PeerAuth())
+            try:
+                with pytest.raises(T.PeerError, match="malformed answer"):
+                    await conn.lookup(NS, [key(0), key(1)], 5)
+                assert not conn.usable
+            finally:
+                conn.close()
+        finally:
+            server.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("kind", [T.MISSING, T.END])
+def test_a_fetch_answer_with_a_payload_where_none_belongs_breaks_the_connection(kind: int) -> None:
+    """Regression: MISSING and END frames were taken without looking at their length, leaving
+    the connection usable with the payload unread: the next request read it as its answer."""
+    keys = [key(0)] if kind == T.MISSING else []
+
+    async def main() -> None:
+        server = await _answering_peer([T._frame(kind, b"", 0, 8) + bytes(8), T._frame(T.ACK, b"", 1)])
+        try:
+            conn = await PeerConnection.open(server.sockets[0].getsockname()[:2], PeerAuth())
+            try:
+                res = await conn.fetch(NS, keys, Collector(), 5)
+                assert res.stop is Stop.PEER_ERROR and not conn.usable, res
+            finally:
+                conn.close()
+        finally:
+            server.close()
+
+    run(main())
+
+
+def test_a_push_acknowledged_beyond_what_was_sent_counts_nothing_stored() -> None:
+    keys, data = chain(2, 1024)
+
+    async def main() -> None:
+        server = await _answering_peer([T._frame(T.ERROR, b"", 50, 3) + b"bad"])
+        try:
+            conn = await PeerConnection.open(server.sockets[0].getsockname()[:2], PeerAuth())
+            try:
+                res = await conn.push(NS, [(k, data[k]) for k in keys], 5)
+            finally:
+                conn.close()
+            assert (res.stored, res.stop) == (0, Stop.PEER_ERROR), res
+        finally:
+            server.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("callback", ["open_namespace", "count_blocks"])
+def test_a_failing_namespace_or_lookup_is_answered_with_the_reason(callback: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: an exception in open_namespace (a description of the wrong types) or in
+    count_blocks killed the connection's task: the asking node saw only 'connection closed', the
+    listener an unhandled task exception. It is now an ERROR answer naming the failure."""
+    def fails(*_: object) -> str:
+        raise TypeError("'<=' not supported between instances of 'int' and 'str'")
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), Blocks({}).serve,
+                               **{callback: fails}) as srv:  # type: ignore[arg-type]
+            conn = await PeerConnection.open(srv.address, PeerAuth())
+            try:
+                with pytest.raises(T.PeerError, match="not supported between"):
+                    if callback == "open_namespace":
+                        await conn.open_namespace(NS, b'{"block_size": "16"}', 5)
+                    else:
+                        await conn.lookup(NS, [key(0)], 5)
+                assert conn.usable   # an answer, like a refusal: the connection is in step
+            finally:
+                conn.close()
+
+    run(main())
+    assert "failed" in caplog.text
+
+
 # -- authentication ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PKI:
