@@ -699,9 +699,15 @@ class BlockStore:
             if not (existing.sealed and not existing.readable and existing.pins == 0
                     and existing not in self._promoting):
                 return "blocked"
-            # A hollow block (its bytes were lost): write it again in place.
-            offset = self._alloc(sb)
+            # A hollow block (its bytes were lost): write it again in place. Making room may
+            # evict its last child; that must not take the block along (out of the index).
+            existing.pins += 1
+            try:
+                offset = self._alloc(sb)
+            finally:
+                existing.pins -= 1
             if offset is None:
+                self._remove_if_hollow(existing)
                 return "full"
             existing.offset = offset
             existing.flags = 0
@@ -832,6 +838,7 @@ class BlockStore:
         if lease.lease_id in self._busy:
             self._doomed.add(lease.lease_id)
             return
+        self._doomed.discard(lease.lease_id)   # doomed while busy, ended by its request (a cancelled save)
         self._leases.pop(lease, session)
         for block in lease.pinned:
             block.pins -= 1
@@ -1591,16 +1598,24 @@ class BlockStore:
             for block in extra:
                 block.pins += 1
             read.pinned.extend(extra)
+            tiers = _tiers(extra)   # where they were found, as the lookup reports its own
             ready = await self._ensure_dram(extra)
+            # a copy that failed its checksum left its block hollow; one still readable found no
+            # DRAM slot (or its read failed and its SSD copy stays)
+            corrupt = ready < len(extra) and not extra[ready].readable
             for block in extra[ready:]:
                 block.pins -= 2          # the read lease's and the reservation's
             del read.pinned[len(read.pinned) - len(extra) + ready:]
             del reservation.pinned[delivered + ready:]
             for block in reversed(extra[ready:]):
                 self._remove_if_hollow(block)   # a copy that failed its checksum: a hollow leaf goes
-            handover.give(delivered, extra[:ready], _tiers(extra[:ready]))
-            if ready < len(extra):
+            handover.give(delivered, extra[:ready], tiers[:ready])
+            if corrupt:
                 return reservation, delivered + ready, "corrupt", f"block {delivered + ready} could not be read here"
+            if ready < len(extra):
+                return reservation, delivered + ready, "no_room", (
+                    f"block {delivered + ready} is on SSD here but could not be brought to DRAM: every block "
+                    "that could make room is leased or being written (or the SSD read failed: see kvctl stats)")
             delivered = start
         if start == len(chain):
             return reservation, start, "complete", ""

@@ -633,3 +633,37 @@ def test_a_namespace_record_that_failed_to_reach_the_disk_is_written_with_its_bl
         report = store.restore()
         assert (report.blocks, report.dropped) == (3, 0)
         assert lookup(store, ns, KeyRequest(hashes=keys)).blocks == 3
+
+
+def test_an_engine_killed_mid_save_leaves_no_doomed_lease_behind(
+        env: tuple[BlockStore, Clock], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine killed during a SaveBlocks copy: its session closes (the busy reservation is
+    doomed) and its SaveBlocks is cancelled (the reservation is aborted once the copy is out of
+    its slots). The abort took the lease out of the table but left its id in the doomed set:
+    one entry leaked per engine killed mid-save, for the daemon's lifetime."""
+    store, _ = env
+    s = store.open_session("engine", 1)
+    ns = store.open_namespace(Namespace()).namespace_id
+    engine, buffers = _engine_buffers(store, s.session_id, ns, fill=7)
+    started, gate, _, _ = _gated_copy(monkeypatch)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(store.save_blocks(
+            s.session_id, ns, buffers.buffers_id, KeyRequest(hashes=chain(2)), [0, 1]))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        store.close_session(s.session_id)   # the Session stream ends first ...
+        task.cancel()                       # ... then the SaveBlocks call
+        gate.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await store.drain()
+
+    try:
+        asyncio.run(main())
+        assert len(store._leases) == 0 and not store._busy
+        assert not store._doomed, f"doomed lease ids left behind: {store._doomed}"
+        assert store.stats().index_blocks == 0
+    finally:
+        gate.set()
+        engine.close()

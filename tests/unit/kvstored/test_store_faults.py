@@ -370,3 +370,119 @@ def test_a_stream_cancelled_during_its_peer_fetch_leaves_no_reservation(env: tup
     assert b1 is None, f"block 1's reservation left in the index (pins={b1.pins}, flags={b1.flags})"
     r = store.reserve(other, ns, KeyRequest(hashes=keys), BLOCK)   # another writer may store it
     assert r.present == 1 and len(r.offsets) == 1, r
+
+
+def test_rewriting_a_hollow_block_does_not_evict_it_from_under_its_reservation(
+        ssd_env: tuple[BlockStore, Clock]) -> None:
+    """A hollow block (its SSD copy failed its checksum; kept for its child) is written again in
+    place by the next reservation of its key. Making room for its slot evicted its last child
+    (a DRAM-only leaf), and the hollow block, left childless and unpinned, followed it out of
+    the index: the reservation then wrote and sealed a block the index no longer held (the save
+    was reported stored, no lookup found it, and evicting it later tripped the index's assert)."""
+    from kvstored.index import Tier
+    store, _ = ssd_env
+    s = store.open_session("engine", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    a = chain(2)
+
+    def save(keys: list[bytes]) -> int:
+        r = store.reserve(s, ns, KeyRequest(hashes=keys), BLOCK)
+        return store.seal(s, r.reservation_id)
+
+    async def main() -> None:
+        save(a)
+        assert await store.flush() == 2
+        assert store.evict("", Tier.DRAM) == 2                 # a lives on SSD only
+        _corrupt_on_disk(store, ns, a[0])
+        r = await store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=s)
+        assert r.blocks == 0                                   # a[0] is hollow now, a[1] came up
+        await store.drain()
+        assert store.evict("", Tier.SSD) == 1                  # a[1]: in DRAM only, a leaf
+        others = chain(7, 10_000)
+        save(others)
+        held = await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=s)
+        assert held.blocks == 7                                # a[1] is the only block that may go
+
+    asyncio.run(main())
+    index = store._namespaces[ns].index
+    hollow = index.get(a[0])
+    assert hollow is not None and hollow.sealed and not hollow.readable and hollow.children == 1
+    assert save(a) == 1                                        # a[0] again; no room for a[1]
+    assert index.get(a[0]) is not None, "the rewritten block left the index"
+    assert asyncio.run(store.lookup(ns, KeyRequest(hashes=a))).blocks == 1
+
+
+def test_a_stream_short_of_dram_for_blocks_on_ssd_says_no_room_not_corrupt(
+        ssd_env: tuple[BlockStore, Clock]) -> None:
+    """A stream with peers whose prompt is on this node's SSD while every DRAM slot is leased:
+    its lookup cannot bring the blocks up, nor can the second look of _fetch_rest. The stream
+    stopped with "corrupt" ("block 0 could not be read here"), though no copy failed its
+    checksum and nothing was dropped: the client and the operator chased a disk fault that was a
+    full DRAM tier."""
+    from kvstored.index import Tier
+    store, _ = ssd_env
+    holder = store.open_session("holder", 1).session_id
+    reader = store.open_session("reader", 2).session_id
+    ns = store.open_namespace(NS).namespace_id
+    a = chain(2)
+
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        raise AssertionError("no slot to receive into: the peers are not asked")
+
+    async def main():  # type: ignore[no-untyped-def]
+        r = store.reserve(holder, ns, KeyRequest(hashes=a), BLOCK)
+        store.seal(holder, r.reservation_id)
+        assert await store.flush() == 2
+        assert store.evict("", Tier.DRAM) == 2                 # a lives on SSD only
+        others = chain(8, 10_000)
+        r = store.reserve(holder, ns, KeyRequest(hashes=others), BLOCK)
+        store.seal(holder, r.reservation_id)
+        held = await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=holder)
+        assert held.blocks == 8                                # every slot leased
+        return await store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [], lambda arrival: None, fetcher)
+
+    end = asyncio.run(main())
+    assert end.blocks == 0 and end.stop == "no_room", end
+    assert store.stats().dropped_blocks == 0 and store.held(ns, a) == 2   # still on SSD, intact
+
+
+def test_blocks_a_streams_second_look_brings_up_from_ssd_are_reported_as_ssd(
+        ssd_env: tuple[BlockStore, Clock]) -> None:
+    """The blocks _fetch_rest's second look reads from SSD (the lookup had no DRAM room for them
+    then) were handed over as DRAM blocks: their tier was taken after the read brought them up,
+    while the lookup's own blocks report the tier they were found in (SSD)."""
+    from kvstored.handover import Arrival
+    from kvstored.index import Tier
+    store, _ = ssd_env
+    holder = store.open_session("holder", 1).session_id
+    reader = store.open_session("reader", 2).session_id
+    ns = store.open_namespace(NS).namespace_id
+    a = chain(2)
+    arrivals: list[Arrival] = []
+
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        raise AssertionError("every block is held here")
+
+    async def main():  # type: ignore[no-untyped-def]
+        r = store.reserve(holder, ns, KeyRequest(hashes=a), BLOCK)
+        store.seal(holder, r.reservation_id)
+        assert await store.flush() == 2
+        assert store.evict("", Tier.DRAM) == 2                 # a lives on SSD only
+        others = chain(7, 10_000)
+        r = store.reserve(holder, ns, KeyRequest(hashes=others), BLOCK)
+        store.seal(holder, r.reservation_id)
+        held = await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=holder)
+        assert held.blocks == 7                                # 7 of 8 slots leased: room for a[0] only
+        task = asyncio.ensure_future(store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
+                                                         arrivals.append, fetcher))
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if store._promoting or task.done():
+                break
+        assert store._promoting and not task.done(), "a[0] should be on its way up from SSD"
+        store.release(holder, held.lease_id)                   # room again, while the lookup waits
+        return await task
+
+    end = asyncio.run(main())
+    assert end.blocks == 2 and end.stop == "complete", end
+    assert [(x.index, x.tier) for x in arrivals] == [(0, Tier.SSD), (1, Tier.SSD)]
