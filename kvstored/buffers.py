@@ -9,6 +9,7 @@ Everything above the copy primitive is the same for both.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 from collections.abc import Iterator, Sequence
@@ -19,7 +20,7 @@ from typing import TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from kvstored.errors import FailedPrecondition, InvalidArgument
+from kvstored.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstored_client.layout import BlockRegion, TensorLayout, layout_signature
 
 # For each block of a chain, the engine buffers' block it goes to or comes from. A numpy array as
@@ -113,6 +114,16 @@ class RegisteredBuffers:
             if end > size:
                 self.close()
                 raise InvalidArgument(f"{where}: tensor extends to byte {end} but {name!r} has {size}")
+            try:
+                # Back every page the tensor spans: a sparse file on a full tmpfs maps (MAP_POPULATE
+                # does not fail), and a copy touching one of its holes raises SIGBUS, killing the daemon.
+                os.posix_fallocate(fd, src.offset, src.layout.extent_bytes)
+            except OSError as exc:
+                self.close()
+                if exc.errno == errno.ENOSPC:
+                    raise ResourceExhausted(f"{where}: {name!r} has pages not yet allocated and no room for them "
+                                            f"in {shm_dir}: {exc.strerror}") from None
+                raise InvalidArgument(f"{where}: cannot allocate {name!r}: {exc.strerror or exc}") from None
             # Populate the page tables now: a copy into a page not yet mapped here costs far more.
             # (mmap keeps a dup of fd: check_backing asks it for the file's size before each copy)
             try:

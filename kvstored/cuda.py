@@ -8,6 +8,7 @@ arena, which is pinned with ``cudaHostRegister`` so the copy runs at full PCIe/N
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 try:
@@ -49,6 +50,11 @@ def device_index(uuid: str) -> int:
                           "CUDA_VISIBLE_DEVICES hides it)")
 
 
+# Every IPC mapping this process holds: (device index, handle) -> [address, users].
+_mapped: dict[tuple[int, bytes], list[int]] = {}
+_mapped_lock = threading.Lock()
+
+
 class DeviceMappings:
     """IPC mappings of one engine registration on one device, and the stream its copies use."""
 
@@ -58,17 +64,27 @@ class DeviceMappings:
         self._device = cupy.cuda.Device(self.index)
         with self._device:
             self._stream = cupy.cuda.Stream(non_blocking=True)
-        self._opened: list[int] = []
+        self._opened: list[tuple[int, bytes]] = []
 
     def open(self, handle: bytes) -> int:
-        """Map an allocation exported with cudaIpcGetMemHandle; returns its base address."""
-        with self._device:
-            try:
-                address = int(runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER_ACCESS))
-            except runtime.CUDARuntimeError as exc:
-                raise CudaUnavailable(f"cannot open the CUDA IPC handle: {exc}") from None
-        self._opened.append(address)
-        return address
+        """Map an allocation exported with cudaIpcGetMemHandle; returns its base address.
+
+        CUDA maps a handle once per process (opening it again fails, "already mapped"): tensors
+        of one allocation (layer views of one KV pool), and registrations of the same memory,
+        share the mapping, which is closed when the last of them is."""
+        key = (self.index, bytes(handle))
+        with _mapped_lock:
+            entry = _mapped.get(key)
+            if entry is None:
+                with self._device:
+                    try:
+                        address = int(runtime.ipcOpenMemHandle(handle, _IPC_LAZY_PEER_ACCESS))
+                    except runtime.CUDARuntimeError as exc:
+                        raise CudaUnavailable(f"cannot open the CUDA IPC handle: {exc}") from None
+                entry = _mapped[key] = [address, 0]
+            entry[1] += 1
+        self._opened.append(key)
+        return entry[0]
 
     def copy(self, arena: Arena, t: TensorMemory, block_ids: Sequence[int], offsets: Sequence[int],
              to_arena: bool) -> None:
@@ -93,11 +109,19 @@ class DeviceMappings:
         """Wait for queued copies, then unmap every handle (the engine may free after this)."""
         with self._device:
             self._stream.synchronize()
-            for address in self._opened:
-                try:
-                    runtime.ipcCloseMemHandle(address)
-                except runtime.CUDARuntimeError:
-                    pass
+            with _mapped_lock:
+                for key in self._opened:
+                    entry = _mapped.get(key)
+                    if entry is None:
+                        continue
+                    entry[1] -= 1
+                    if entry[1] > 0:
+                        continue   # another tensor or registration still copies through it
+                    del _mapped[key]
+                    try:
+                        runtime.ipcCloseMemHandle(entry[0])
+                    except runtime.CUDARuntimeError:
+                        pass
         self._opened.clear()
 
 

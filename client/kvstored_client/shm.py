@@ -43,6 +43,9 @@ class SharedTensor:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
             os.ftruncate(fd, max(self.nbytes, 1))
+            # Reserve every page: on a full tmpfs the file would stay sparse (MAP_POPULATE does not
+            # fail), and the first write to a missing page, ours or the daemon's, is a SIGBUS.
+            os.posix_fallocate(fd, 0, max(self.nbytes, 1))
             # Allocate and map every page up front, like an engine's KV pool is at start.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(fd, max(self.nbytes, 1), flags=flags)

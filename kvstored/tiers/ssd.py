@@ -22,6 +22,7 @@ import fcntl
 import logging
 import os
 import queue
+import shutil
 import struct
 import threading
 from collections.abc import Iterator
@@ -55,6 +56,8 @@ class InUse(SSDError):
 
 
 _LOCK_FILE = "kvstored.lock"
+_LEGACY_PAYLOADS = b"blocks"   # format 1's payload database
+_COMPACTED = "compacted.tmp"
 
 
 def _lock_directory(path: Path) -> int:
@@ -200,8 +203,13 @@ class SSDTier:
         self._files_lock = threading.Lock()
         env = None
         try:
-            env = self._env = lmdb.open(path, map_size=self.map_size, max_dbs=4, writemap=False, readahead=True,
-                                        sync=sync, metasync=sync, max_readers=126, lock=True, subdir=True)
+            env = self._env = self._open_env(sync)
+            if self._drop_legacy_payloads():   # its compacted copy replaces the index file
+                env = None
+                self._env.close()
+                os.replace(self.path / _COMPACTED / "data.mdb", self.path / "data.mdb")
+                shutil.rmtree(self.path / _COMPACTED)
+                env = self._env = self._open_env(sync)
             self._meta = self._env.open_db(b"meta")
             self._namespaces = self._env.open_db(b"namespaces")
             used: dict[int, set[int]] = {}
@@ -226,6 +234,39 @@ class SSDTier:
         self.write_errors = 0
         self.checksum_failures = 0
 
+    def _open_env(self, sync: bool) -> lmdb.Environment:
+        return lmdb.open(str(self.path), map_size=self.map_size, max_dbs=4, writemap=False, readahead=True,
+                         sync=sync, metasync=sync, max_readers=126, lock=True, subdir=True)
+
+    def _drop_legacy_payloads(self) -> bool:
+        """Format 1 kept every payload in an LMDB database of its own (``blocks``), which this
+        format never reads: drop it and write a compacted copy of the index, else the old payloads
+        (up to the tier's capacity) stayed in the index file for good beside the payload files.
+        True when the copy is in ``_COMPACTED``, to replace the index file once it is closed."""
+        with self._env.begin() as txn:
+            if txn.get(_LEGACY_PAYLOADS) is None:
+                return False
+        log.warning("dropping the block payloads of an older format (LMDB database %r) in %s",
+                    _LEGACY_PAYLOADS.decode(), self.path)
+        blocks = self._env.open_db(_LEGACY_PAYLOADS, create=False)
+        with self._env.begin(write=True) as txn:
+            txn.drop(blocks, delete=True)
+        compacted = self.path / _COMPACTED
+        shutil.rmtree(compacted, ignore_errors=True)
+        try:
+            compacted.mkdir()
+            self._env.copy(str(compacted), compact=True)
+            fd = os.open(compacted / "data.mdb", os.O_RDONLY)
+            try:
+                os.fsync(fd)   # on disk before it replaces the index
+            finally:
+                os.close(fd)
+        except (OSError, lmdb.Error) as exc:   # e.g. no room for the copy: the pages are free inside
+            log.warning("could not compact the index in %s: %s", self.path, exc)
+            shutil.rmtree(compacted, ignore_errors=True)
+            return False
+        return True
+
     def _file(self, length: int, used: set[int] | None = None) -> _SlotFile:
         with self._files_lock:
             f = self._files.get(length)
@@ -236,7 +277,8 @@ class SSDTier:
     # -- writes (one thread owns every write) ------------------------------------------------
     def put(self, namespace_id: int, key: bytes, parent: bytes, depth: int, payload: np.ndarray) -> Future[None]:
         """Queue a block write (checksummed on the writer thread); the future fails with SSDError.
-        ``payload`` must stay valid and unchanged until the future is done."""
+        ``payload`` must stay valid and unchanged until the future is done; a put cancelled before
+        the writer takes it is not written (once taken, it can no longer be cancelled)."""
         fut: Future[None] = Future()
         rec = BlockRecord(namespace_id, key, parent, depth, int(payload.nbytes), 0)
         self._ops.put(_Op("put", db_key(namespace_id, key), b"", payload, fut, rec))
@@ -257,11 +299,17 @@ class SSDTier:
         return fut
 
     def _write_loop(self) -> None:
+        batch: list[_Op] = []
         try:
             while True:
+                batch = []
                 op = self._ops.get()
                 if op is None:
                     return
+                # An op is started as it is taken: one cancelled before is dropped (its caller may
+                # already reuse the payload), one taken can no longer be cancelled.
+                if not op.done.set_running_or_notify_cancel():
+                    continue
                 batch, size, stop = [op], _size(op), False
                 # Group commit: everything already queued (up to a byte budget) shares one sync.
                 while size < self._group_bytes:
@@ -272,8 +320,9 @@ class SSDTier:
                     if nxt is None:
                         stop = True
                         break
-                    batch.append(nxt)
-                    size += _size(nxt)
+                    if nxt.done.set_running_or_notify_cancel():
+                        batch.append(nxt)
+                        size += _size(nxt)
                 try:
                     self._commit(batch)
                 except Exception as exc:   # a bug or an error nobody foresaw: fail this batch, go on
@@ -285,6 +334,8 @@ class SSDTier:
                     return
         except BaseException:  # never die silently: queued callers would wait forever
             log.exception("SSD writer thread failed")
+            for op in batch:
+                _settle(op.done, SSDError("the SSD writer stopped"))
             while True:
                 try:
                     left = self._ops.get_nowait()
@@ -294,8 +345,8 @@ class SSDTier:
                     _settle(left.done, SSDError("the SSD writer stopped"))
 
     def _commit(self, batch: list[_Op]) -> None:
-        written: list[tuple[_Op, _SlotFile, int]] = []
-        failed: list[tuple[_Op, Exception]] = []
+        written: dict[int, tuple[_SlotFile, int]] = {}   # id(put op) -> where its payload went
+        failed: dict[int, Exception] = {}
         for op in batch:
             if op.kind != "put":
                 continue
@@ -303,72 +354,95 @@ class SSDTier:
             try:
                 f = self._file(op.record.length)
             except OSError as exc:
-                failed.append((op, SSDError(f"payload file: {exc.strerror or exc}")))
+                failed[id(op)] = SSDError(f"payload file: {exc.strerror or exc}")
                 continue
             slot = f.take()
             try:
                 f.write(slot, op.payload)
             except OSError as exc:
                 f.free.append(slot)
-                failed.append((op, SSDError(f"payload write failed: {exc.strerror or exc}")))
+                failed[id(op)] = SSDError(f"payload write failed: {exc.strerror or exc}")
                 continue
-            written.append((op, f, slot))   # first: an unforeseen error below gives the slot back
+            written[id(op)] = (f, slot)   # first: an unforeseen error below gives the slot back
             rec = op.record
             try:
                 op.meta = encode_meta(BlockRecord(rec.namespace_id, rec.key, rec.parent, rec.depth, rec.length,
                                                   checksum(op.payload), slot))
             except BaseException:
-                for _, wf, ws in written:
-                    wf.free.append(ws)
+                self._give_back(written)
                 raise
         try:
-            if self._sync:
-                for f in {f for _, f, _ in written}:
-                    f.sync()  # payloads are on disk before any record points at them
-            freed: list[tuple[_SlotFile, int]] = []
-            with self._env.begin(write=True) as txn:
-                for op in batch:
-                    if op.kind == "delete":
-                        raw = txn.pop(op.key, db=self._meta)
-                        if raw is not None:
-                            try:
-                                old = decode_meta(bytes(raw), op.key)
-                                freed.append((self._file(old.length), old.slot))
-                            except Corrupt:
-                                pass
-                    elif op.kind == "namespace":
-                        txn.put(op.key, op.meta, db=self._namespaces)
-                for op, _, _ in written:
-                    previous = txn.get(op.key, db=self._meta)
-                    if previous is not None:  # the same block written again: free the old slot
-                        try:
-                            old = decode_meta(bytes(previous), op.key)
-                            freed.append((self._file(old.length), old.slot))
-                        except Corrupt:
-                            pass
-                    txn.put(op.key, op.meta, db=self._meta)
+            if self._sync and written:
+                try:
+                    for f in {f for f, _ in written.values()}:
+                        f.sync()  # payloads are on disk before any record points at them
+                except OSError as exc:
+                    # The batch's deletes and namespace records do not depend on these payloads:
+                    # they still commit (a delete failed with the puts left its record on disk,
+                    # its slot taken, while the store counted the space as free).
+                    self._fail_puts(written, failed, SSDError(f"payload sync failed: {exc.strerror or exc}"))
+            try:
+                freed = self._apply(batch, written)
+            except (lmdb.Error, OSError) as exc:
+                if not written:
+                    raise
+                # Most likely the puts filled the map: the deletes alone (which make room) go on.
+                self._fail_puts(written, failed, _commit_error(exc))
+                freed = self._apply(batch, written)
         except BaseException as exc:
-            for _, f, slot in written:   # nothing committed: no record points at them
-                f.free.append(slot)
+            lost = len(written) + len(failed)
+            self._give_back(written)     # nothing committed: no record points at them
             if not isinstance(exc, (lmdb.Error, OSError)):
                 raise                    # _write_loop fails the batch
-            self.write_errors += len(written) + len(failed)
-            error: SSDError = MapFull("LMDB map full") if isinstance(exc, lmdb.MapFullError) else SSDError(str(exc))
+            self.write_errors += lost
+            error = _commit_error(exc)
             log.warning("SSD commit of %d op(s) failed: %s", len(batch), exc)
             for op in batch:
-                _settle(op.done, error)
+                _settle(op.done, failed.get(id(op), error))
             return
         for f, slot in freed:  # reusable only now that no committed record points at them
             f.free.append(slot)
         self.write_errors += len(failed)
         if failed:
-            log.warning("SSD write of %d block(s) failed: %s", len(failed), failed[0][1])
-        failed_ops = {id(op) for op, _ in failed}
-        for op, why in failed:
-            _settle(op.done, why)
+            log.warning("SSD write of %d block(s) failed: %s", len(failed), next(iter(failed.values())))
         for op in batch:
-            if id(op) not in failed_ops:
-                _settle(op.done, None)
+            _settle(op.done, failed.get(id(op)))
+
+    def _apply(self, batch: list[_Op], written: dict[int, tuple[_SlotFile, int]]) -> list[tuple[_SlotFile, int]]:
+        """Commit the batch's index changes in the order they were queued (a put then a delete of
+        one key leaves no record); the slots the committed transaction no longer references."""
+        freed: list[tuple[_SlotFile, int]] = []
+        with self._env.begin(write=True) as txn:
+            for op in batch:
+                if op.kind == "namespace":
+                    txn.put(op.key, op.meta, db=self._namespaces)
+                    continue
+                if op.kind == "delete":
+                    old = txn.pop(op.key, db=self._meta)
+                elif id(op) in written:
+                    old = txn.get(op.key, db=self._meta)   # the same block written again: free the old slot
+                    txn.put(op.key, op.meta, db=self._meta)
+                else:
+                    continue   # a put that failed before the transaction
+                if old is not None:
+                    try:
+                        rec = decode_meta(bytes(old), op.key)
+                        freed.append((self._file(rec.length), rec.slot))
+                    except Corrupt:
+                        pass
+        return freed
+
+    @staticmethod
+    def _give_back(written: dict[int, tuple[_SlotFile, int]]) -> None:
+        for f, slot in written.values():
+            f.free.append(slot)
+        written.clear()
+
+    def _fail_puts(self, written: dict[int, tuple[_SlotFile, int]], failed: dict[int, Exception],
+                   error: Exception) -> None:
+        for key in written:
+            failed[key] = error
+        self._give_back(written)
 
     # -- reads -------------------------------------------------------------------------------
     def read_into(self, namespace_id: int, key: bytes, dst: np.ndarray) -> Future[None]:
@@ -430,12 +504,19 @@ class SSDTier:
 
 
 def _settle(fut: Future[None], exc: Exception | None) -> None:
-    """Complete a caller's future unless the caller gave up on it (cancelled)."""
-    if fut.set_running_or_notify_cancel():
+    """Complete a caller's future (started when the writer took it) unless the caller gave up on
+    it before (cancelled)."""
+    if fut.done():
+        return
+    if fut.running() or fut.set_running_or_notify_cancel():
         if exc is None:
             fut.set_result(None)
         else:
             fut.set_exception(exc)
+
+
+def _commit_error(exc: BaseException) -> SSDError:
+    return MapFull("LMDB map full") if isinstance(exc, lmdb.MapFullError) else SSDError(str(exc))
 
 
 def _size(op: _Op) -> int:

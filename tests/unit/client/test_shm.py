@@ -3,6 +3,9 @@ registered under."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +44,31 @@ def test_numpy_and_torch_views_of_a_bfloat16_buffer_register_the_same_layout() -
         assert layout_signature([via_numpy]) == layout_signature([via_torch])
     finally:
         t.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_tensor_larger_than_the_free_shared_memory_is_refused(tmp_path: Path) -> None:
+    """SharedTensor only ftruncate()d its file and mapped it with MAP_POPULATE, which does not fail
+    when tmpfs runs out: on a full /dev/shm the tensor came back sparse, and the first write to a
+    missing page (the engine's, or the daemon's copy of a load, which killed the daemon) was a
+    SIGBUS. Run in a child: on the old code the write below kills it."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("mount -t tmpfs is not permitted here")
+    try:
+        code = ("import sys\n"
+                "from kvstored_client import shm\n"
+                "try:\n"
+                f"    t = shm.SharedTensor((4 << 20,), 'uint8', shm_dir={str(mnt)!r})\n"
+                "except OSError as exc:\n"
+                "    print('refused', exc.errno)\n"
+                "    sys.exit(0)\n"
+                "t.bytes[:] = 1\n"
+                "print('written')\n")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}   # this checkout's SDK
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0 and out.stdout.startswith("refused"), (out.returncode, out.stdout, out.stderr)
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])

@@ -7,7 +7,11 @@ daemon runs under the usual soft RLIMIT_NOFILE of 1024."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from kvstored.buffers import RegisteredBuffers, TensorSource
 from kvstored_client.layout import TensorLayout
@@ -44,3 +48,40 @@ def test_a_failed_registration_closes_what_it_opened(tmp_path: Path) -> None:
     else:
         raise AssertionError("a short file was accepted")
     assert _open_fds() == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_sparse_file_on_a_full_tmpfs_is_refused_not_mapped(tmp_path: Path) -> None:
+    """A buffer file made with ftruncate alone (an engine's own shared memory, or any file made
+    while /dev/shm was full) has holes, and MAP_POPULATE does not fail when tmpfs cannot fill them:
+    the registration passed and the daemon's first copy touching a hole died of SIGBUS. The copy
+    runs in a child: on the old code it is killed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("mount -t tmpfs is not permitted here")
+    try:
+        code = f"""
+import sys
+import numpy as np
+from kvstored.buffers import RegisteredBuffers, TensorSource
+from kvstored.errors import KVError
+from kvstored_client.layout import TensorLayout
+with open({str(mnt / "sparse")!r}, "wb") as fh:
+    fh.truncate(4 << 20)
+layout = TensorLayout((4, 1 << 20), (1 << 20, 1), "uint8", 0)
+try:
+    buffers = RegisteredBuffers(1, {str(mnt)!r}, [TensorSource("sparse", 0, layout)])
+except KVError as exc:
+    print("refused:", type(exc).__name__, exc)
+    sys.exit(0)
+t = buffers.tensors[0]
+t.host[:] = 1   # what a load's copy into the engine's buffers does
+print("copied")
+"""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+        assert out.stdout.startswith("refused: ResourceExhausted"), out.stdout
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])

@@ -194,3 +194,172 @@ def test_an_unforeseen_error_fails_its_batch_and_the_writer_goes_on(tmp_path: Pa
         assert f.top - len(f.free) == 1, f"slots in use {f.top - len(f.free)}: the failed batch's slot leaked"
     finally:
         ssd.close()
+
+
+class HeldWriter:
+    """Holds the writer thread inside the checksum of one put until ``release``, so that what is
+    queued meanwhile is committed as one batch."""
+
+    def __init__(self, ssd: SSDTier, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        import kvstored.tiers.ssd as ssd_mod
+
+        self.entered, self.gate, real = threading.Event(), threading.Event(), ssd_mod.checksum
+
+        def held(data):  # type: ignore[no-untyped-def]
+            if not self.entered.is_set():
+                self.entered.set()
+                self.gate.wait(10)
+            return real(data)
+
+        monkeypatch.setattr(ssd_mod, "checksum", held)
+        self.first = ssd.put(1, b"h" * 32, b"", 0, payload(0, 4096))
+        assert self.entered.wait(10)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def outcome(fut) -> str:  # type: ignore[no-untyped-def]
+    try:
+        fut.result(10)
+    except Exception as exc:
+        return type(exc).__name__
+    return "ok"
+
+
+def test_a_full_map_fails_the_puts_of_a_batch_not_its_deletes(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deletes queued with puts share their transaction: when the puts filled the LMDB map, the
+    deletes (the store's evictions, which were to make room) failed with them. Nobody awaits a
+    delete: the store counted the space as free while the records stayed, their slots taken, and
+    the map stayed full."""
+    ssd = SSDTier(str(tmp_path), 0)
+    ssd._env.set_mapsize(64 << 10)
+    try:
+        stored = []
+        for i in range(2000):
+            key = bytes([i % 256, i // 256]) * 16
+            if outcome(ssd.put(1, key, b"p" * 32, 0, payload(i, 4096))) != "ok":
+                break
+            stored.append(key)
+        assert 20 < len(stored) < 2000
+        held = HeldWriter(ssd, monkeypatch)
+        deletes = [ssd.delete(1, key) for key in stored[:20]]
+        puts = [ssd.put(1, bytes([9, i]) * 16, b"q" * 32, 0, payload(i, 4096)) for i in range(50)]
+        held.release()
+        outcome(held.first)
+        assert [outcome(f) for f in deletes] == ["ok"] * 20
+        assert "MapFull" in [outcome(f) for f in puts]
+        left = {r.key for r in ssd.scan() if isinstance(r, BlockRecord)}
+        assert not left & set(stored[:20]), "deleted records are still in the index"
+    finally:
+        ssd.close()
+
+
+def test_a_failed_sync_fails_the_puts_of_a_batch_not_its_deletes(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fdatasync that fails (EIO) failed the whole batch: its deletes too."""
+    import kvstored.tiers.ssd as ssd_mod
+
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        ssd.put(1, b"k" * 32, b"", 0, payload(1)).result(10)
+        held = HeldWriter(ssd, monkeypatch)
+
+        def eio(self):  # type: ignore[no-untyped-def]
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(ssd_mod._SlotFile, "sync", eio)
+        gone = ssd.delete(1, b"k" * 32)
+        new = ssd.put(1, b"n" * 32, b"", 0, payload(2))
+        held.release()
+        assert outcome(held.first) == "SSDError" and outcome(new) == "SSDError"
+        assert outcome(gone) == "ok"
+        assert [r for r in ssd.scan()] == []
+        f = ssd._files[64 << 10]
+        assert f.top - len(f.free) == 0, "slots leaked"
+    finally:
+        ssd.close()
+
+
+def test_ops_of_one_batch_apply_in_the_order_they_were_queued(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch applied every delete before every put: a put then a delete of one key, committed
+    together, left the record on disk although the delete had succeeded."""
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        held = HeldWriter(ssd, monkeypatch)
+        put = ssd.put(1, b"k" * 32, b"", 0, payload(1))
+        gone = ssd.delete(1, b"k" * 32)
+        held.release()
+        assert [outcome(f) for f in (held.first, put, gone)] == ["ok"] * 3
+        assert [r.key for r in ssd.scan() if isinstance(r, BlockRecord)] == [b"h" * 32]
+        f = ssd._files[64 << 10]
+        assert f.top - len(f.free) == 0, "the deleted block's slot was not given back"
+    finally:
+        ssd.close()
+
+
+def test_the_payloads_of_format_1_do_not_stay_in_the_index_file(tmp_path: Path) -> None:
+    """Format 1 kept payloads in LMDB (database ``blocks``); format 2 reads only ``meta``, whose
+    format-1 records the restore drops, but nothing dropped ``blocks``: the old payloads (up to
+    the tier's capacity) stayed in the index file for good, beside the new payload files."""
+    import struct
+
+    v1_meta = struct.Struct(">HQIQQB")
+    env = lmdb.open(str(tmp_path), map_size=64 << 20, max_dbs=4, subdir=True)
+    blocks, meta, namespaces = (env.open_db(name) for name in (b"blocks", b"meta", b"namespaces"))
+    with env.begin(write=True) as txn:
+        txn.put((5).to_bytes(8, "big"), b'{"model": "m"}', db=namespaces)
+        for i in range(16):
+            key = (5).to_bytes(8, "big") + bytes([i]) * 32
+            data = payload(i, 1 << 20)
+            txn.put(key, data.tobytes(), db=blocks)
+            txn.put(key, v1_meta.pack(1, 5, 0, data.nbytes, 0, 0), db=meta)
+    env.close()
+    assert (tmp_path / "data.mdb").stat().st_size >= 16 << 20
+
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        assert ssd.namespaces() == {5: b'{"model": "m"}'}
+        assert sum(1 for r in ssd.scan() if not isinstance(r, BlockRecord)) == 16  # for the restore to drop
+        ssd.put(5, b"n" * 32, b"", 0, payload(99)).result(10)
+        with ssd._env.begin() as txn:
+            assert txn.get(b"blocks") is None
+        assert (tmp_path / "data.mdb").stat().st_size < 1 << 20
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["data.mdb", "kvstored.lock", "lock.mdb",
+                                                              f"payload-{64 << 10}.dat"]
+    finally:
+        ssd.close()
+    again = SSDTier(str(tmp_path), 64 << 20)   # and the compacted index opens as any other
+    try:
+        out = np.empty(64 << 10, np.uint8)
+        again.read_into(5, b"n" * 32, out).result(10)
+        assert np.array_equal(out, payload(99))
+    finally:
+        again.close()
+
+
+def test_a_put_cancelled_before_the_writer_took_it_is_not_written(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``payload`` must stay unchanged until the put's future is done, and a cancelled future is
+    done: its caller may reuse the buffer at once (an arena slot goes to another block). The writer
+    still wrote the put, from whatever the buffer held by then, and committed it with a checksum of
+    those bytes: another block's bytes stored, and served, under this key."""
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        held = HeldWriter(ssd, monkeypatch)
+        buf = payload(1)
+        put = ssd.put(1, b"k" * 32, b"", 0, buf)
+        assert put.cancel()
+        buf[:] = payload(2)            # the slot now holds another block
+        held.release()
+        assert outcome(held.first) == "ok"
+        ssd.delete(1, b"x" * 32).result(10)   # everything queued before it is done
+        assert [r.key for r in ssd.scan() if isinstance(r, BlockRecord)] == [b"h" * 32]
+        with pytest.raises(Corrupt, match="missing"):
+            ssd.read_into(1, b"k" * 32, np.empty(64 << 10, np.uint8)).result(10)
+    finally:
+        ssd.close()
