@@ -149,6 +149,9 @@ def parse_size(text: str | int) -> int:
 
 MAX_BATCH_BLOCKS = 1 << 22      # more block hashes (16 bytes and up each) than one 64 MiB message holds
 MAX_READ_THREADS = 1024
+# Lease times travel to clients in milliseconds as uint32s (HelloResponse.lease_ttl_ms, ...): a
+# longer one would fail every Hello or Reserve.
+MAX_LEASE_TTL_S = ((1 << 32) - 1) // 1000
 _HOSTPORT = re.compile(r"^[\w.\-\[\]:]+:(\d+)$")
 
 
@@ -238,8 +241,10 @@ def _validate(cfg: Config) -> None:
         (0 <= cfg.server.socket_mode <= 0o777, "server.socket_mode: must be a file mode like '0660'"),
         (cfg.server.socket_mode & 0o600 == 0o600,
          "server.socket_mode: the owner (the daemon's user) needs read and write, e.g. '0660'"),
-        (cfg.leases.ttl_s > 0, "leases.ttl_s: must be positive"),
-        (cfg.leases.reservation_ttl_s > 0, "leases.reservation_ttl_s: must be positive"),
+        (0 < cfg.leases.ttl_s <= MAX_LEASE_TTL_S,
+         f"leases.ttl_s: must be positive and at most {MAX_LEASE_TTL_S} (about 49 days)"),
+        (0 < cfg.leases.reservation_ttl_s <= MAX_LEASE_TTL_S,
+         f"leases.reservation_ttl_s: must be positive and at most {MAX_LEASE_TTL_S} (about 49 days)"),
         (cfg.leases.reap_interval_s > 0, "leases.reap_interval_s: must be positive"),
         (0 < cfg.dram.writeback_watermark <= 1, "dram.writeback_watermark: must be in (0, 1]"),
         (cfg.ssd.capacity > 0, "ssd.capacity: must be positive"),
@@ -262,6 +267,14 @@ def _validate(cfg: Config) -> None:
         (p.advertise == "" or _port_ok(p.advertise), "peers.advertise: expected host:port with a port in 1..65535"),
         (p.etcd == "" or _port_ok(p.etcd.split("://", 1)[-1].rstrip("/")),
          "peers.etcd: expected host:port with a port in 1..65535"),
+        # the etcd client speaks plain gRPC: an https:// endpoint would fail with a connection error
+        (p.etcd.partition("://")[0].lower() == "http" if "://" in p.etcd else True,
+         f"peers.etcd: only a plain http:// endpoint (or host:port) is supported, not {p.etcd!r}: "
+         "TLS to etcd is not implemented"),
+        # membership comes from one of them; the other would be ignored without a word
+        (not (p.etcd and p.static), "peers.static: give either peers.static or peers.etcd, not both"),
+        (not p.etcd or bool(p.listen or p.advertise),
+         "peers.etcd: this node needs peers.listen (or peers.advertise) to join"),
         ("/" not in p.node_id, "peers.node_id: must not contain '/'"),
         (p.etcd_ttl_s >= 1, "peers.etcd_ttl_s: must be at least 1"),
         (p.deadline_s > 0, "peers.deadline_s: must be positive"),
@@ -346,5 +359,8 @@ def load(path: str | None = None, overrides: list[str] | None = None, system: bo
             raise ConfigError(f"{file}: {exc}") from None
     for text in overrides or []:
         section, key, value = parse_override(text)
-        values.setdefault(section, {})[key] = value
+        table = values.setdefault(section, {})
+        if not isinstance(table, dict):   # the file set the section's name to a value, not a table
+            raise ConfigError(f"{section}: expected a table")
+        table[key] = value
     return build(values)

@@ -1,7 +1,8 @@
 """Expected failures of the daemon's domain, as typed errors.
 
 The server maps each class to one gRPC status code in one place (``server/status.py``); anything
-else escaping a handler is a bug and surfaces as INTERNAL.
+else escaping a handler is a bug and surfaces as UNKNOWN (grpc's "Unexpected <class ...>: ..."),
+which the SDK raises as a plain ``KVStoreError``.
 """
 
 from __future__ import annotations

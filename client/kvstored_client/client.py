@@ -441,7 +441,9 @@ class Client:
     def lookup(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
                namespace: Namespace | None = None, cache_salt: str | None = None,
                peers: bool = False) -> LookupResult:
-        """How many leading tokens of a prompt are cached, and on which tiers. Changes nothing.
+        """How many leading tokens of a prompt are cached, and on which tiers. Nothing is leased
+        or stored; blocks of the prefix found only on SSD start moving to DRAM in the background
+        (as ``prefetch`` does), and the lookup counts as a use of the prefix for eviction.
 
         With ``peers`` the daemon also asks its peers for the blocks after its own prefix:
         ``per_peer`` says how many each holds, and the best one's run counts as tier "peer"."""
@@ -800,7 +802,9 @@ class Client:
 
     def flush(self, model: str = "") -> int:
         """Write every DRAM block of ``model`` (all when empty) that has no SSD copy to SSD now;
-        returns how many were written."""
+        returns how many were written. ResourceExhausted, saying how many were written and how
+        many were not, when some could not be (a full SSD tier, write errors); FailedPrecondition
+        when the daemon runs without an SSD tier; NotFound for a model it has never seen."""
         return int(self._call(self._stub.Flush, pb.FlushRequest(model=model)).blocks)
 
     def close(self) -> None:
@@ -841,7 +845,8 @@ def _loaded(resp: pb.LoadBlocksResponse, block_size: int) -> LookupResult:
 
 class LoadHandle:
     """A load in progress (``load_blocks(wait=False)``): the daemon reports each tensor (layer) as
-    it completes. Raises the load's error from ``wait``/``wait_layer``/``result``."""
+    it completes. Raises the load's error from ``wait``/``wait_layer``/``result``, and
+    DeadlineExceeded (a TimeoutError) when a wait's ``timeout`` passes first."""
 
     def __init__(self, stream: Any, block_size: int, num_tensors: int = 0,
                  error: Callable[[grpc.RpcError], KVStoreError] = from_rpc_error) -> None:
@@ -879,7 +884,8 @@ class LoadHandle:
     def _wait_for(self, ready: Callable[[], bool], timeout: float | None) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: ready() or self._error is not None or self._done, timeout):
-                raise TimeoutError("load still in progress")
+                # a KVStoreError like every SDK failure, and still the TimeoutError it always was
+                raise DeadlineExceeded(f"the load is still in progress after {timeout:g} s (the wait's timeout)")
             if self._error is not None:
                 raise self._error
             if not ready():

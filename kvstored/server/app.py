@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -120,6 +121,17 @@ def _prepare_socket(path: Path) -> None:
     if owner not in (os.getuid(), 0) or link_owner not in (os.getuid(), 0):
         raise StartupError(f"{path.parent} belongs to another user; choose another server.socket")
     if path.exists() or path.is_symlink():
+        # Only a socket may be taken for one a dead daemon left: a file of any other kind at
+        # this path (a mistyped --socket naming a config or data file) is the user's, not ours.
+        try:
+            is_socket = stat.S_ISSOCK(path.lstat().st_mode)
+        except FileNotFoundError:
+            return   # it went away meanwhile
+        except OSError as exc:
+            raise StartupError(f"cannot inspect server.socket {path}: {exc.strerror or exc}") from None
+        if not is_socket:
+            raise StartupError(f"server.socket {path} exists and is not a socket; remove it or choose "
+                               "another server.socket")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:
                 probe.connect(str(path))
@@ -177,6 +189,7 @@ async def serve(cfg: Config) -> int:
     copy: CopyEngine | None = None
     peers: PeerNode | None = None
     socket_bound = False
+    tcp_address = ""
     try:
         old_umask = os.umask(0o777 & ~cfg.server.socket_mode)
         try:
@@ -192,6 +205,8 @@ async def serve(cfg: Config) -> int:
                     bound = 0
                 if bound == 0:
                     raise StartupError(f"cannot listen on server.tcp {cfg.server.tcp}")
+                # the port bound, which port 0 (any free port) leaves to the kernel to choose
+                tcp_address = f"{cfg.server.tcp.rpartition(':')[0]}:{bound}"
         finally:
             os.umask(old_umask)
 
@@ -288,9 +303,10 @@ async def serve(cfg: Config) -> int:
 
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    sdnotify.notify(f"READY=1\nSTATUS=serving on {sock_path}\nMAINPID={os.getpid()}")
+    serving = f"{sock_path}" + (f" and {tcp_address}" if tcp_address else "")
+    sdnotify.notify(f"READY=1\nSTATUS=serving on {serving}\nMAINPID={os.getpid()}")
     log.info("kvstored %s serving on unix:%s%s", __version__, sock_path,
-             f" and {cfg.server.tcp}" if cfg.server.tcp else "")
+             f" and {tcp_address}" if tcp_address else "")
 
     await stop.wait()
     log.info("shutting down: finishing in-flight calls")

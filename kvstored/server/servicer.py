@@ -139,7 +139,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @mapped
     async def Seal(self, request: pb.SealRequest, context: grpc.aio.ServicerContext) -> pb.SealResponse:
-        peers = self._push_target(request.push_to)
+        try:
+            peers = self._push_target(request.push_to)
+        except KVError:
+            # The save fails as a whole: give its reservation back, or the blocks written into
+            # it stay unsealed (slots held, every other writer of the prefix blocked) until it
+            # expires. The client releases nothing after a failed seal.
+            with contextlib.suppress(KVError):
+                self._store.release(request.session_id, request.reservation_id)
+            raise
         namespace_id, chain = self._store.reservation_chain(request.session_id, request.reservation_id)
         sealed = self._store.seal(request.session_id, request.reservation_id)
         if peers is not None:

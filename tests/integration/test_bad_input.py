@@ -219,3 +219,18 @@ def test_duplicate_block_ids_are_refused(raw: Raw) -> None:
     raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "block_ids", raw.stub.SaveBlocks,
                pb.SaveBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
                                     keys=keys(2), block_ids=[0, 0]))
+
+
+def test_a_save_refused_for_its_push_target_leaves_no_reservation(raw: Raw) -> None:
+    """(review) Seal checks push_to before sealing; when it refused (peers off here, or an unknown
+    node) the reservation stayed open until leases.reservation_ttl_s: its blocks were neither
+    stored nor given back, and the same save retried without push_to stored nothing for a
+    minute (another writer's unsealed blocks: "blocked")."""
+    tokens = np.arange(5000, 5000 + 16 * 3)
+    kv = np.full((3, 512), 7, np.uint8)
+    before = raw.state()
+    with pytest.raises(kvstored.FailedPrecondition, match="peers are off"):
+        raw.client.save(tokens, kv, push_to="decode-0")
+    assert raw.state() == before, "the refused save left something behind"
+    assert raw.client.save(tokens, kv).stored == 3
+    assert np.array_equal(raw.client.load(tokens).data, kv)

@@ -420,3 +420,17 @@ def test_a_watchdog_systemd_expects_but_the_config_turns_off_is_warned_about(tmp
         assert "server.watchdog = false" in d.log()
     finally:
         d.stop()
+
+
+def test_a_tcp_listener_on_port_0_says_which_port_it_got(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """(review) server.tcp accepts port 0 (any free port), but the daemon logged the configured
+    "127.0.0.1:0" and nothing else named the port the kernel chose: no client could reach it."""
+    import re
+
+    d = daemon_factory("--tcp", "127.0.0.1:0")
+    serving = [line for line in d.log().splitlines() if "serving on unix:" in line]
+    assert serving, d.log()
+    m = re.search(r" and 127\.0\.0\.1:(\d+)$", serving[0])
+    assert m is not None and int(m.group(1)) != 0, serving[0]
+    with kvstored.Client(f"127.0.0.1:{m.group(1)}") as c:
+        assert c.stats()["version"] == kvstored.__version__

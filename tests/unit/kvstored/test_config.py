@@ -315,3 +315,47 @@ def test_no_config_reads_no_system_file(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(config, "SYSTEM_CONFIG", system)
     assert config.load(None).dram.capacity == 64 << 20
     assert config.load(None, system=False).dram.capacity == config.Config().dram.capacity
+
+
+@pytest.mark.parametrize("key", ["ttl_s", "reservation_ttl_s"])
+def test_a_lease_time_longer_than_the_wire_carries_is_refused(key: str) -> None:
+    """(review) lease times reach clients in milliseconds as uint32s (HelloResponse.lease_ttl_ms,
+    ReserveResponse.ttl_ms): leases.ttl_s = 5e6 was accepted, and then every Hello (or every
+    Reserve) failed inside the daemon with protobuf's "Value out of range"."""
+    with pytest.raises(ConfigError, match=rf"leases\.{key}: must be positive and at most {config.MAX_LEASE_TTL_S}"):
+        config.build({"leases": {key: 5e6}})
+    assert getattr(config.build({"leases": {key: config.MAX_LEASE_TTL_S}}).leases, key) == config.MAX_LEASE_TTL_S
+
+
+def test_an_override_of_a_section_the_file_set_to_a_value_is_a_config_error(tmp_path: Path) -> None:
+    """(review) `log = "debug"` in the file (not a table) plus `--set log.level=info` raised a
+    TypeError traceback instead of a ConfigError naming the section."""
+    path = tmp_path / "k.toml"
+    path.write_text('log = "debug"\n')
+    with pytest.raises(ConfigError, match="log: expected a table"):
+        config.load(str(path), ["log.level=info"])
+
+
+@pytest.mark.parametrize("etcd", ["https://10.0.0.2:2379", "unix://10.0.0.2:2379"])
+def test_an_etcd_endpoint_the_client_cannot_speak_is_refused(etcd: str) -> None:
+    """(review) the etcd client connects without TLS, whatever the scheme: an https:// endpoint
+    was accepted and the daemon then failed to start with a bare connection error."""
+    with pytest.raises(ConfigError, match=r"peers\.etcd: only a plain http://"):
+        config.build({"peers": {"listen": "127.0.0.1:0", "etcd": etcd}})
+    for ok in ("10.0.0.2:2379", "http://10.0.0.2:2379", "HTTP://10.0.0.2:2379/"):
+        assert config.build({"peers": {"listen": "127.0.0.1:0", "etcd": ok}}).peers.etcd == ok
+
+
+def test_static_peers_and_etcd_together_are_refused() -> None:
+    """(review) with both, membership came from etcd and peers.static was ignored without a word."""
+    with pytest.raises(ConfigError, match=r"peers\.static: give either peers\.static or peers\.etcd"):
+        config.build({"peers": {"listen": "127.0.0.1:0", "etcd": "127.0.0.1:2379",
+                                "static": ["b=127.0.0.1:7001"]}})
+
+
+def test_etcd_without_an_address_to_register_is_a_config_error() -> None:
+    """(review) peers.etcd without peers.listen or peers.advertise passed validation and failed
+    only at start-up (exit 1, "cannot join the cluster"), not as a config error naming the key."""
+    with pytest.raises(ConfigError, match=r"peers\.etcd: this node needs peers\.listen"):
+        config.build({"peers": {"etcd": "127.0.0.1:2379"}})
+    assert config.build({"peers": {"etcd": "127.0.0.1:2379", "advertise": "10.0.0.5:7071"}}).peers.etcd
