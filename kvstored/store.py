@@ -1313,6 +1313,7 @@ class BlockStore:
         """Open the namespace a peer described before pushing blocks of it; "" or why not."""
         try:
             spec = Namespace(**json.loads(description))
+            spec.validate()   # here, where a field of the wrong type (a TypeError) is the peer's fault
         except (TypeError, ValueError) as exc:
             return f"not a namespace description: {exc}"
         if spec.identity() != namespace_id:

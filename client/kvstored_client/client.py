@@ -995,7 +995,8 @@ class BlockStream:
         self._keep_data = False
         for _ in self:
             pass
-        assert self.outcome is not None, "a stream ended without its outcome"
+        if self.outcome is None:   # the loop ends without an outcome only when the call was cancelled
+            raise KVStoreError("the stream was closed before its end")
         return self.outcome
 
 

@@ -183,6 +183,8 @@ class EtcdMembership(Membership):
                     await self._register()
             except (aetcd.ClientError, TimeoutError, OSError) as exc:
                 log.warning("etcd keepalive for %s failed: %s", self.node_id, exc or type(exc).__name__)
+            except Exception:   # unforeseen: log it and keep trying, or the node drops out in silence
+                log.exception("etcd keepalive for %s failed", self.node_id)
 
     async def close(self) -> None:
         """Stop the keepalive, revoke the lease (this node leaves at once) and disconnect."""

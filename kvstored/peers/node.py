@@ -264,12 +264,15 @@ class PeerNode:
             self.failures += 1
 
     # -- questions ----------------------------------------------------------------------------
-    async def _held_by(self, peer: _Peer, namespace_id: int, keys: list[bytes]) -> int | str:
-        """How many leading keys ``peer`` holds, or why it could not say."""
+    async def _held_by(self, peer: _Peer, namespace_id: int, keys: list[bytes],
+                       timeout_s: float | None = None) -> int | str:
+        """How many leading keys ``peer`` holds, or why it could not say (each exchange bounded
+        by ``timeout_s``, default ``peers.lookup_timeout_s``)."""
+        timeout_s = self._cfg.lookup_timeout_s if timeout_s is None else timeout_s
         conn = None
         try:
-            conn = await self._acquire(peer, self._cfg.lookup_timeout_s)
-            held = await self._count_held(conn, namespace_id, keys)
+            conn = await self._acquire(peer, timeout_s)
+            held = await self._count_held(conn, namespace_id, keys, timeout_s)
             self._mark(peer)
             return held
         except PeerError as exc:
@@ -279,12 +282,13 @@ class PeerNode:
             if conn is not None:
                 self._give_back(peer, conn)
 
-    async def _count_held(self, conn: PeerConnection, namespace_id: int, keys: list[bytes]) -> int:
+    async def _count_held(self, conn: PeerConnection, namespace_id: int, keys: list[bytes],
+                          timeout_s: float) -> int:
         """How many leading ``keys`` the peer holds, asked :data:`MAX_LOOKUP_KEYS` at a time."""
         held = 0
         while True:
             part = keys[held: held + MAX_LOOKUP_KEYS]
-            got = await conn.lookup(namespace_id, part, self._cfg.lookup_timeout_s)
+            got = await conn.lookup(namespace_id, part, timeout_s)
             held += got
             if got < len(part) or held >= len(keys):
                 return held
@@ -294,11 +298,12 @@ class PeerNode:
         time are left out)."""
         return (await self._ask(namespace_id, keys))[0]
 
-    async def _ask(self, namespace_id: int, keys: list[bytes]) -> tuple[dict[str, int], dict[str, str]]:
+    async def _ask(self, namespace_id: int, keys: list[bytes],
+                   timeout_s: float | None = None) -> tuple[dict[str, int], dict[str, str]]:
         if not keys or not self._peers:
             return {}, {}
         peers = list(self._peers.values())
-        answers = await asyncio.gather(*(self._held_by(p, namespace_id, keys) for p in peers))
+        answers = await asyncio.gather(*(self._held_by(p, namespace_id, keys, timeout_s) for p in peers))
         held = {p.member.node_id: a for p, a in zip(peers, answers) if isinstance(a, int) and a}
         errors = {p.member.node_id: a for p, a in zip(peers, answers) if isinstance(a, str)}
         return held, errors
@@ -331,7 +336,12 @@ class PeerNode:
         end = loop.time() + self._cfg.deadline_s
         done = 0
         while done < len(keys):
-            holders, errors = await self._ask(namespace_id, keys[done: done + FIRST_WINDOW])
+            left = end - loop.time()
+            if left <= 0:   # not a fault of any peer: none is marked down for it
+                return Fetched(done, "timeout", f"peers.deadline_s ({self._cfg.deadline_s:g}s) passed "
+                                                f"after {done} block(s)")
+            holders, errors = await self._ask(namespace_id, keys[done: done + FIRST_WINDOW],
+                                              min(self._cfg.lookup_timeout_s, left))
             if not holders:
                 if not self._peers:
                     return Fetched(done, "no_peers", "this node has no peers")
@@ -451,7 +461,7 @@ class PeerNode:
             await conn.open_namespace(namespace_id, self._store.namespace_description(namespace_id),
                                       self._cfg.lookup_timeout_s)
             if skip_held:
-                done = await self._count_held(conn, namespace_id, keys)
+                done = await self._count_held(conn, namespace_id, keys, self._cfg.lookup_timeout_s)
                 parent = keys[done - 1] if done else parent
             while done < len(keys):
                 chunk = keys[done: done + PUSH_CHUNK_BLOCKS]

@@ -95,6 +95,8 @@ def _effective_json(cfg: Config) -> str:
     data["server"]["socket"] = cfg.socket_path
     data["server"]["socket_mode"] = f"{cfg.server.socket_mode:04o}"
     data["ssd"]["path"] = cfg.ssd_path
+    if cfg.peers.token:   # a secret: say that one is set, not what it is
+        data["peers"]["token"] = "<set, not shown>"
     return json.dumps(data, indent=2)
 
 

@@ -118,6 +118,18 @@ def test_leaving_a_stream_early_releases_its_lease(client) -> None:  # type: ign
     assert evicted == 20 and active_leases(client) == 0
 
 
+def test_waiting_on_a_closed_stream_is_an_sdk_error(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: wait() after close() ended in AssertionError("a stream ended without its outcome"),
+    which no `except KVStoreError` catches."""
+    ns = Namespace(model="closed-stream")
+    tokens = np.arange(16 * 4)
+    client.save(tokens, rows(4), namespace=ns)
+    stream = client.stream(tokens, namespace=ns)
+    stream.close()
+    with pytest.raises(kvstored.KVStoreError, match="closed before its end"):
+        stream.wait()
+
+
 def test_threads_sharing_a_client_release_every_lease(client) -> None:  # type: ignore[no-untyped-def]
     """Was: concurrent loads rebuilt the list of pending releases without a lock; dropped
     release futures were cancelled by grpc and their leases held until expiry."""

@@ -52,6 +52,14 @@ def test_print_config_shows_effective_values() -> None:
     assert cfg["ssd"]["path"].endswith("ssd")
 
 
+def test_print_config_does_not_show_the_peer_token() -> None:
+    proc = subprocess.run([sys.executable, "-m", "kvstored", "--no-config", "--set", "peers.token=s3cr3t-t0ken",
+                           "--print-config"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "s3cr3t-t0ken" not in proc.stdout
+    assert json.loads(proc.stdout)["peers"]["token"] == "<set, not shown>"
+
+
 def test_sigterm_finishes_in_flight_calls_and_exits_0(daemon) -> None:  # type: ignore[no-untyped-def]
     client = kvstored.Client(daemon.socket)
     tokens = np.arange(16 * 64)

@@ -343,7 +343,8 @@ def test_learn_namespace_describes_what_another_store_sends(store: BlockStore, t
 
 
 @pytest.mark.parametrize("body", [b"", b"not json", b"[1, 2]", b'{"model": "m", "colour": "blue"}',
-                                  b'{"model": "", "block_bytes": 4096}'])
+                                  b'{"model": "", "block_bytes": 4096}',
+                                  b'{"model": "m", "block_size": "16"}'])   # was: TypeError out of the store
 def test_learn_namespace_refuses_garbage(store: BlockStore, body: bytes) -> None:
     why = store.learn_namespace(Namespace(model="m").identity(), body)
     assert isinstance(why, str) and why != ""

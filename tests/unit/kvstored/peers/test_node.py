@@ -271,3 +271,41 @@ def test_a_pushed_block_larger_than_any_this_node_stores_is_refused_before_it_is
             assert nodes["b"].store.stats().index_blocks == 0
 
     run(main())
+
+
+def test_a_fetch_asking_a_silent_peer_ends_within_its_deadline() -> None:
+    # Regression: the question to the peers was bounded by peers.lookup_timeout_s, not by what was
+    # left of peers.deadline_s, so a fetch from a partitioned peer overran its deadline (here 10x).
+    async def main() -> None:
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()   # accepts, never answers, until the other side goes away
+            writer.close()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        (own,) = free_ports(1)
+        cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False},
+                            "peers": {"listen": f"127.0.0.1:{own}", "node_id": "b", "token": "t",
+                                      "static": [f"b=127.0.0.1:{own}", f"x=127.0.0.1:{port}"],
+                                      "deadline_s": 0.5, "lookup_timeout_s": 5.0}})
+        arena = Arena(tempfile.mkdtemp(), cfg.dram.capacity, prefault=False)
+        copy = CopyEngine(arena)
+        store = BlockStore(cfg, arena, copy)
+        store.open_namespace(NS)
+        peers = PeerNode(cfg, store)
+        await peers.start()
+        try:
+            s = store.open_session("reader", 1)
+            t0 = asyncio.get_running_loop().time()
+            end = await store.stream_blocks(s.session_id, NS.identity(), KeyRequest(hashes=chain(2)), 0, (),
+                                            lambda _: None, peers.fetch)
+            took = asyncio.get_running_loop().time() - t0
+            assert end.blocks == 0 and end.stop != "complete", end
+            assert took < 2.5, f"the fetch took {took:.1f}s with peers.deadline_s = 0.5"
+        finally:
+            await peers.close()
+            server.close()
+            copy.close()
+            arena.close()
+
+    run(main())
