@@ -412,6 +412,23 @@ def test_rewriting_a_hollow_block_does_not_evict_it_from_under_its_reservation(
     assert asyncio.run(store.lookup(ns, KeyRequest(hashes=a))).blocks == 1
 
 
+async def _on_ssd_with_dram_leased(store: BlockStore, ns: int, a: list[bytes], leased: int) -> tuple[str, int]:
+    """``a`` on SSD only, then ``leased`` other blocks saved and leased (DRAM slots nothing frees);
+    the holder's session and lease."""
+    from kvstored.index import Tier
+    holder = store.open_session("holder", 1).session_id
+    r = store.reserve(holder, ns, KeyRequest(hashes=a), BLOCK)
+    store.seal(holder, r.reservation_id)
+    assert await store.flush() == len(a)
+    assert store.evict("", Tier.DRAM) == len(a)            # a lives on SSD only
+    others = chain(leased, 10_000)
+    r = store.reserve(holder, ns, KeyRequest(hashes=others), BLOCK)
+    store.seal(holder, r.reservation_id)
+    held = await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=holder)
+    assert held.blocks == leased
+    return holder, held.lease_id
+
+
 def test_a_stream_short_of_dram_for_blocks_on_ssd_says_no_room_not_corrupt(
         ssd_env: tuple[BlockStore, Clock]) -> None:
     """A stream with peers whose prompt is on this node's SSD while every DRAM slot is leased:
@@ -419,9 +436,7 @@ def test_a_stream_short_of_dram_for_blocks_on_ssd_says_no_room_not_corrupt(
     stopped with "corrupt" ("block 0 could not be read here"), though no copy failed its
     checksum and nothing was dropped: the client and the operator chased a disk fault that was a
     full DRAM tier."""
-    from kvstored.index import Tier
     store, _ = ssd_env
-    holder = store.open_session("holder", 1).session_id
     reader = store.open_session("reader", 2).session_id
     ns = store.open_namespace(NS).namespace_id
     a = chain(2)
@@ -430,15 +445,7 @@ def test_a_stream_short_of_dram_for_blocks_on_ssd_says_no_room_not_corrupt(
         raise AssertionError("no slot to receive into: the peers are not asked")
 
     async def main():  # type: ignore[no-untyped-def]
-        r = store.reserve(holder, ns, KeyRequest(hashes=a), BLOCK)
-        store.seal(holder, r.reservation_id)
-        assert await store.flush() == 2
-        assert store.evict("", Tier.DRAM) == 2                 # a lives on SSD only
-        others = chain(8, 10_000)
-        r = store.reserve(holder, ns, KeyRequest(hashes=others), BLOCK)
-        store.seal(holder, r.reservation_id)
-        held = await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=holder)
-        assert held.blocks == 8                                # every slot leased
+        await _on_ssd_with_dram_leased(store, ns, a, 8)       # every slot leased
         return await store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [], lambda arrival: None, fetcher)
 
     end = asyncio.run(main())
@@ -454,7 +461,6 @@ def test_blocks_a_streams_second_look_brings_up_from_ssd_are_reported_as_ssd(
     from kvstored.handover import Arrival
     from kvstored.index import Tier
     store, _ = ssd_env
-    holder = store.open_session("holder", 1).session_id
     reader = store.open_session("reader", 2).session_id
     ns = store.open_namespace(NS).namespace_id
     a = chain(2)
@@ -464,15 +470,7 @@ def test_blocks_a_streams_second_look_brings_up_from_ssd_are_reported_as_ssd(
         raise AssertionError("every block is held here")
 
     async def main():  # type: ignore[no-untyped-def]
-        r = store.reserve(holder, ns, KeyRequest(hashes=a), BLOCK)
-        store.seal(holder, r.reservation_id)
-        assert await store.flush() == 2
-        assert store.evict("", Tier.DRAM) == 2                 # a lives on SSD only
-        others = chain(7, 10_000)
-        r = store.reserve(holder, ns, KeyRequest(hashes=others), BLOCK)
-        store.seal(holder, r.reservation_id)
-        held = await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=holder)
-        assert held.blocks == 7                                # 7 of 8 slots leased: room for a[0] only
+        holder, lease = await _on_ssd_with_dram_leased(store, ns, a, 7)   # 7 of 8 leased: room for a[0] only
         task = asyncio.ensure_future(store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
                                                          arrivals.append, fetcher))
         for _ in range(100):
@@ -480,7 +478,7 @@ def test_blocks_a_streams_second_look_brings_up_from_ssd_are_reported_as_ssd(
             if store._promoting or task.done():
                 break
         assert store._promoting and not task.done(), "a[0] should be on its way up from SSD"
-        store.release(holder, held.lease_id)                   # room again, while the lookup waits
+        store.release(holder, lease)                           # room again, while the lookup waits
         return await task
 
     end = asyncio.run(main())
