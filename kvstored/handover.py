@@ -115,9 +115,19 @@ class Handover:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        if self._inflight is not None and not self._inflight.done():
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._inflight)
-        self._unpin(self._copying)
-        self._unpin(self._queue)
-        self._copying, self._queue = [], []
+        left, self._copying, self._queue = self._copying + self._queue, [], []
+        inflight = self._inflight
+        if inflight is not None and not inflight.done():
+            try:
+                await asyncio.shield(inflight)
+            except asyncio.CancelledError:
+                # cancelled again while the copy runs: the caller's cleanup must go on (its
+                # leases end), and the blocks stay pinned until the copy is out of their slots
+                if inflight.done():
+                    self._unpin(left)
+                else:
+                    inflight.add_done_callback(lambda _: self._unpin(left))
+                raise
+            except Exception:
+                pass   # a failed copy is finish()'s to raise
+        self._unpin(left)

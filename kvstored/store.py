@@ -155,6 +155,7 @@ Landed = Callable[[int, str], Awaitable[None]]
 Fetcher = Callable[[int, list[bytes], Into, Landed], Awaitable[Fetched]]
 
 
+_STORED_HERE = "stored_here"   # _fill_reservation: go on from blocks another client stored meanwhile
 _FLUSH_ROUNDS = 6000   # write-back rounds (or 10 ms waits for other write-backs) a flush takes at most
 
 
@@ -669,7 +670,7 @@ class BlockStore:
         for key in chain[len(lease.pinned):]:
             outcome = self._reserve_next(lease, state, key)
             if outcome != "ok":
-                blocked = outcome == "blocked"
+                blocked = outcome in ("blocked", "here")
                 break
         if not lease.new and len(lease.pinned) < len(chain) and not blocked:
             self._end(lease, session, aborted=True)
@@ -690,12 +691,15 @@ class BlockStore:
 
     def _reserve_next(self, lease: Lease, state: NamespaceState, key: bytes) -> str:
         """Reserve a slot for ``key``, the block after the reservation's last one: "ok", "full"
-        (no room can be made) or "blocked" (another client is writing it and will seal it)."""
+        (no room can be made), "blocked" (another client is writing it and will seal it) or
+        "here" (another client stored it since the reservation's prefix was matched)."""
         tail = lease.new or lease.pinned
         parent = tail[-1] if tail else None
         sb = state.index.slot_bytes
         existing = state.index.get(key)
         if existing is not None:
+            if existing.readable:
+                return "here"
             if not (existing.sealed and not existing.readable and existing.pins == 0
                     and existing not in self._promoting):
                 return "blocked"
@@ -888,9 +892,11 @@ class BlockStore:
             except Exception:  # a bug here must not stop write-back for good
                 log.exception("write-back round failed")
 
-    async def _write_back(self, nbytes: float, force: bool, models: set[int] | None) -> int:
+    async def _write_back(self, nbytes: float, force: bool, models: set[int] | None,
+                          among: Sequence[Block] | None = None) -> int:
         """Copy the DRAM blocks without an SSD copy to SSD, longest without first (a chain's parents
-        are sealed, hence queued, before their children), up to ``nbytes``.
+        are sealed, hence queued, before their children), up to ``nbytes``; with ``among``, only
+        those of these blocks (in their order, parents first) and the parents they hang under.
 
         Without ``force``, ``ssd.admission`` and the SSD policy's ``admit`` (asked when the block
         would need an eviction) may pass a block over: it stays in DRAM without a copy.
@@ -906,7 +912,7 @@ class BlockStore:
         # One round writes at most the gap between the watermarks, so room can always be made.
         batch_cap = min(256 << 20, max(1, (cfg.high_watermark - cfg.low_watermark) * cfg.capacity))
         room = cfg.high_watermark * cfg.capacity
-        for block in self._dirty:  # not changed before the awaits below
+        for block in self._dirty if among is None else among:  # not changed before the awaits below
             if total >= nbytes or total >= batch_cap:
                 break
             if block.flags & (SEALED | ON_SSD | DEMOTING) != SEALED or block in self._promoting \
@@ -1564,10 +1570,12 @@ class BlockStore:
                     self._leases.renew(read, ttl)   # the reader's time starts now, not at the lookup
                 return StreamEnd(delivered, len(chain), stop, detail, handed_lease, ttl)
             finally:
-                await handover.close()
-                for lease in (reservation, read):
-                    if lease is not None:   # the caller keeps only the lease it was handed
-                        self._end_busy(lease, session, keep=lease.lease_id == handed_lease)
+                try:
+                    await handover.close()
+                finally:   # also when cancelled again while close waits for a copy in flight
+                    for lease in (reservation, read):
+                        if lease is not None:   # the caller keeps only the lease it was handed
+                            self._end_busy(lease, session, keep=lease.lease_id == handed_lease)
 
     async def _fetch_rest(self, session: Session, state: NamespaceState, chain: list[bytes], read: Lease,
                           delivered: int, handover: Handover, lease_arrivals: bool,
@@ -1582,8 +1590,11 @@ class BlockStore:
         reservation = self._reserve_present(session, state, chain)
         self._busy.add(reservation.lease_id)
         try:
-            return await self._fill_reservation(session, state, chain, read, reservation, delivered,
-                                                handover, lease_arrivals, fetcher)
+            while True:
+                _, delivered, stop, detail = await self._fill_reservation(
+                    session, state, chain, read, reservation, delivered, handover, lease_arrivals, fetcher)
+                if stop != _STORED_HERE:   # else: the next blocks are here now, then fetch the rest
+                    return reservation, delivered, stop, detail
         except BaseException:
             # cancelled (the client left) or failed: stream_blocks never learns of the reservation,
             # which would stay busy, hence never reaped nor ended, for ever
@@ -1623,8 +1634,10 @@ class BlockStore:
         new = reservation.new
         block_bytes = state.spec.block_bytes
         sealed = 0
+        here: int | None = None   # the block another client stored since the prefix was matched
 
         async def into(i: int, length: int) -> memoryview:
+            nonlocal here
             # Slots are taken as blocks arrive, not up front: the first block of a long prompt
             # does not wait for thousands of reservations.
             if length != block_bytes:
@@ -1642,12 +1655,18 @@ class BlockStore:
                 # DRAM is full of this stream's own chain (a prompt larger than DRAM, each block
                 # already in the engine's buffers): sink its oldest blocks to SSD and let them give
                 # up their slots. The eviction policy cannot: they are interior blocks of a chain.
+                # Its own blocks: the oldest DRAM-only blocks of the namespace may be another
+                # client's, leased, whose slots writing them back does not free.
                 if outcome != "full" or self._ssd is None:
                     break
-                await self._write_back(8 * block_bytes, True, {state.namespace_id})
+                await self._write_back(8 * block_bytes, True, {state.namespace_id}, among=new[:i])
+                await handover.settled()   # blocks still being copied to the engine are pinned till then
                 if not self._drop_clean_slots(new[:i], 8):
                     break
                 outcome = self._reserve_next(reservation, state, chain[start + i])
+            if outcome == "here":
+                here = i
+                raise ResourceExhausted(f"block {start + i} was stored here meanwhile by another client")
             if outcome != "ok":
                 raise ResourceExhausted(f"no DRAM slot for block {start + i}: " + (
                     "another client is writing it" if outcome == "blocked" else "every block that could "
@@ -1658,7 +1677,11 @@ class BlockStore:
             nonlocal sealed
             assert i == sealed, "blocks must land in order"
             block = new[i]
-            block.pins -= 1              # the reservation's: it is stored now
+            # Stored now. The reservation's pin moves down the chain: the block the next one
+            # will hang under stays pinned (an unpinned DRAM-only leaf is another client's first
+            # victim, and the next block would be reserved under a block gone from the index).
+            if i:
+                new[i - 1].pins -= 1
             self._sealed_now([block])
             if lease_arrivals:
                 block.pins += 1
@@ -1667,10 +1690,24 @@ class BlockStore:
             self._n.peer_fetched += 1
             handover.give(start + i, [block], [Tier.PEER], peer)
 
+        ours: list[Block] = []
         try:
             got = await fetcher(state.namespace_id, chain[start:], into, landed)
         finally:
+            if sealed:
+                new[sealed - 1].pins -= 1   # the reservation's pin on the last block stored
+            ours = new[:sealed]
             del new[:sealed]             # sealed blocks are no longer the reservation's to abort
+        if here is not None and here == sealed and not new:
+            # Another client stored the next blocks while the peers were asked (a second request
+            # for the same prompt, say): they are cached here, not being written. The reservation
+            # takes our blocks and those as its prefix, hands them over, then fetches what follows.
+            found = state.index.match(chain[start + sealed:])
+            if found:
+                for block in ours + found:
+                    block.pins += 1
+                reservation.pinned.extend(ours + found)
+                return reservation, start + sealed, _STORED_HERE, ""
         return reservation, start + sealed, got.stop, got.detail
 
     # -- introspection and shutdown ---------------------------------------------------------

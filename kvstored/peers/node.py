@@ -324,22 +324,28 @@ class PeerNode:
         return views
 
     # -- pulls --------------------------------------------------------------------------------
-    async def fetch(self, namespace_id: int, keys: list[bytes], into: Into, landed: Landed) -> Fetched:
+    async def fetch(self, namespace_id: int, keys: list[bytes], into: Into, landed: Landed, *,
+                    until: float | None = None) -> Fetched:
         """A :data:`kvstored.store.Fetcher`: fetch ``keys`` in order from the peers. Never raises
         for a peer's failure: the result says how far it got and why.
 
         The peers are asked about the next :data:`FIRST_WINDOW` keys only, so the first block
         does not wait for every peer to match a whole long prompt; the chosen peer then sends
         the rest of the chain until it lacks a block, and the next peer is found the same way.
-        The whole fetch ends within ``peers.deadline_s``."""
+        The whole fetch ends within ``peers.deadline_s``, and by ``until`` (the event loop's
+        time: the deadline of the caller waiting for the outcome) when that is sooner."""
         loop = asyncio.get_running_loop()
         end = loop.time() + self._cfg.deadline_s
+        callers = until is not None and until < end
+        if until is not None:
+            end = min(end, until)
         done = 0
         while done < len(keys):
             left = end - loop.time()
             if left <= 0:   # not a fault of any peer: none is marked down for it
-                return Fetched(done, "timeout", f"peers.deadline_s ({self._cfg.deadline_s:g}s) passed "
-                                                f"after {done} block(s)")
+                return Fetched(done, "timeout", ("the caller's deadline" if callers else
+                                                 f"peers.deadline_s ({self._cfg.deadline_s:g}s)")
+                               + f" passed after {done} block(s)")
             holders, errors = await self._ask(namespace_id, keys[done: done + FIRST_WINDOW],
                                               min(self._cfg.lookup_timeout_s, left))
             if not holders:

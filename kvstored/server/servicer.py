@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 
@@ -15,7 +16,7 @@ from kvstored.errors import FailedPrecondition, InvalidArgument, KVError
 from kvstored.index import Tier
 from kvstored.peers.node import MigrateProgress, PeerNode
 from kvstored.server.status import code_for, mapped
-from kvstored.store import Arrival, BlockStore, KeyRequest, StreamEnd
+from kvstored.store import Arrival, BlockStore, Fetcher, KeyRequest, StreamEnd
 from kvstored.tiers.dram import Arena
 from kvstored_client._proto import kvstored_pb2 as pb
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
@@ -29,6 +30,10 @@ log = logging.getLogger("kvstored.server")
 # message per many blocks instead of per block, while a short one is not held back.
 STREAM_GATHER_MIN_S = 0.001
 STREAM_GATHER_MAX_S = 0.008
+# A peer transfer ends this long (at most a tenth of the call's time) before the caller's
+# deadline, so that its outcome (a short stream, "timeout") reaches the caller rather than
+# DEADLINE_EXCEEDED: with the defaults, peers.deadline_s and the SDK's timeout_s are both 30 s.
+STREAM_END_MARGIN_S = 1.0
 MIGRATE_HEARTBEAT_S = 5.0   # the latest migration progress is sent again at least this often
 _TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD, Tier.PEER: pb.TIER_PEER}
 _TIER_FROM_PB = {pb.TIER_UNSPECIFIED: None, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
@@ -237,7 +242,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
         async def run() -> None:
             try:
-                fetcher = self._peers.fetch if request.peers and self._peers is not None else None
+                fetcher: Fetcher | None = None
+                if request.peers and self._peers is not None:
+                    fetcher = self._peers.fetch
+                    remaining = context.time_remaining()
+                    if remaining is not None:
+                        until = asyncio.get_running_loop().time() + remaining \
+                            - min(STREAM_END_MARGIN_S, remaining / 10)
+                        fetcher = functools.partial(self._peers.fetch, until=until)
                 events.put_nowait(await self._store.stream_blocks(
                     request.session_id, request.namespace_id, _keys(request.keys), request.buffers_id,
                     _block_ids(request), None if request.end_only else events.put_nowait, fetcher, on_lease))

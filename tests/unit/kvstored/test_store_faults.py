@@ -13,6 +13,7 @@ from clock import Clock
 
 from kvstored import config
 from kvstored.copy import CopyEngine
+from kvstored.errors import KVError
 from kvstored.store import BlockStore, Fetched, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored_client.hashing import block_hashes
@@ -484,3 +485,275 @@ def test_blocks_a_streams_second_look_brings_up_from_ssd_are_reported_as_ssd(
     end = asyncio.run(main())
     assert end.blocks == 2 and end.stop == "complete", end
     assert [(x.index, x.tier) for x in arrivals] == [(0, Tier.SSD), (1, Tier.SSD)]
+
+
+def test_a_stream_cancelled_twice_while_its_copy_runs_leaves_no_busy_lease(env: tuple[BlockStore, Clock]) -> None:
+    """A stream into engine buffers is cancelled (the client left) while a batch is being copied
+    into the buffers, and cancelled again while Handover.close() waits for that copy (the handler
+    is cancelled once more, at shutdown say). close() raised before it unpinned anything, so
+    stream_blocks' finally never ended its leases: the read lease stayed in _busy for good (never
+    reaped, never ended with the session) and its blocks stayed pinned, never evicted again."""
+    store, clock = env
+    s = store.open_session("decode", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    engine, buffers = _engine_buffers(store, s, ns)
+    keys = chain(2)
+    copy_started = asyncio.Event()
+    copy_may_end = asyncio.Event()
+
+    async def slow_from_arena(*args, **kwargs):  # type: ignore[no-untyped-def]
+        copy_started.set()          # a copy on a worker thread: it cannot be stopped halfway
+        await asyncio.shield(asyncio.ensure_future(copy_may_end.wait()))
+
+    async def main() -> None:
+        r = store.reserve(s, ns, KeyRequest(hashes=keys), BLOCK)
+        store.seal(s, r.reservation_id)
+        store._copy.from_arena = slow_from_arena  # type: ignore[method-assign]
+        task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id,
+                                                         [0, 1], lambda a: None, None))
+        await asyncio.wait_for(copy_started.wait(), 5)
+        task.cancel()                     # the client left
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not task.done(), "the stream waits for the copy in flight"
+        task.cancel()                     # and once more
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        copy_may_end.set()                # the copy thread is done with the slots
+        for _ in range(20):
+            await asyncio.sleep(0)
+        store.close_session(s)
+        clock.now += 100.0
+        store.reap()
+
+    try:
+        asyncio.run(main())
+        assert not store._busy, f"leases busy for ever: {store._busy}"
+        assert len(store._leases) == 0
+        pins = [store._namespaces[ns].index.get(k).pins for k in keys]  # type: ignore[union-attr]
+        assert pins == [0, 0], f"blocks left pinned: {pins}"
+    finally:
+        engine.close()
+
+
+def test_a_stream_longer_than_dram_sinks_its_own_blocks_not_other_clients(tmp_path: Path) -> None:
+    """A stream into engine buffers of a prompt longer than what DRAM has left: _fill_reservation
+    makes room by writing the stream's delivered blocks to SSD and dropping their slots. It wrote
+    back the 8 oldest DRAM-only blocks of the whole namespace instead, here another client's
+    leased prompt, then found none of its own blocks clean and gave up without retrying: the
+    stream stopped with no_room at block 8 while the SSD tier had room for all of it."""
+    from kvstored.buffers import TensorSource
+    from kvstored.tiers.ssd import SSDTier
+    from kvstored_client import shm
+    from kvstored_client.layout import TensorLayout
+
+    cfg = config.build({"dram": {"capacity": 16 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
+                                 "policy": "lru"},
+                        "ssd": {"enabled": True, "capacity": 64 * BLOCK, "policy": "lru",
+                                "high_watermark": 0.95, "low_watermark": 0.5, "sync": False}})
+    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
+    copy = CopyEngine(arena)
+    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False)
+    store = BlockStore(cfg, arena, copy, tier, clock=Clock())
+    engine = shm.empty((12, BLOCK), "uint8")
+    try:
+        holder = store.open_session("holder", 1).session_id
+        reader = store.open_session("decode", 2).session_id
+        ns = store.open_namespace(NS).namespace_id
+        buffers = store.register_buffers(reader, ns, [TensorSource(
+            engine.name, 0, TensorLayout((12, BLOCK), (BLOCK, 1), "uint8", 0))])
+        others, keys = chain(8, 10_000), chain(12)
+
+        async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+            for i in range(len(want)):
+                try:
+                    view = await into(i, BLOCK)
+                except KVError as exc:            # as PeerNode.fetch reports it
+                    return Fetched(i, "no_room", str(exc))
+                view[:] = bytes([i + 1]) * BLOCK
+                await landed(i, "peer-a")
+                await asyncio.sleep(0)
+            return Fetched(len(want), "complete")
+
+        async def main():  # type: ignore[no-untyped-def]
+            r = store.reserve(holder, ns, KeyRequest(hashes=others), BLOCK)
+            store.seal(holder, r.reservation_id)
+            held = await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=holder)
+            assert held.blocks == 8                   # half of DRAM: leased, not written to SSD yet
+            try:
+                return await store.stream_blocks(reader, ns, KeyRequest(hashes=keys), buffers.buffers_id,
+                                                 list(range(12)), lambda a: None, fetcher)
+            finally:
+                await store.unregister_buffers(reader, buffers.buffers_id)
+                await store.drain()
+
+        end = asyncio.run(main())
+        assert end.stop == "complete" and end.blocks == 12, end
+        rows = engine.numpy()
+        assert [int(rows[i][0]) for i in range(12)] == list(range(1, 13))
+    finally:
+        engine.close()
+        tier.close()
+        copy.close()
+        arena.close()
+
+
+def test_a_block_a_stream_just_fetched_stays_under_the_next_one(env: tuple[BlockStore, Clock]) -> None:
+    """A pull (or a stream into engine buffers, once the copy is done) leaves the block it just
+    sealed unpinned while the peer sends the next one: a DRAM-only leaf, the first victim of
+    another client's save on a full arena. The next block was then reserved under a parent no
+    longer in the index: an AssertionError out of the store (the client saw an internal error)
+    and a DRAM slot allocated for it and never freed."""
+    from kvstored.errors import ResourceExhausted
+    store, _ = env
+    holder = store.open_session("holder", 1).session_id
+    reader = store.open_session("decode", 2).session_id
+    other = store.open_session("prefill", 3).session_id
+    ns = store.open_namespace(NS).namespace_id
+    keys = chain(2)
+    refused: list[str] = []
+
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        for i in range(len(want)):
+            try:
+                view = await into(i, BLOCK)
+            except KVError as exc:                # as PeerNode.fetch reports it
+                return Fetched(i, "no_room", str(exc))
+            view[:] = bytes([i + 1]) * BLOCK
+            await landed(i, "peer-a")
+            if i == 0:                            # meanwhile another client saves a prompt
+                try:
+                    r = store.reserve(other, ns, KeyRequest(hashes=chain(1, 50_000)), BLOCK)
+                    store.seal(other, r.reservation_id)
+                except ResourceExhausted as exc:
+                    refused.append(str(exc))
+        return Fetched(len(want), "complete")
+
+    async def main():  # type: ignore[no-untyped-def]
+        r = store.reserve(holder, ns, KeyRequest(hashes=chain(7, 10_000)), BLOCK)
+        store.seal(holder, r.reservation_id)
+        held = await store.lookup(ns, KeyRequest(hashes=chain(7, 10_000)), lease=True, session_id=holder)
+        assert held.blocks == 7                   # one slot left: the stream's block 0 takes it
+        return await store.stream_blocks(reader, ns, KeyRequest(hashes=keys), 0, [], None, fetcher)
+
+    end = asyncio.run(main())
+    assert refused, "block 0 was evicted from under the stream"
+    assert end.blocks == 1 and end.stop == "no_room", end
+    assert store.held(ns, keys) == 1
+    used = store.stats().tiers[0].used_bytes
+    assert used == 8 * BLOCK and store.stats().index_blocks == 8, "a DRAM slot leaked"
+
+
+def test_a_stream_hands_over_blocks_another_client_stored_while_it_asked_the_peers(
+        env: tuple[BlockStore, Clock]) -> None:
+    """Two decode requests stream the same prompt from a peer; the first one's blocks are sealed
+    here while the second asks the peers who holds the rest. The second stream's next block
+    was then found sealed in the index and taken for one "another client is writing": it
+    stopped with no_room although the blocks were cached here, and the engine recomputed them."""
+    from kvstored.handover import Arrival
+    from kvstored.index import Tier
+    store, _ = env
+    other = store.open_session("first-request", 1).session_id
+    reader = store.open_session("decode", 2).session_id
+    ns = store.open_namespace(NS).namespace_id
+    keys = chain(3)
+    asked: list[int] = []
+    arrivals: list[Arrival] = []
+
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        asked.append(len(want))
+        if len(asked) == 1:      # the peers are asked; meanwhile the other stream stores blocks 0-1
+            r = store.reserve(other, ns, KeyRequest(hashes=keys[:2]), BLOCK)
+            store.seal(other, r.reservation_id)
+        for i in range(len(want)):
+            try:
+                view = await into(i, BLOCK)
+            except KVError as exc:                # as PeerNode.fetch reports it
+                return Fetched(i, "no_room", str(exc))
+            view[:] = bytes([i + 1]) * BLOCK
+            await landed(i, "peer-a")
+        return Fetched(len(want), "complete")
+
+    async def main():  # type: ignore[no-untyped-def]
+        return await store.stream_blocks(reader, ns, KeyRequest(hashes=keys), 0, [], arrivals.append, fetcher)
+
+    end = asyncio.run(main())
+    assert end.stop == "complete" and end.blocks == 3, end
+    assert [(a.index, a.tier) for a in arrivals] == [(0, Tier.DRAM), (1, Tier.DRAM), (2, Tier.PEER)]
+    assert asked == [3, 1]                        # the peer is asked only for what is not here
+    assert store.stats().peer_fetched_blocks == 1
+    store.release(reader, end.lease_id)
+    assert len(store._leases) == 0 and not store._busy
+    assert [store._namespaces[ns].index.get(k).pins for k in keys] == [0, 0, 0]  # type: ignore[union-attr]
+
+
+def test_a_stream_longer_than_dram_waits_for_its_blocks_copies_before_dropping_them(tmp_path: Path) -> None:
+    """The blocks a stream into engine buffers would sink to SSD to make room may still be
+    queued for, or in, their copy into the engine's buffers (a peer's blocks arrive faster than
+    one batch is copied), hence pinned: none could give up its slot, and the stream stopped with
+    no_room instead of waiting the moment it takes for the copy to end."""
+    from kvstored.buffers import TensorSource
+    from kvstored.tiers.ssd import SSDTier
+    from kvstored_client import shm
+    from kvstored_client.layout import TensorLayout
+
+    cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
+                                 "policy": "lru"},
+                        "ssd": {"enabled": True, "capacity": 64 * BLOCK, "policy": "lru",
+                                "high_watermark": 0.95, "low_watermark": 0.5, "sync": False}})
+    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
+    copy = CopyEngine(arena)
+    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False)
+    store = BlockStore(cfg, arena, copy, tier, clock=Clock())
+    engine = shm.empty((10, BLOCK), "uint8")
+    try:
+        reader = store.open_session("decode", 2).session_id
+        ns = store.open_namespace(NS).namespace_id
+        buffers = store.register_buffers(reader, ns, [TensorSource(
+            engine.name, 0, TensorLayout((10, BLOCK), (BLOCK, 1), "uint8", 0))])
+        keys = chain(10)
+        written_back = asyncio.Event()
+        real_write_back, real_from_arena = store._write_back, copy.from_arena
+
+        async def write_back(*args, **kwargs):  # type: ignore[no-untyped-def]
+            try:
+                return await real_write_back(*args, **kwargs)
+            finally:
+                written_back.set()
+
+        async def from_arena(*args, **kwargs):  # type: ignore[no-untyped-def]
+            await written_back.wait()   # the copy of the first batch ends after the blocks went to SSD
+            return await real_from_arena(*args, **kwargs)
+
+        store._write_back = write_back  # type: ignore[method-assign]
+        copy.from_arena = from_arena  # type: ignore[method-assign]
+
+        async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+            for i in range(len(want)):    # the socket holds every block: no pause between them
+                try:
+                    view = await into(i, BLOCK)
+                except KVError as exc:            # as PeerNode.fetch reports it
+                    return Fetched(i, "no_room", str(exc))
+                view[:] = bytes([i + 2]) * BLOCK
+                await landed(i, "peer-a")
+            return Fetched(len(want), "complete")
+
+        async def main():  # type: ignore[no-untyped-def]
+            r = store.reserve(reader, ns, KeyRequest(hashes=keys[:1]), BLOCK)   # block 0 is local
+            store.seal(reader, r.reservation_id)
+            try:
+                return await store.stream_blocks(reader, ns, KeyRequest(hashes=keys), buffers.buffers_id,
+                                                 list(range(10)), lambda a: None, fetcher)
+            finally:
+                await store.unregister_buffers(reader, buffers.buffers_id)
+                await store.drain()
+
+        end = asyncio.run(main())
+        assert end.stop == "complete" and end.blocks == 10, end
+        rows = engine.numpy()
+        assert [int(rows[i][0]) for i in range(1, 10)] == list(range(2, 11))
+    finally:
+        engine.close()
+        tier.close()
+        copy.close()
+        arena.close()
