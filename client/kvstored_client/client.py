@@ -44,6 +44,11 @@ from kvstored_client.paths import discover_socket_path
 from kvstored_client.wire import namespace_from_pb, namespace_to_pb
 
 MAX_MESSAGE_BYTES = 64 << 20
+# gRPC backs off reconnecting after a failed connect (1 s, growing 1.6x up to 120 s): calls made
+# while the daemon restarts stretched it, and the same client kept failing with DaemonNotRunning for
+# as long again after the daemon was back. The daemon is local: retrying its socket is cheap.
+RECONNECT_BACKOFF_MS = 100
+MAX_RECONNECT_BACKOFF_MS = 1000
 # The daemon repeats a migration's progress at least every 5 s: a client gives up after three
 # silent intervals (or its timeout_s, when longer).
 MIGRATE_IDLE_MIN_S = 15.0
@@ -145,7 +150,9 @@ class Client:
         target = _target(self.socket)
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)])
         self._stub = pb_grpc.KVStoreStub(self._channel)
         try:
             self._hello = self._stub.Hello(pb.HelloRequest(), timeout=min(timeout_s, 5.0), wait_for_ready=False)

@@ -219,6 +219,15 @@ def test_duplicate_block_ids_are_refused(raw: Raw) -> None:
     raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "block_ids", raw.stub.SaveBlocks,
                pb.SaveBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
                                     keys=keys(2), block_ids=[0, 0]))
+    # and a load of a cached chain into one engine block twice
+    chain = keys(2, start=3000)
+    buf.numpy().view(np.uint8).reshape(4, 512)[:2] = [[1], [2]]
+    assert raw.stub.SaveBlocks(pb.SaveBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
+                                                    keys=chain, block_ids=[0, 1])).stored_blocks == 2
+    raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "block_ids", raw.stub.LoadBlocks,
+               pb.LoadBlocksRequest(session_id=raw.session, namespace_id=ns, buffers_id=b.buffers_id,
+                                    keys=chain, block_ids=[3, 3]))
+    assert (buf.numpy().view(np.uint8).reshape(4, 512)[3] == 0).all(), "the refused load copied into block 3"
 
 
 def test_a_save_refused_for_its_push_target_leaves_no_reservation(raw: Raw) -> None:

@@ -288,10 +288,8 @@ def test_a_placeholder_id_is_never_stored_as_a_blocks_bytes(env: tuple[BlockStor
     """Chunked prefill as README recommends: chunk 1 saves blocks 0-1; the engine frees them and
     names them by its null block 0 in chunk 2's save. Meanwhile the daemon evicted block 1 (a
     leaf). present is then 1, so the placeholder at index 1 is *copied*: the null block's bytes
-    are sealed as block 1 and served to every later load of the prompt."""
-    """Chunked prefill names its cached prefix by the null block; the daemon evicted part of that
-    prefix between the chunks, so the save would copy the placeholder: the null block's bytes were
-    stored as block 1 and served to every later load."""
+    are sealed as block 1 and served to every later load of the prompt. README: such a save is
+    refused (InvalidArgument), and nothing of it is stored."""
     from kvstored.buffers import TensorSource
     from kvstored.errors import InvalidArgument
     from kvstored_client import shm
@@ -318,12 +316,12 @@ def test_a_placeholder_id_is_never_stored_as_a_blocks_bytes(env: tuple[BlockStor
             except InvalidArgument as exc:
                 return str(exc)
 
-        asyncio.run(main())
+        outcome = asyncio.run(main())
+        assert isinstance(outcome, str), f"the save that would copy the placeholder was taken: {outcome}"
+        assert "block_ids[1] = 0" in outcome and "placeholder" in outcome, outcome
         block1 = store._namespaces[ns].index.get(keys[1])
-        if block1 is not None and block1.readable:
-            data = bytes(store._arena.view(block1.offset, BLOCK).data)
-            assert data == bytes([11]) * BLOCK, (
-                f"block 1 was stored with the placeholder's bytes ({data[0]}), not its own KV")
+        assert block1 is None or not block1.readable, "the refused save left block 1 readable"
+        assert store._namespaces[ns].index.get(keys[2]) is None, "the refused save left block 2 behind"
     finally:
         engine.close()
 

@@ -1,0 +1,45 @@
+"""Which SDK error a daemon status becomes (README: every failure is a KVStoreError subclass)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+import kvstored
+from kvstored_client.errors import from_rpc_error
+
+
+class Status(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize(("code", "details", "cls"), [
+    (grpc.StatusCode.INVALID_ARGUMENT, "block_ids[1] = 9 out of range", kvstored.InvalidArgument),
+    (grpc.StatusCode.NOT_FOUND, "unknown buffers 7", kvstored.NotFound),
+    (grpc.StatusCode.FAILED_PRECONDITION, "peers are off", kvstored.FailedPrecondition),
+    (grpc.StatusCode.FAILED_PRECONDITION, "lease 3 expired before it was released", kvstored.LeaseExpired),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "no room", kvstored.ResourceExhausted),
+    (grpc.StatusCode.UNAVAILABLE, "connect failed", kvstored.DaemonNotRunning),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "deadline", kvstored.DeadlineExceeded),
+    (grpc.StatusCode.INTERNAL, "a bug", kvstored.KVStoreError),
+])
+def test_each_status_becomes_its_sdk_error_with_the_daemons_reason(code: grpc.StatusCode, details: str,
+                                                                    cls: type) -> None:
+    err = from_rpc_error(Status(code, details))
+    assert type(err) is cls and isinstance(err, kvstored.KVStoreError)
+    assert str(err) == details and err.code == code
+
+
+def test_sdk_errors_are_also_the_builtin_errors_callers_catch() -> None:
+    assert issubclass(kvstored.InvalidArgument, ValueError)
+    assert issubclass(kvstored.DeadlineExceeded, TimeoutError)
+    assert issubclass(kvstored.LeaseExpired, kvstored.FailedPrecondition)
+    for name in ("ClientClosed", "DaemonNotRunning", "NotFound", "ResourceExhausted"):
+        assert issubclass(getattr(kvstored, name), kvstored.KVStoreError)
