@@ -303,14 +303,9 @@ class BlockStore:
     # -- namespaces -------------------------------------------------------------------------
     def open_namespace(self, spec: Namespace) -> NamespaceState:
         """Create or find the namespace of ``spec``; its block size in bytes is fixed once known."""
-        try:
-            spec.validate()
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
-        if spec.hash_algo != "sha256_cbor" and not self._config.keys.allow_fast_hash:
-            raise InvalidArgument(f"namespace.hash_algo {spec.hash_algo!r} is disabled on this daemon "
-                                  "(set keys.allow_fast_hash = true on trusted single-tenant nodes)")
-        self._check_block_bytes(spec.block_bytes)
+        why = self._refusal_of(spec)
+        if why:
+            raise InvalidArgument(why)
         namespace_id = spec.identity()
         state = self._namespaces.get(namespace_id)
         if state is None:
@@ -318,6 +313,22 @@ class BlockStore:
         elif spec.block_bytes:
             self._fix_block_bytes(state, spec.block_bytes)
         return state
+
+    def _refusal_of(self, spec: Namespace) -> str:
+        """Why this daemon cannot hold ``spec``'s blocks as configured ("" when it can): opened
+        by a client, or found on SSD at restart (the config may have changed since)."""
+        try:
+            spec.validate()
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+        if spec.hash_algo != "sha256_cbor" and not self._config.keys.allow_fast_hash:
+            return (f"namespace.hash_algo {spec.hash_algo!r} is disabled on this daemon "
+                    "(set keys.allow_fast_hash = true on trusted single-tenant nodes)")
+        try:
+            self._check_block_bytes(spec.block_bytes)
+        except InvalidArgument as exc:
+            return str(exc)
+        return ""
 
     def _add_namespace(self, namespace_id: int, spec: Namespace) -> NamespaceState:
         state = NamespaceState(namespace_id, spec, PrefixIndex(namespace_id))
@@ -522,8 +533,13 @@ class BlockStore:
             block.offset = offset
             done: asyncio.Future[bool] = loop.create_future()
             self._promoting[block] = done
-            read = self._ssd.read_into(block.index.namespace_id, block.key,
-                                       self._arena.view(offset, self._block_bytes(block)))
+            read: Future[None]
+            try:
+                read = self._ssd.read_into(block.index.namespace_id, block.key,
+                                           self._arena.view(offset, self._block_bytes(block)))
+            except Exception as exc:   # it could not start (the read pool shut down): a failed read,
+                read = Future()        # so that the slot goes back and the waiters learn of it
+                read.set_exception(exc)
             self._spawn(self._finish_promotion(block, read, done))
             waits.append((i, done))
             started.append((block, done))
@@ -567,10 +583,15 @@ class BlockStore:
         parent for a leaf. A task of its own, so that a cancelled lookup cannot leave a slot
         untracked (hence never evicted); the blocks are pinned until their readers are done."""
         await asyncio.gather(*(done for _, done in started))
+        if not started:
+            return
+        policy = self._dram_for(started[0][0])
+        # not those tracked meanwhile: one that landed early may have lost its slot (its reader
+        # gone) and come up again in a later batch, already tracked (and maybe hit) since
         landed = [block for block, done in started if done.result() and block.offset != NO_SLOT
-                  and block.flags & SEALED and block not in self._promoting]
+                  and block.flags & SEALED and block not in self._promoting and block not in policy]
         if landed:
-            self._dram_for(landed[0]).inserted(landed)
+            policy.inserted(landed)
 
     def _hit(self, blocks: Sequence[Block]) -> None:
         """Tell the tiers' policies that a lookup hit ``blocks``, a prefix of one namespace's chain.
@@ -810,8 +831,10 @@ class BlockStore:
         self._remove_if_hollow(block.parent)
 
     def _remove_if_hollow(self, block: Block | None) -> None:
+        # a block may have gone already: callers walk a prefix deepest first, and a hollow child's
+        # removal takes its hollow parent along
         while block is not None and block.sealed and not block.readable and block.children == 0 \
-                and block.pins == 0 and block not in self._promoting:
+                and block.pins == 0 and block not in self._promoting and block.index.get(block.key) is block:
             parent = block.parent
             block.index.remove(block)
             block = parent
@@ -887,10 +910,16 @@ class BlockStore:
             if self._ssd is None or self._clock() < self._ssd_backoff_until or self._dirty_bytes <= limit:
                 continue
             try:
-                if await self._write_back(self._dirty_bytes - limit, force=False, models=None):
-                    self._writeback_wanted.set()  # more to do: go again at once
+                wrote = await self._write_back(self._dirty_bytes - limit, force=False, models=None)
             except Exception:  # a bug here must not stop write-back for good
                 log.exception("write-back round failed")
+                wrote = 0
+            if wrote:
+                self._writeback_wanted.set()  # more to do: go again at once
+            else:
+                # Nothing could go (ssd.admission refused it all, no room): every save and every
+                # reclaim asks again, and a round scans every DRAM-only block, so wait a while.
+                await asyncio.sleep(interval_s)
 
     async def _write_back(self, nbytes: float, force: bool, models: set[int] | None,
                           among: Sequence[Block] | None = None) -> int:
@@ -1037,9 +1066,10 @@ class BlockStore:
     def restore(self) -> RestoreReport:
         """Rebuild namespaces and the index from the SSD tier (at start, before serving).
 
-        Records that do not decode, whose namespace is unknown, whose parent is missing or whose
-        length is wrong are deleted from disk and counted; payload checksums are verified when a
-        block is read, so a corrupt payload is still never served.
+        Records that do not decode, whose namespace is unknown (or one this config refuses:
+        blocks larger than ``dram.page_bytes``, a fast hash not allowed), whose parent is missing
+        or whose length is wrong are deleted from disk and counted; payload checksums are
+        verified when a block is read, so a corrupt payload is still never served.
         """
         if self._ssd is None:
             return RestoreReport(0, 0, 0)
@@ -1047,6 +1077,13 @@ class BlockStore:
             try:
                 spec = Namespace(**json.loads(raw))
             except (TypeError, ValueError):
+                continue
+            why = self._refusal_of(spec)
+            if why:
+                # the config changed since (dram.page_bytes lowered, keys.allow_fast_hash turned
+                # off): a client could not open it now, so its blocks go as those of a namespace
+                # restore does not know
+                log.warning("not restoring namespace of model %r: %s", spec.model, why)
                 continue
             if spec.identity() == namespace_id and namespace_id not in self._namespaces:
                 self._add_namespace(namespace_id, spec)

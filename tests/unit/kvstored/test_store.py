@@ -667,3 +667,33 @@ def test_an_engine_killed_mid_save_leaves_no_doomed_lease_behind(
     finally:
         gate.set()
         engine.close()
+
+
+@pytest.mark.parametrize("spec, changed, refusal", [
+    (Namespace(block_bytes=2 * BLOCK), {"dram": {"page_bytes": BLOCK}}, "page_bytes"),
+    (Namespace(block_bytes=2 * BLOCK, hash_algo="xxh3_128"), {"keys": {"allow_fast_hash": False}}, "disabled"),
+])
+def test_a_restart_under_a_config_that_refuses_a_namespace_does_not_restore_it(
+        tmp_path: Path, spec: Namespace, changed: dict[str, dict[str, object]], refusal: str) -> None:
+    """dram.page_bytes lowered below a namespace's block size between two runs: restore took the
+    namespace and its blocks back all the same, and every leasing lookup of them (and every
+    prefetch, every pull of that namespace) then failed inside the slot allocator
+    (AssertionError: an internal error for the client) instead of being refused as on a fresh
+    daemon. Such blocks cannot be brought to DRAM here: they are dropped like records of a
+    namespace restore does not know. The same for a namespace whose fast hash is no longer allowed."""
+    keys = [k[:spec.digest_size] for k in chain(2)]
+    with _ssd_store(tmp_path, {"keys": {"allow_fast_hash": True}}) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(spec).namespace_id
+        r = store.reserve(s, ns, KeyRequest(hashes=keys), 2 * BLOCK)
+        assert store.seal(s, r.reservation_id) == 2
+        assert asyncio.run(store.flush()) == 2
+    with _ssd_store(tmp_path, changed) as (store, _):   # restarted
+        report = store.restore()
+        assert (report.blocks, report.dropped) == (0, 2)
+        assert store.stats().tiers[1].used_bytes == 0
+        with pytest.raises(InvalidArgument, match=refusal):
+            store.open_namespace(spec)
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        assert lookup(store, ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s).blocks == 0

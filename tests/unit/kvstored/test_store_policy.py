@@ -492,3 +492,128 @@ def test_ssd_ancestors_held_by_another_chain_do_not_make_a_round_empty_the_tier(
         written = asyncio.run(store._write_back(float("inf"), force=False, models=None))
         assert written or idx.get(x[0]) is not None, \
             "write-back emptied the SSD tier for a round it could not make room for"
+
+
+def test_a_promotion_whose_read_cannot_start_frees_its_slot_and_its_waiters(tmp_path: Path) -> None:
+    """SSDTier.read_into raises at once when its read pool is shut down (the daemon stopping):
+    _ensure_dram had already given the block a slot and registered the promotion, so the block
+    stayed 'promoting' for ever with the slot: the next reader waited on it for ever, and the
+    block could never be evicted again. The read counts as failed: the slot goes back, the block
+    stays on SSD."""
+    with make_store(tmp_path, dram="lru", ssd="lru") as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        keys = chain(2, 555_000)
+        _to_ssd_only(store, s, ns, keys)
+        assert store._ssd is not None
+        store._ssd._readers.shutdown(wait=True)
+
+        async def run() -> None:
+            r = await asyncio.wait_for(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s), 30)
+            assert r.blocks == 0
+            second = await asyncio.wait_for(store.checkout(ns, keys[0]), 30)   # was: waited for ever
+            assert second is None
+            await asyncio.wait_for(store.drain(), 30)
+
+        asyncio.run(run())
+        assert not store._promoting
+        blocks = [store._namespaces[ns].index.get(k) for k in keys]
+        assert all(b is not None and b.pins == 0 and not b.in_dram and b.on_ssd for b in blocks)
+        assert store.stats().tiers[0].used_bytes == 0, "a slot was kept by a promotion that never started"
+        assert store.stats().tiers[1].blocks == 2 and store.evict(tier=Tier.SSD) == 2
+
+
+def test_a_block_promoted_twice_meanwhile_keeps_its_hits_when_the_first_batch_lands(tmp_path: Path) -> None:
+    """A promotion batch hands its blocks to the DRAM policy only once all of them landed. A block
+    that landed early, whose reader gave up, may lose its slot and come up again in a second batch
+    (tracked when that one lands, then hit); when the first batch finally lands it inserted the
+    block a second time: its use record started afresh, the hits it earned since forgotten (under
+    LFU and credit it became the first to go)."""
+    import concurrent.futures
+    with make_store(tmp_path, dram="lfu", ssd="lru") as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        keys = chain(2, 333_000)
+        _to_ssd_only(store, s, ns, keys)
+        ssd = store._ssd
+        assert ssd is not None
+        real_read = ssd.read_into
+        held: dict[str, object] = {}
+
+        def read_into(namespace_id, key, view):  # type: ignore[no-untyped-def]
+            if key == keys[1] and not held:     # the first read of block 1 waits for the test
+                fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+                held.update(fut=fut, args=(namespace_id, key, view))
+                return fut
+            return real_read(namespace_id, key, view)
+
+        ssd.read_into = read_into  # type: ignore[method-assign]
+        a = store._namespaces[ns].index.get(keys[0])
+        assert a is not None
+
+        async def run() -> None:
+            first = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s))
+            for _ in range(500):
+                await asyncio.sleep(0.01)
+                if a.in_dram and a not in store._promoting:
+                    break
+            assert a.in_dram and a not in store._promoting, "block 0 should have landed"
+            first.cancel()                                  # the reader gives up
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            assert store.evict(tier=Tier.DRAM) == 1         # block 0 back on SSD only
+            again = await store.lookup(ns, KeyRequest(hashes=keys[:1]), lease=True, session_id=s)
+            assert again.blocks == 1
+            store.release(s, again.lease_id)
+            policy = store._dram_for(a)
+            for _ in range(100):                            # the second batch is tracked
+                await asyncio.sleep(0)
+                if a in policy:
+                    break
+            assert a in policy
+            for _ in range(2):
+                assert (await store.lookup(ns, KeyRequest(hashes=keys[:1]))).blocks == 1
+            assert policy._uses.get(a).hits == 2            # type: ignore[attr-defined]
+            fut = held["fut"]
+            real_read(*held["args"]).result(5)              # type: ignore[misc]
+            fut.set_result(None)                            # type: ignore[union-attr]
+            await asyncio.sleep(0.05)
+            await store.drain()                             # the first batch lands at last
+            use = policy._uses.get(a)                       # type: ignore[attr-defined]
+            assert use is not None and use.hits == 2, "block 0's hits were forgotten"
+
+        asyncio.run(run())
+
+
+def test_write_back_that_admission_refuses_is_not_rescanned_on_every_save(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Was: under ssd.admission = never (or hit_before, cost refusing most blocks) DRAM stays above
+    the write-back watermark, every save and every reclaim woke the write-back loop, and each
+    round scanned every DRAM-only block on the event loop: a pass over the arena per save."""
+    with make_store(tmp_path, dram="lru", ssd="lru", admission="never") as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        rounds = 0
+        real = store._write_back
+
+        async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal rounds
+            rounds += 1
+            return await real(*args, **kwargs)
+
+        monkeypatch.setattr(store, "_write_back", counted)
+
+        async def main() -> None:
+            loop = asyncio.ensure_future(store.writeback_loop(interval_s=30.0))
+            try:
+                for i in range(40):     # 40 saves of one block each, arena of 8: all over the watermark
+                    assert save(store, s, ns, chain(1, 1000 * i)) == 1
+                    await asyncio.sleep(0.001)
+            finally:
+                loop.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loop
+
+        asyncio.run(main())
+        assert store.stats().tiers[1].used_bytes == 0        # never admitted, as configured
+        assert 1 <= rounds <= 2, f"{rounds} write-back rounds for 40 saves"
