@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import math
 import mmap
 import os
 import queue
@@ -209,12 +210,28 @@ class Client:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return DeadlineExceeded(f"kvstored on {self.socket} did not answer within {self._timeout:g} s "
                                     "(Client timeout_s)")
+        if _unknown_namespace(exc):
+            # a restarted daemon that has not heard of the namespace (calls without a session never
+            # see the restart): the next call opens it again
+            self._namespace_ids.clear()
         return from_rpc_error(exc)
 
     def _call(self, method: Callable[..., T], request: Any) -> T:
         self._check_open()
         try:
-            return method(request, timeout=self._timeout)
+            try:
+                return method(request, timeout=self._timeout)
+            except grpc.RpcError as exc:
+                ns_id = getattr(request, "namespace_id", 0)
+                known = [ns for ns, entry in list(self._namespace_ids.items()) if entry[0] == ns_id]
+                if not (ns_id and known and _unknown_namespace(exc)):
+                    raise
+                # The daemon restarted and lost the namespace (none was persisted, or it runs
+                # without an SSD tier): open it again (its id is its identity) and retry once; the
+                # daemon refused the call before doing anything.
+                self._namespace_ids.pop(known[0], None)
+                request.namespace_id = self._ns(known[0])[0]
+                return method(request, timeout=self._timeout)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
         except ValueError:   # grpc's "Cannot invoke RPC on closed channel!"
@@ -282,6 +299,15 @@ class Client:
             opened = first.get(timeout=timeout)
         except queue.Empty:
             opened = self._no_session()
+        except BaseException:
+            # interrupted (KeyboardInterrupt): the stream would stay open, a session of the daemon
+            # (and two threads here) that nothing uses nor ends until the client closes
+            with self._lock:
+                if self._session_call is call:
+                    self._session_call = None
+            call.cancel()
+            done.set()
+            raise
         with self._lock:
             if not isinstance(opened, BaseException) and self._session_call is not call:
                 opened = DaemonNotRunning(f"kvstored on {self.socket} ended the session at once")
@@ -495,8 +521,15 @@ class Client:
             # of this prefix waiting until it expires
             self._release_now(session, resp.reservation_id)
             raise
-        sealed = self._call(self._stub.Seal, pb.SealRequest(
-            session_id=session, reservation_id=resp.reservation_id, push_to=push_to)).sealed_blocks
+        try:
+            sealed = self._call(self._stub.Seal, pb.SealRequest(
+                session_id=session, reservation_id=resp.reservation_id, push_to=push_to)).sealed_blocks
+        except BaseException:
+            # interrupted, or no answer (a deadline): the reservation would keep other writers of this
+            # prefix waiting until it expires. Sent in the background: releasing one the seal (or
+            # the daemon) ended already is a no-op
+            self._release_later(session, resp.reservation_id)
+            raise
         return SaveResult(first, sealed, spec.block_size)
 
     def load(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None, out: Any = None,
@@ -692,7 +725,8 @@ class Client:
         except ValueError:   # closed channel
             self._check_open()
             raise
-        return BlockStream(self, session, call, arena, spec.block_size, spec.block_bytes, started)
+        return BlockStream(self, session, call, arena, spec.block_size, spec.block_bytes, started,
+                           lambda: self._ns(ns)[1].block_bytes)
 
     def pull(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
              namespace: Namespace | None = None, cache_salt: str | None = None) -> StreamOutcome:
@@ -842,6 +876,11 @@ class Client:
         self.close()
 
 
+def _unknown_namespace(exc: grpc.RpcError) -> bool:
+    """Whether the daemon refused a call for a namespace id it does not know."""
+    return exc.code() == grpc.StatusCode.NOT_FOUND and (exc.details() or "").startswith("unknown namespace")
+
+
 def _per_tier(tiers: Sequence[int]) -> dict[str, int]:
     return {TIER_NAMES.get(tier, str(tier)): n for tier, n in Counter(tiers).items()}
 
@@ -922,7 +961,7 @@ class BlockStream:
     ``outcome`` afterwards. Leaving the loop early (or ``close``) cancels the rest."""
 
     def __init__(self, client: Client, session_id: str, call: Any, arena: np.ndarray | None, block_size: int,
-                 block_bytes: int, started: float) -> None:
+                 block_bytes: int, started: float, learn_block_bytes: Callable[[], int] | None = None) -> None:
         self._client = client
         self._started = started   # monotonic, before the call: the lease's clock starts later
         self._session_id = session_id
@@ -930,6 +969,9 @@ class BlockStream:
         self._arena = arena
         self._block_size = block_size
         self._block_bytes = block_bytes
+        # a namespace whose block size was not known when the stream started (another client's
+        # first save, or a peer's push, fixed it since): asked again when a block arrives
+        self._learn_block_bytes = learn_block_bytes
         self._keep_data = True
         self.outcome: StreamOutcome | None = None
 
@@ -945,6 +987,10 @@ class BlockStream:
             for event in self._call:
                 lease_id = lease_id or event.lease_id   # told first, so leaving early can release it
                 blocks = event.blocks
+                if blocks and not self._block_bytes and self._arena is not None and self._keep_data \
+                        and self._learn_block_bytes is not None:
+                    # else each arrival would carry 0 bytes of its block
+                    self._block_bytes = self._learn_block_bytes()
                 copied: dict[int, Any] = {}
                 for k, b in enumerate(blocks):
                     data = None
@@ -1035,7 +1081,8 @@ def _rows(kv: Any) -> np.ndarray:
                                   f"{tuple(kv.shape)}")
         if not kv.is_contiguous():
             raise InvalidArgument("kv tensor must be contiguous")
-        arr = kv.detach().reshape(kv.shape[0], -1).view(torch.uint8).numpy()
+        # the row width from the shape, not -1: a reshape cannot infer it for 0 rows
+        arr = kv.detach().reshape(kv.shape[0], math.prod(kv.shape[1:])).view(torch.uint8).numpy()
     else:
         arr = np.asarray(kv)
         if arr.ndim < 2:
@@ -1045,7 +1092,7 @@ def _rows(kv: Any) -> np.ndarray:
             raise InvalidArgument(f"kv must hold numbers, not {arr.dtype} objects")
         if not arr.flags.c_contiguous:
             raise InvalidArgument("kv array must be C-contiguous")
-        arr = arr.reshape(arr.shape[0], -1).view(np.uint8)
+        arr = arr.reshape(arr.shape[0], math.prod(arr.shape[1:])).view(np.uint8)
     if arr.ndim != 2 or arr.shape[1] == 0:
         raise InvalidArgument("kv must have one non-empty row per block")
     return arr

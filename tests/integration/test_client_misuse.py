@@ -350,3 +350,101 @@ def test_load_blocks_without_waiting_racing_close_is_client_closed(daemon, monke
             c.load_blocks(b, [0], np.arange(16), wait=False)
     finally:
         buf.close()
+
+
+def test_a_prompt_of_no_whole_block_saves_with_an_empty_kv(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: a kv (or out) of 0 rows raised numpy's ValueError / torch's RuntimeError ("cannot
+    reshape ... of size 0"), not an SDK error, although such a prompt has no block to store."""
+    import torch
+
+    assert client.save(np.arange(5), np.empty((0, 4096), np.uint8)) == kvstored.SaveResult(0, 0, 16)
+    assert client.save([], torch.empty((0, 8, 256), dtype=torch.bfloat16)).stored == 0
+    assert client.load([], out=np.empty((0, 4096), np.uint8)).data.shape == (0, 4096)
+    client.save(np.arange(32), rows(2))
+    with pytest.raises(kvstored.InvalidArgument, match="need 2 rows"):
+        client.load(np.arange(32), out=np.empty((0, 4096), np.uint8))
+    assert active_leases(client) == 0
+
+
+def test_a_client_without_a_session_follows_a_daemon_restart(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A router that only calls lookup (no session, so no session end to notice) kept the old
+    daemon's namespace id: after a restart of a daemon that did not persist the namespace every
+    lookup raised NotFound("unknown namespace ...: open it first"), for as long as the client
+    lived. README: "A client lives through a daemon restart"."""
+    d = daemon_factory("--set", "ssd.enabled=false")
+    ns = Namespace(model="router", block_bytes=4096)
+    c = kvstored.Client(d.socket, namespace=ns)
+    try:
+        assert c.lookup(np.arange(32)).blocks == 0
+        restart(d)
+        assert c.lookup(np.arange(32)).blocks == 0
+        assert c.prefetch(np.arange(32)).blocks == 0
+        with kvstored.Client(d.socket, namespace=ns) as other:
+            other.save(np.arange(32), rows(2))
+        assert c.lookup(np.arange(32)).blocks == 2
+    finally:
+        c.close()
+
+
+def test_an_interrupted_session_open_leaves_no_session_behind(daemon, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C while the first call waited for its session: the session stream stayed open (the
+    daemon counted a client, two SDK threads stayed), and the next call opened a second one."""
+    import queue
+
+    import kvstored_client.client as client_mod
+
+    class Interrupted(queue.Queue):   # type: ignore[type-arg]
+        def get(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            raise KeyboardInterrupt
+
+    with kvstored.Client(daemon.socket) as c:
+        monkeypatch.setattr(client_mod.queue, "Queue", Interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            c.save(np.arange(32), rows(2))
+        monkeypatch.undo()
+        clients, deadline = 1, time.monotonic() + 10
+        while clients and time.monotonic() < deadline:
+            clients = c.stats()["clients"]
+            time.sleep(0.02)
+        assert clients == 0
+        assert c.save(np.arange(32), rows(2)).stored == 2
+        assert c.stats()["clients"] == 1
+
+
+def test_a_save_interrupted_during_its_seal_gives_its_reservation_back(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C (or a deadline) in the Seal call: the reservation was held until it expired, and
+    every other writer of the prompt was told its blocks were being written (stored 0)."""
+    tokens, kv = np.arange(16 * 4), rows(4, seed=5)
+    with kvstored.Client(daemon.socket) as c, kvstored.Client(daemon.socket) as other:
+        def interrupted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise KeyboardInterrupt
+
+        c._stub.Seal = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            c.save(tokens, kv)
+        c._settle_releases()
+        assert other.save(tokens, kv).stored == 4
+        assert np.array_equal(other.load(tokens).data, kv)
+        assert active_leases(c) == 0
+
+
+def test_a_stream_whose_namespace_size_was_fixed_meanwhile_carries_whole_blocks(daemon) -> None:  # type: ignore[no-untyped-def]
+    """stream() without buffers copied each block with the block size the namespace had when the
+    call started: when another client's first save (or a peer's push) fixed it between that and
+    the daemon's lookup, every arrival carried 0 bytes, and the outcome said "complete"."""
+    ns = Namespace(model="sized-meanwhile")
+    tokens, kv = np.arange(16 * 3), rows(3, seed=7)
+    with kvstored.Client(daemon.socket) as c, kvstored.Client(daemon.socket) as other:
+        real_open = c._stub.OpenNamespace
+
+        def open_then_other_saves(request, **kwargs):  # type: ignore[no-untyped-def]
+            resp = real_open(request, **kwargs)
+            if request.spec.model == "sized-meanwhile" and not resp.spec.block_bytes:
+                other.save(tokens, kv, namespace=ns)   # the first save lands just after our answer
+            return resp
+
+        c._stub.OpenNamespace = open_then_other_saves
+        stream = c.stream(tokens, namespace=ns, peers=False)
+        got = [arrival.data for arrival in stream]
+        assert stream.outcome is not None and stream.outcome.complete
+        assert len(got) == 3 and all(np.array_equal(g, row) for g, row in zip(got, kv))
