@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,8 +50,22 @@ def export(tensor: Any) -> DeviceExport:
         from cupy.cuda import runtime
 
         ptr = int(tensor.data.ptr)
-        base = int(tensor.data.mem.ptr)  # start of the cupy allocation
+        # The IPC handle opens the whole CUDA allocation; cupy's memory pool carves many arrays
+        # out of one, so ``data.mem.ptr`` (the pool chunk) is not where the handle opens.
+        base = _allocation_base(ptr)
         handle = bytes(runtime.ipcGetMemHandle(base))
         uuid = runtime.getDeviceProperties(cupy.cuda.Device().id)["uuid"]
         return DeviceExport(handle, ptr - base, bytes(uuid).hex())
     raise ValueError("not a CUDA tensor")
+
+
+def _allocation_base(ptr: int) -> int:
+    """The start of the CUDA allocation holding device address ``ptr`` (the driver's
+    cuMemGetAddressRange; the calling thread has the device's context current, as cupy leaves
+    it). Raises ValueError when the driver does not know the address."""
+    driver = ctypes.CDLL("libcuda.so.1")
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise ValueError(f"cuMemGetAddressRange({ptr:#x}) failed with CUDA error {rc}")
+    return int(base.value)

@@ -95,3 +95,25 @@ def test_wrong_device_is_refused(daemon) -> None:  # type: ignore[no-untyped-def
         with pytest.raises(Exception, match="no device with UUID"):
             c._call(c._stub.RegisterBuffers, pb.RegisterBuffersRequest(
                 session_id=c._session(), namespace_id=ns_id, tensors=[desc]))
+
+
+def test_cupy_arrays_carved_from_one_pool_allocation_round_trip(daemon) -> None:  # type: ignore[no-untyped-def]
+    """cupy's memory pool splits one CUDA allocation between arrays: each must be registered at
+    its offset in that allocation (the IPC handle opens the whole of it), and the daemon must map
+    the allocation once for all of them."""
+    import cupy
+
+    big = cupy.empty(256 << 20, dtype=cupy.uint8)
+    del big   # back to the pool: the arrays below are carved out of this one allocation
+    src = [cupy.random.random(SHAPE, dtype=cupy.float32).astype(cupy.float16) for _ in range(2)]
+    dst = [cupy.zeros(SHAPE, dtype=cupy.float16) for _ in range(2)]
+    with kvstored.Client(daemon.socket) as c:
+        ns = kvstored.Namespace(model="gpu-cupy")
+        bs = c.register_buffers(src, block_dim=1, namespace=ns)
+        bd = c.register_buffers(dst, block_dim=1, namespace=ns)
+        tokens = list(range(16 * 4))
+        assert c.save_blocks(bs, [3, 4, 5, 6], tokens).stored == 4
+        assert c.load_blocks(bd, [0, 1, 2, 3], tokens).blocks == 4
+        cupy.cuda.Device().synchronize()
+        for s, d in zip(src, dst):
+            assert bool(cupy.array_equal(s[:, 3:7], d[:, 0:4]))

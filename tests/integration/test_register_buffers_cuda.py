@@ -47,3 +47,26 @@ def test_a_cupy_array_registers_with_its_strides_in_elements(client, monkeypatch
     assert list(desc.shape) == [2, 4, 16, 2, 8]
     assert list(desc.strides) == [s // 2 for s in arr.strides]
     assert desc.dtype == "float16"
+
+
+def test_a_cupy_array_from_the_memory_pool_is_exported_at_its_offset_in_the_allocation(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Review: the offset was taken from cupy's pool chunk (``data.mem.ptr``), but the IPC handle
+    opens the whole CUDA allocation the pool carved the chunk from: an array not at the start of
+    that allocation was registered at the wrong place, and the daemon copied other memory."""
+    import sys
+    import types
+
+    allocation, chunk, array_at = 0x7F00_0000_0000, 0x7F00_0040_0000, 0x7F00_0040_1000
+    asked: list[int] = []
+    runtime = types.SimpleNamespace(ipcGetMemHandle=lambda p: asked.append(p) or b"\1" * 64,
+                                    getDeviceProperties=lambda i: {"uuid": b"\2" * 16})
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(runtime=runtime, Device=lambda: SimpleNamespace(id=0))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cupy.cuda)  # type: ignore[attr-defined]
+    monkeypatch.setattr(cuda_export, "_allocation_base", lambda p: allocation if p >= allocation else p)
+    arr = CupyLikeArray((2, 4, 16, 2, 16), "float16")
+    arr.data = SimpleNamespace(ptr=array_at, mem=SimpleNamespace(ptr=chunk))  # type: ignore[attr-defined]
+    exported = cuda_export.export(arr)
+    assert asked == [allocation]
+    assert exported.offset == array_at - allocation
