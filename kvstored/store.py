@@ -653,11 +653,13 @@ class BlockStore:
             block.pins += 1
         return self._leases.add(session, kind, namespace_id, list(blocks), [], ttl_s)
 
-    def release(self, session_id: str, lease_id: int) -> None:
-        """End a read lease, or abort a reservation. FailedPrecondition when it already expired."""
+    def release(self, session_id: str, lease_id: int, reservation_only: bool = False) -> None:
+        """End a read lease, or abort a reservation (only a reservation with ``reservation_only``).
+        FailedPrecondition when it already expired."""
         session = self._session(session_id)
         lease = self._leases.get(lease_id)
-        if lease is None or lease.session_id != session_id:
+        if lease is None or lease.session_id != session_id \
+                or (reservation_only and lease.kind != LeaseKind.RESERVATION):
             if self._leases.was_expired(lease_id):
                 raise FailedPrecondition(f"lease {lease_id} expired before it was released "
                                          f"(ttl {self._config.leases.ttl_s:g}s); bytes read under it "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -46,19 +47,32 @@ def words(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 128_000, size=n)
 
 
-def connect(wait_s: float) -> kvstored.Client:
+def whole(tokens: np.ndarray) -> int:
+    """The tokens of ``tokens``' whole blocks (only those are stored)."""
+    return len(tokens) // BLOCK * BLOCK
+
+
+def connect(wait_s: float, daemon_pid: int = 0) -> kvstored.Client:
+    """A client of the daemon, waiting up to ``wait_s`` for it to serve; gives up at once when the
+    daemon process ``daemon_pid`` (the one demo.sh started) is gone."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             return kvstored.Client(client_name="demo")
         except kvstored.DaemonNotRunning:
+            if daemon_pid:
+                try:
+                    os.kill(daemon_pid, 0)
+                except ProcessLookupError:
+                    raise SystemExit(f"kvstored (pid {daemon_pid}) exited before serving") from None
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
 
 
-def serve(client: kvstored.Client, prompt: np.ndarray, label: str) -> np.ndarray:
-    """One request: reuse what is cached, 'prefill' the rest, save; returns the full KV."""
+def serve(client: kvstored.Client, prompt: np.ndarray, label: str, reuses: int = 0) -> np.ndarray:
+    """One request: reuse what is cached, 'prefill' the rest, save; returns the full KV.
+    ``reuses``: the leading tokens an earlier scenario stored, which must come back."""
     t0 = time.perf_counter()
     hit = client.lookup(prompt, namespace=NS)
     t_lookup = time.perf_counter() - t0
@@ -72,8 +86,14 @@ def serve(client: kvstored.Client, prompt: np.ndarray, label: str) -> np.ndarray
     mib = cached.blocks * reused[0].nbytes / 2**20 if cached.blocks else 0
     print(f"{label:<36} prompt {len(prompt):>5} tok | cached {hit.tokens:>5} tok "
           f"({100 * hit.tokens / len(prompt):3.0f}%) | lookup {t_lookup * 1e3:5.2f} ms | "
-          f"load {mib:6.1f} MiB in {t_load * 1e3:6.2f} ms | prefill {len(prompt) - hit.tokens:>5} tok "
+          f"load {mib:6.1f} MiB in {t_load * 1e3:6.2f} ms | prefill {len(prompt) - cached.tokens:>5} tok "
           f"| stored {saved.stored} new blocks")
+    # what the scenario is about: the prefix stored before comes back (the lookup and the load
+    # both find it), and this request's blocks are all stored for the next one
+    assert hit.tokens >= reuses and cached.tokens >= reuses, \
+        f"{label}: {reuses} tokens were stored before, but the lookup found {hit.tokens} and the load {cached.tokens}"
+    assert saved.present + saved.stored == len(full), \
+        f"{label}: {len(full)} blocks to keep, but {saved.present} were cached and {saved.stored} stored"
     return full
 
 
@@ -117,18 +137,23 @@ def two_nodes() -> Iterator[tuple[kvstored.Client, kvstored.Client]]:
         try:
             for name, port in zip(("prefill", "decode"), ports):
                 sock = str(Path(tmp) / f"{name}.sock")
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvstored", "--no-config", "--socket", sock, "--dram-capacity", "256MiB",
-                     "--set", "ssd.enabled=false", "--set", f"peers.listen=127.0.0.1:{port}",
-                     "--set", f"peers.node_id={name}", "--set", f"peers.static={static}",
-                     "--set", "peers.token=demo-token", "--log-level", "warning"],
-                    stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / f"{name}.log", "wb")))
+                log = Path(tmp) / f"{name}.log"
+                with open(log, "wb") as err:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "kvstored", "--no-config", "--socket", sock, "--dram-capacity",
+                         "256MiB", "--set", "ssd.enabled=false", "--set", f"peers.listen=127.0.0.1:{port}",
+                         "--set", f"peers.node_id={name}", "--set", f"peers.static={static}",
+                         "--set", "peers.token=demo-token", "--log-level", "warning"],
+                        stdout=subprocess.DEVNULL, stderr=err))
                 deadline = time.monotonic() + 30
                 while True:
                     try:
                         clients.append(kvstored.Client(sock, client_name=f"demo-{name}"))
                         break
                     except kvstored.DaemonNotRunning:
+                        if procs[-1].poll() is not None:   # its log goes with the temp directory: show it
+                            raise SystemExit(f"the {name} daemon exited ({procs[-1].returncode}) before serving:\n"
+                                             + log.read_text(errors="replace")) from None
                         if time.monotonic() > deadline:
                             raise
                         time.sleep(0.1)
@@ -138,7 +163,12 @@ def two_nodes() -> Iterator[tuple[kvstored.Client, kvstored.Client]]:
                 c.close()
             for p in procs:
                 p.terminate()
-                p.wait(30)
+            for p in procs:
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
 
 
 def disaggregated() -> None:
@@ -168,13 +198,19 @@ def disaggregated() -> None:
         t0 = time.perf_counter()
         stream = decode_node.stream(other, namespace=NS)
         first = 0.0
+        arrived: list[int] = []
         for arrival in stream:
             if arrival.index == 0:
                 first = time.perf_counter() - t0
+            assert arrival.tier == "peer", f"block {arrival.index} came from {arrival.tier!r}, not the peer"
             assert np.array_equal(arrival.data.view(np.float16).reshape(ROW_SHAPE), other_kv[arrival.index])
+            arrived.append(arrival.index)
         last = time.perf_counter() - t0
         out = stream.outcome
         assert out is not None and out.complete, out
+        assert hit.per_peer.get("prefill") == len(other_kv), f"lookup(peers=True) saw {hit.per_peer}"
+        assert arrived == list(range(len(other_kv))) and out.blocks == len(other_kv), \
+            f"{len(other_kv)} blocks to stream, in order; {len(arrived)} arrived ({out.blocks} by the outcome)"
         print(f"{'5b. decode node streams from peer':<36} lookup(peers=True) {hit.per_tier}, per peer "
               f"{hit.per_peer}; first block after {first * 1e3:.1f} ms, all {out.blocks} after {last * 1e3:.1f} ms")
 
@@ -182,18 +218,21 @@ def disaggregated() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--wait", type=float, default=0, help="seconds to wait for the daemon")
+    parser.add_argument("--daemon-pid", type=int, default=0,
+                        help="the daemon's process: stop waiting for it as soon as it is gone")
     args = parser.parse_args()
-    with connect(args.wait) as client:
+    with connect(args.wait, args.daemon_pid) as client:
         print(f"connected to kvstored {client.daemon_version} on {client.socket}\n")
         system = words(1, 1024)
         serve(client, np.concatenate([system, words(2, 200)]), "1. first request (cold)")
-        serve(client, np.concatenate([system, words(3, 180)]), "2. same system prompt, new question")
+        serve(client, np.concatenate([system, words(3, 180)]), "2. same system prompt, new question",
+              reuses=whole(system))
         turn1 = np.concatenate([system, words(4, 300)])
-        serve(client, turn1, "3a. conversation, turn 1")
+        serve(client, turn1, "3a. conversation, turn 1", reuses=whole(system))
         turn2 = np.concatenate([turn1, words(5, 120), words(6, 90)])  # + answer + next question
-        serve(client, turn2, "3b. conversation, turn 2")
+        serve(client, turn2, "3b. conversation, turn 2", reuses=whole(turn1))
         turn3 = np.concatenate([turn2, words(8, 100), words(9, 60)])
-        serve(client, turn3, "3c. conversation, turn 3")
+        serve(client, turn3, "3c. conversation, turn 3", reuses=whole(turn2))
         engine_buffers(client)
     disaggregated()
     return 0

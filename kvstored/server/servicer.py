@@ -90,18 +90,29 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             return
         session = self._store.open_session(first.client_name, first.pid)
         log.info("session %s opened by %s (pid %d)", session.session_id[:8], first.client_name, first.pid)
+        closing = asyncio.ensure_future(self._shutting_down.wait())
+        reader: asyncio.Future[object] | None = None
         try:
             await context.write(pb.SessionEvent(session_id=session.session_id, arena_path=str(self._arena.path),
                                                 arena_bytes=self._arena.capacity, packed_keys=True))
-            reader = asyncio.ensure_future(context.read())
-            closing = asyncio.ensure_future(self._shutting_down.wait())
-            done, _ = await asyncio.wait({reader, closing}, return_when=asyncio.FIRST_COMPLETED)
-            if closing in done:
-                await context.write(pb.SessionEvent(session_id=session.session_id, closing=True))
-            for task in (reader, closing):
-                task.cancel()
+            while True:
+                reader = asyncio.ensure_future(context.read())
+                done, _ = await asyncio.wait({reader, closing}, return_when=asyncio.FIRST_COMPLETED)
+                if closing in done:
+                    await context.write(pb.SessionEvent(session_id=session.session_id, closing=True))
+                    break
+                if reader.result() is grpc.aio.EOF:
+                    break
+                # A later message carries nothing: the session lasts until the client ends its
+                # side of the stream or goes away (ending the session here dropped its leases,
+                # reservations and buffers under a client that was still using them).
         finally:
-            # Client closed, died (the RPC is cancelled) or the daemon is stopping.
+            # Client closed, died (the RPC is cancelled) or the daemon is stopping. Cancelled,
+            # the wait above leaves both tasks pending: the one on the shutdown event would stay
+            # for the daemon's lifetime, one for every client that ever went away.
+            for task in (reader, closing):
+                if task is not None:
+                    task.cancel()
             self._store.close_session(session.session_id)
             log.info("session %s closed", session.session_id[:8])
 
@@ -149,9 +160,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         except KVError:
             # The save fails as a whole: give its reservation back, or the blocks written into
             # it stay unsealed (slots held, every other writer of the prefix blocked) until it
-            # expires. The client releases nothing after a failed seal.
+            # expires. The client releases nothing after a failed seal. (Only a reservation:
+            # the id of one of the session's read leases leaves that lease alone.)
             with contextlib.suppress(KVError):
-                self._store.release(request.session_id, request.reservation_id)
+                self._store.release(request.session_id, request.reservation_id, reservation_only=True)
             raise
         namespace_id, chain = self._store.reservation_chain(request.session_id, request.reservation_id)
         sealed = self._store.seal(request.session_id, request.reservation_id)

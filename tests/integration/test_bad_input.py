@@ -243,3 +243,16 @@ def test_a_save_refused_for_its_push_target_leaves_no_reservation(raw: Raw) -> N
     assert raw.state() == before, "the refused save left something behind"
     assert raw.client.save(tokens, kv).stored == 3
     assert np.array_equal(raw.client.load(tokens).data, kv)
+
+
+def test_a_seal_refused_for_its_push_target_leaves_a_read_lease_of_that_id_alone(raw: Raw) -> None:
+    """(review) A refused Seal gives its reservation back, but it gave back whatever lease had
+    the id: a Seal naming one of the session's read leases (a client mixing up its ids) ended
+    that lease, unpinning blocks the client was reading, and its Release then failed."""
+    chain = pb.BlockKeys(hashes=kvstored.block_hashes(np.arange(64)))
+    lease = raw.stub.Lookup(pb.LookupRequest(namespace_id=raw.ns, lease=True, session_id=raw.session, keys=chain),
+                            timeout=10)
+    assert lease.hit_blocks == 4 and lease.lease_id
+    raw.expect(grpc.StatusCode.FAILED_PRECONDITION, "peers are off", raw.stub.Seal,
+               pb.SealRequest(session_id=raw.session, reservation_id=lease.lease_id, push_to="decode-0"))
+    raw.stub.Release(pb.ReleaseRequest(session_id=raw.session, lease_id=lease.lease_id), timeout=10)

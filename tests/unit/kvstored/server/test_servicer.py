@@ -5,6 +5,7 @@ never a hang)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -129,3 +130,113 @@ def test_a_stream_from_a_silent_peer_ends_before_the_callers_deadline() -> None:
 
     end = asyncio.run(main())
     assert end.blocks == 0 and end.stop != "complete", end
+
+
+class SessionContext:
+    """What Session uses of grpc.aio.ServicerContext: the client's messages come from a queue
+    (``grpc.aio.EOF`` when the client ends its side), the daemon's events are kept."""
+
+    def __init__(self) -> None:
+        self.incoming: asyncio.Queue[object] = asyncio.Queue()
+        self.written: list[pb.SessionEvent] = []
+
+    async def read(self) -> object:
+        return await self.incoming.get()
+
+    async def write(self, event: pb.SessionEvent) -> None:
+        self.written.append(event)
+
+
+class SessionStore:
+    """The store's session calls, recorded."""
+
+    def __init__(self) -> None:
+        self.opened: list[str] = []
+        self.closed: list[str] = []
+
+    def open_session(self, client_name: str, pid: int) -> Any:
+        from kvstored.leases import Session
+
+        self.opened.append(f"s{len(self.opened)}")
+        return Session(self.opened[-1], client_name, pid)
+
+    def close_session(self, session_id: str) -> None:
+        self.closed.append(session_id)
+
+
+class StubArena:
+    path = "/dev/shm/kvstored-test-arena"
+    capacity = 1 << 20
+
+
+async def settle() -> None:
+    """Let the handler run until it waits on its client (a bounded number of loop turns)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def test_a_session_whose_client_went_away_leaves_no_task_behind() -> None:
+    """(review) A client that dies, or an SDK that closes (it cancels the call), cancels the
+    Session handler while it waits for the client's next message or the daemon's shutdown: the
+    two tasks it waited on were cancelled only on the other paths, so the one waiting for the
+    shutdown event stayed pending for the daemon's lifetime, one more for every session ever
+    closed that way."""
+
+    async def main() -> list[asyncio.Task[Any]]:
+        store = SessionStore()
+        servicer = KVStoreServicer(store, StubArena(), 30.0, 64, asyncio.Event())  # type: ignore[arg-type]
+        context = SessionContext()
+        context.incoming.put_nowait(pb.SessionRequest(client_name="engine", pid=1))
+        call = asyncio.ensure_future(servicer.Session(None, context))  # type: ignore[arg-type]
+        await settle()
+        assert [e.session_id for e in context.written] == ["s0"]
+        call.cancel()   # the client went away
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        await settle()
+        assert store.closed == ["s0"]
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+
+    assert asyncio.run(main()) == []
+
+
+def test_a_session_lasts_until_its_client_ends_its_side_whatever_else_it_sends() -> None:
+    """(review) The handler took any second message on the stream for its end: a client that sent
+    one more SessionRequest (a raw client saying hello again, a keep-alive) lost its session,
+    and with it its leases, reservations and buffers, while still using them."""
+
+    async def main() -> None:
+        store = SessionStore()
+        servicer = KVStoreServicer(store, StubArena(), 30.0, 64, asyncio.Event())  # type: ignore[arg-type]
+        context = SessionContext()
+        context.incoming.put_nowait(pb.SessionRequest(client_name="engine", pid=1))
+        context.incoming.put_nowait(pb.SessionRequest(client_name="engine", pid=1))
+        async with asyncio.timeout(5):   # a hang fails the test instead of stalling the suite
+            call = asyncio.ensure_future(servicer.Session(None, context))  # type: ignore[arg-type]
+            await settle()
+            assert store.closed == [] and not call.done(), "a second message ended the session"
+            context.incoming.put_nowait(grpc.aio.EOF)   # the client closes its side
+            await call
+        assert store.closed == ["s0"]
+        assert [e.session_id for e in context.written] == ["s0"]
+
+    asyncio.run(main())
+
+
+def test_a_session_ends_with_a_closing_event_when_the_daemon_stops() -> None:
+    async def main() -> None:
+        store = SessionStore()
+        stopping = asyncio.Event()
+        servicer = KVStoreServicer(store, StubArena(), 30.0, 64, stopping)  # type: ignore[arg-type]
+        context = SessionContext()
+        context.incoming.put_nowait(pb.SessionRequest(client_name="engine", pid=1))
+        async with asyncio.timeout(5):
+            call = asyncio.ensure_future(servicer.Session(None, context))  # type: ignore[arg-type]
+            await settle()
+            stopping.set()
+            await call
+        assert store.closed == ["s0"]
+        assert [e.closing for e in context.written] == [False, True]
+        assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()] == []
+
+    asyncio.run(main())
