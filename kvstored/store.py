@@ -1782,6 +1782,16 @@ class BlockStore:
         """Sealed blocks whose only copy is in DRAM (lost when the daemon stops)."""
         return sum(1 for block in self._dirty if block.sealed and block.in_dram and not block.on_ssd)
 
+    async def quiesce(self, timeout_s: float) -> bool:
+        """Wait until no request has a copy in flight (no busy lease), for at most ``timeout_s``;
+        whether none has. Shutdown waits so before it ends the sessions: ending one dooms its
+        busy leases, and a save whose reservation is doomed stores nothing."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while self._busy and loop.time() < end:
+            await asyncio.sleep(0.01)   # shutdown only: polling costs nothing that matters
+        return not self._busy
+
     async def drain(self) -> None:
         """Wait for background promotions and write-backs in flight (shutdown)."""
         if self._background:

@@ -314,8 +314,14 @@ async def serve(cfg: Config) -> int:
     log.info("shutting down: finishing in-flight calls")
     sdnotify.notify("STOPPING=1")
     await health_servicer.enter_graceful_shutdown()
+    # No new calls from here on; calls with a copy in flight finish under their sessions first
+    # (ending a session dooms its busy leases: a SaveBlocks copying at SIGTERM stored nothing).
+    stopping = asyncio.ensure_future(server.stop(cfg.server.shutdown_grace_s))
+    if not await store.quiesce(cfg.server.shutdown_grace_s):
+        log.warning("copies still in flight after %.0f s (server.shutdown_grace_s): ending their sessions",
+                    cfg.server.shutdown_grace_s)
     shutting_down.set()  # ends session streams so clients see the shutdown
-    await server.stop(cfg.server.shutdown_grace_s)
+    await stopping
     for task in tasks:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -89,6 +89,43 @@ def test_sigterm_finishes_in_flight_calls_and_exits_0(daemon) -> None:  # type: 
     assert "stopped" in daemon.log()
 
 
+def test_a_save_copying_at_sigterm_is_stored_not_cut_off(tmp_path: Path) -> None:
+    """Was: SIGTERM ended every session before the in-flight calls finished; a SaveBlocks still
+    copying had its reservation doomed and failed with nothing stored, though the README says
+    in-flight calls finish. 512 MiB copied from engine buffers keeps the call in flight while
+    the test sees its lease and sends SIGTERM."""
+    d = start_daemon(tmp_path, "--dram-capacity", "1GiB", "--set", "dram.page_bytes=4MiB",
+                     "--set", "ssd.enabled=false")
+    engine = kvstored.shm.empty((256, 2 << 20), "uint8")
+    engine.numpy()[:] = 7
+    outcome: list[object] = []
+    try:
+        with kvstored.Client(d.socket) as c, kvstored.Client(d.socket) as watcher:
+            buffers = c.register_buffers([engine.numpy()], 0, namespace=kvstored.Namespace(model="sigterm"))
+            tokens = np.arange(16 * 256)
+
+            def save() -> None:
+                try:
+                    outcome.append(c.save_blocks(buffers, list(range(256)), tokens))
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            t = threading.Thread(target=save)
+            t.start()
+            deadline = time.monotonic() + 10
+            # its reservation puts the blocks in the index (unsealed) before the copy starts
+            while not int(watcher.stats()["index_blocks"]) and not outcome and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert not outcome, f"the save ended before the test saw it in flight: {outcome}"
+            assert d.stop(signal.SIGTERM) == 0
+            t.join(30)
+        assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
+        assert outcome[0].stored == 256   # type: ignore[attr-defined]
+    finally:
+        engine.close()
+        d.stop()
+
+
 def test_sd_notify_ready_and_stopping(tmp_path: Path) -> None:
     notify_path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
