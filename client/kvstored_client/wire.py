@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client.hashing import DEFAULT_ALGO
 from kvstored_client.namespace import Namespace
 
 _FIELDS = [f.name for f in dataclasses.fields(Namespace)]
@@ -15,4 +16,9 @@ def namespace_to_pb(ns: Namespace) -> pb.NamespaceSpec:
 
 
 def namespace_from_pb(msg: pb.NamespaceSpec) -> Namespace:
-    return Namespace(**{name: getattr(msg, name) for name in _FIELDS})
+    """The namespace a message names; an empty ``hash_algo`` (a raw client that left it out, as
+    proto3 lets it) is the default algorithm, as the proto says, so it names the SDK's namespace."""
+    fields = {name: getattr(msg, name) for name in _FIELDS}
+    if not fields["hash_algo"]:
+        fields["hash_algo"] = DEFAULT_ALGO
+    return Namespace(**fields)

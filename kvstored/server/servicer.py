@@ -241,6 +241,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             if not task.done():
                 task.cancel()
+                # (as StreamBlocks does: its clean-up runs now, and an error in it is not lost)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         yield pb.LoadEvent(done=True)
 
     async def StreamBlocks(self, request: pb.StreamBlocksRequest,
