@@ -268,6 +268,7 @@ class BlockStore:
         self._buffers: dict[int, tuple[str, int, RegisteredBuffers]] = {}
         self._next_buffers_id = 1
         self._busy: set[int] = set()      # lease ids with a copy in flight
+        self._lookups_in_flight = 0       # leased lookups waiting for SSD reads (quiesce)
         self._doomed: set[int] = set()    # busy leases to end once their copy is done
         self._promoting: dict[Block, asyncio.Future[bool]] = {}
         self._background: set[asyncio.Task[object]] = set()
@@ -439,6 +440,9 @@ class BlockStore:
         ttl = self._config.leases.ttl_s
         if session is not None and hits:
             held = self._pin(session, LeaseKind.READ, namespace_id, hits, ttl)
+            # in flight for quiesce() while its blocks come up (its lease is not busy yet): a load
+            # or leased lookup at SIGTERM finishes before its session ends and takes the lease
+            self._lookups_in_flight += 1
             try:
                 n = await self._ensure_dram(hits)
             except BaseException:   # cancelled while blocks came up from SSD: the lease goes too
@@ -448,6 +452,8 @@ class BlockStore:
                     if not block.readable:
                         self._remove_if_hollow(block)
                 raise
+            finally:
+                self._lookups_in_flight -= 1
             if n < len(hits):
                 if self._leases.get(held.lease_id) is held:   # else its end unpinned them all
                     for block in hits[n:]:
@@ -1783,14 +1789,15 @@ class BlockStore:
         return sum(1 for block in self._dirty if block.sealed and block.in_dram and not block.on_ssd)
 
     async def quiesce(self, timeout_s: float) -> bool:
-        """Wait until no request has a copy in flight (no busy lease), for at most ``timeout_s``;
-        whether none has. Shutdown waits so before it ends the sessions: ending one dooms its
-        busy leases, and a save whose reservation is doomed stores nothing."""
+        """Wait until no request has a copy in flight (no busy lease) nor a leased lookup waiting
+        for SSD reads, for at most ``timeout_s``; whether none has. Shutdown waits so before it
+        ends the sessions: ending one dooms its busy leases (a save whose reservation is doomed
+        stores nothing) and ends the leases of lookups under way (a load then finds nothing)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s
-        while self._busy and loop.time() < end:
+        while (self._busy or self._lookups_in_flight) and loop.time() < end:
             await asyncio.sleep(0.01)   # shutdown only: polling costs nothing that matters
-        return not self._busy
+        return not (self._busy or self._lookups_in_flight)
 
     async def drain(self) -> None:
         """Wait for background promotions and write-backs in flight (shutdown)."""

@@ -792,3 +792,66 @@ def test_two_adjacent_corrupt_blocks_leave_the_index_without_an_error(ssd_env: t
     assert blocks == (0 if how == "lease" else 2)
     assert len(store._namespaces[ns].index) == 0
     assert store.stats().dropped_blocks == 2 and store.stats().tiers[1].used_bytes == 0
+
+
+@pytest.mark.parametrize("how", ["load", "lookup"])
+def test_shutdown_waits_for_a_load_still_reading_from_ssd(ssd_env: tuple[BlockStore, Clock], how: str) -> None:
+    """(review of the SIGTERM fix) Shutdown ends the sessions once quiesce() says no request is
+    in flight, and it only looked at busy leases: a LoadBlocks (or a leased Lookup) whose blocks
+    were still coming up from SSD holds a lease that is not busy yet, so quiesce() returned at
+    once, the session's end took the lease, and the call that was in flight at SIGTERM reported
+    a miss (0 blocks) instead of finishing, as the README promises in-flight calls do."""
+    import concurrent.futures
+    import threading
+
+    from kvstored.index import Tier
+    store, _ = ssd_env
+    s = store.open_session("decode", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    engine, buffers = _engine_buffers(store, s, ns)
+    a = chain(2)
+    assert store._ssd is not None
+    real_read = store._ssd.read_into
+    release = threading.Event()
+
+    def slow_read(*args, **kwargs):  # type: ignore[no-untyped-def]
+        done = real_read(*args, **kwargs)
+        out: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def finish() -> None:
+            release.wait(5)
+            try:
+                out.set_result(done.result())
+            except BaseException as exc:
+                out.set_exception(exc)
+        threading.Thread(target=finish, daemon=True).start()
+        return out
+
+    async def main() -> int:
+        r = store.reserve(s, ns, KeyRequest(hashes=a), BLOCK)
+        store.seal(s, r.reservation_id)
+        assert await store.flush() == 2
+        assert store.evict("", Tier.DRAM) == 2                 # on SSD only
+        store._ssd.read_into = slow_read  # type: ignore[method-assign, union-attr]
+        if how == "load":
+            call = asyncio.ensure_future(store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=a), [0, 1]))
+        else:
+            call = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=s))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert store._promoting and not call.done(), "the blocks should be on their way up from SSD"
+        # SIGTERM, as app.serve does it: wait for the calls in flight, then end the sessions
+        quiesce = asyncio.ensure_future(store.quiesce(5.0))
+        await asyncio.sleep(0.05)
+        release.set()                                          # the SSD reads end
+        assert await quiesce, "calls still in flight after the grace period"
+        store.close_session(s)
+        result = await call
+        await store.drain()
+        return len(result) if how == "load" else result.blocks  # type: ignore[union-attr, arg-type]
+
+    try:
+        assert asyncio.run(main()) == 2, "the call in flight at shutdown was cut off"
+    finally:
+        release.set()
+        engine.close()
