@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from dataclasses import dataclass
 from typing import Any
@@ -46,15 +47,17 @@ def export(tensor: Any) -> DeviceExport:
         uuid = str(torch.cuda.get_device_properties(tensor.device).uuid)
         return DeviceExport(handle, offset, uuid)
     if type(tensor).__module__.startswith("cupy"):
-        import cupy
         from cupy.cuda import runtime
 
         ptr = int(tensor.data.ptr)
-        # The IPC handle opens the whole CUDA allocation; cupy's memory pool carves many arrays
-        # out of one, so ``data.mem.ptr`` (the pool chunk) is not where the handle opens.
-        base = _allocation_base(ptr)
-        handle = bytes(runtime.ipcGetMemHandle(base))
-        uuid = runtime.getDeviceProperties(cupy.cuda.Device().id)["uuid"]
+        device = tensor.device
+        # the array's device, not the current one: the driver call and the UUID are per device
+        with device if hasattr(device, "__enter__") else contextlib.nullcontext():
+            # The IPC handle opens the whole CUDA allocation; cupy's memory pool carves many
+            # arrays out of one, so ``data.mem.ptr`` (the pool chunk) is not where it opens.
+            base = _allocation_base(ptr)
+            handle = bytes(runtime.ipcGetMemHandle(base))
+            uuid = runtime.getDeviceProperties(device.id)["uuid"]
         return DeviceExport(handle, ptr - base, bytes(uuid).hex())
     raise ValueError("not a CUDA tensor")
 

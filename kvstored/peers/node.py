@@ -269,6 +269,10 @@ class PeerNode:
         """How many leading keys ``peer`` holds, or why it could not say (each exchange bounded
         by ``timeout_s``, default ``peers.lookup_timeout_s``)."""
         timeout_s = self._cfg.lookup_timeout_s if timeout_s is None else timeout_s
+        # a question cut short by the asker's deadline: running out of that time is not the peer's fault
+        cut = timeout_s < self._cfg.lookup_timeout_s
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         conn = None
         try:
             conn = await self._acquire(peer, timeout_s)
@@ -276,7 +280,8 @@ class PeerNode:
             self._mark(peer)
             return held
         except PeerError as exc:
-            self._mark(peer, str(exc))
+            if not (cut and loop.time() - started >= timeout_s):
+                self._mark(peer, str(exc))
             return str(exc)
         finally:
             if conn is not None:
@@ -348,6 +353,10 @@ class PeerNode:
                                + f" passed after {done} block(s)")
             holders, errors = await self._ask(namespace_id, keys[done: done + FIRST_WINDOW],
                                               min(self._cfg.lookup_timeout_s, left))
+            if not holders and errors and loop.time() >= end:   # the question ran out of the fetch's time
+                return Fetched(done, "timeout", ("the caller's deadline" if callers else
+                                                 f"peers.deadline_s ({self._cfg.deadline_s:g}s)")
+                               + f" passed after {done} block(s) while the peers were asked")
             if not holders:
                 if not self._peers:
                     return Fetched(done, "no_peers", "this node has no peers")
@@ -365,7 +374,7 @@ class PeerNode:
             before = done
             for part in parts:
                 got, stop, detail = await self._fetch_from(peer, namespace_id, part, done, into, landed,
-                                                           max(0.0, end - loop.time()))
+                                                           max(0.0, end - loop.time()), callers)
                 done += got
                 if stop == "missing":
                     break      # this peer's run ends here: ask who holds the next block
@@ -377,8 +386,10 @@ class PeerNode:
         return Fetched(done, "complete")
 
     async def _fetch_from(self, peer: _Peer, namespace_id: int, keys: list[bytes], first: int, into: Into,
-                          landed: Landed, deadline_s: float) -> tuple[int, str, str]:
-        """One fetch request; keys[0] is block ``first`` of the caller's chain."""
+                          landed: Landed, deadline_s: float, callers: bool = False) -> tuple[int, str, str]:
+        """One fetch request; keys[0] is block ``first`` of the caller's chain. ``callers``: the
+        deadline is the caller's, shorter than peers.deadline_s (the peer is not marked down when
+        it runs out)."""
         node_id = peer.member.node_id
         conn = None
         arrived = 0
@@ -409,7 +420,8 @@ class PeerNode:
         if result.stop is Stop.MISSING:
             return result.delivered, "missing", result.detail
         if not result.complete:
-            self._mark(peer, f"fetch stopped after {result.delivered} block(s): {result.detail}")
+            if not (callers and result.stop is Stop.TIMEOUT):
+                self._mark(peer, f"fetch stopped after {result.delivered} block(s): {result.detail}")
             return result.delivered, result.stop.value, result.detail
         self._mark(peer)
         return result.delivered, "complete", ""

@@ -58,8 +58,9 @@ def test_a_cupy_array_from_the_memory_pool_is_exported_at_its_offset_in_the_allo
 
     allocation, chunk, array_at = 0x7F00_0000_0000, 0x7F00_0040_0000, 0x7F00_0040_1000
     asked: list[int] = []
+    devices: list[int] = []
     runtime = types.SimpleNamespace(ipcGetMemHandle=lambda p: asked.append(p) or b"\1" * 64,
-                                    getDeviceProperties=lambda i: {"uuid": b"\2" * 16})
+                                    getDeviceProperties=lambda i: devices.append(i) or {"uuid": b"\2" * 16})
     cupy = types.ModuleType("cupy")
     cupy.cuda = types.SimpleNamespace(runtime=runtime, Device=lambda: SimpleNamespace(id=0))  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "cupy", cupy)
@@ -67,6 +68,8 @@ def test_a_cupy_array_from_the_memory_pool_is_exported_at_its_offset_in_the_allo
     monkeypatch.setattr(cuda_export, "_allocation_base", lambda p: allocation if p >= allocation else p)
     arr = CupyLikeArray((2, 4, 16, 2, 16), "float16")
     arr.data = SimpleNamespace(ptr=array_at, mem=SimpleNamespace(ptr=chunk))  # type: ignore[attr-defined]
+    arr.device = SimpleNamespace(id=3)   # not the current device (0): its UUID is the one to send
     exported = cuda_export.export(arr)
     assert asked == [allocation]
     assert exported.offset == array_at - allocation
+    assert devices == [3]

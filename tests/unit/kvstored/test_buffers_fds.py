@@ -83,3 +83,31 @@ print("copied")
         assert out.stdout.startswith("refused: ResourceExhausted"), out.stdout
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a ramfs needs root")
+def test_a_file_on_a_filesystem_without_fallocate_is_not_written_by_the_registration(tmp_path: Path) -> None:
+    """(review of b26957a) The registration reserved the tensor's pages with os.posix_fallocate. On
+    a filesystem without fallocate (ramfs here) glibc emulates it: it reads one byte of every 4 KiB
+    block of the engine's buffers and writes a zero back where it read one, a read and a write per
+    page on the daemon's event loop, racing the engine, whose byte written between the two is
+    lost. The daemon must not write into a client's buffers to register them."""
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)]).returncode != 0:
+        pytest.skip("mount -t ramfs is not permitted here")
+    try:
+        layout = TensorLayout((64, 1 << 12), (1 << 12, 1), "uint8", 0)   # 64 blocks of a page each
+        path = mnt / "engine-kv"
+        with open(path, "wb") as fh:
+            fh.truncate(layout.extent_bytes)
+        os.utime(path, (1_000_000, 1_000_000))
+        buffers = RegisteredBuffers(1, str(mnt), [TensorSource("engine-kv", 0, layout)])
+        try:
+            assert os.stat(path).st_mtime == 1_000_000, "the registration wrote into the engine's buffers"
+            buffers.tensors[0].host[:] = 7   # and the mapping works as before
+            assert path.read_bytes() == bytes([7]) * layout.extent_bytes
+        finally:
+            buffers.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
