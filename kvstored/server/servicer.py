@@ -160,8 +160,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         except KVError:
             # The save fails as a whole: give its reservation back, or the blocks written into
             # it stay unsealed (slots held, every other writer of the prefix blocked) until it
-            # expires (the SDK releases it too, in the background: a second release is a no-op). (Only a reservation:
-            # the id of one of the session's read leases leaves that lease alone.)
+            # expires. (The SDK releases it too, in the background: a second release is a no-op.
+            # Only a reservation: the id of one of the session's read leases leaves it alone.)
             with contextlib.suppress(KVError):
                 self._store.release(request.session_id, request.reservation_id, reservation_only=True)
             raise
