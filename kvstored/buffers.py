@@ -116,6 +116,11 @@ class RegisteredBuffers:
         self._maps: list[mmap.mmap] = []
         self._cuda: object | None = None
         self.tensors: list[TensorMemory] = []
+        if len({bool(s.cuda_ipc_handle) for s in sources}) > 1:
+            # one copy primitive per registration: a shared-memory tensor among CUDA ones would
+            # be copied as if its file offset were a device address (and the reverse)
+            raise InvalidArgument("register_buffers: all tensors of one registration must be CUDA tensors "
+                                  "or all in shared memory")
         for i, src in enumerate(sources):
             try:
                 src.layout.validate()

@@ -48,18 +48,26 @@ def _host_copy(arena: Arena, t: TensorMemory, block_ids: BlockIds, offsets: Sequ
 def _run(arena: Arena, buffers: RegisteredBuffers, block_ids: BlockIds, offsets: Sequence[int],
          to_arena: bool, tensor_done: TensorDone | None) -> None:
     device = buffers.cuda
-    for index, t in enumerate(buffers.tensors):
-        if device is None:
-            t.check_backing(index)
-            _host_copy(arena, t, block_ids, offsets, to_arena)
-        else:
-            device.copy(arena, t, block_ids, offsets, to_arena)  # type: ignore[attr-defined]
-        if tensor_done is not None:
-            if device is not None:
-                # The device copies are only queued: a layer is complete once its stream has run
-                # them (reporting it earlier let an engine compute on a half-copied layer).
+    try:
+        for index, t in enumerate(buffers.tensors):
+            if device is None:
+                t.check_backing(index)
+                _host_copy(arena, t, block_ids, offsets, to_arena)
+            else:
+                device.copy(arena, t, block_ids, offsets, to_arena)  # type: ignore[attr-defined]
+            if tensor_done is not None:
+                if device is not None:
+                    # The device copies are only queued: a layer is complete once its stream has run
+                    # them (reporting it earlier let an engine compute on a half-copied layer).
+                    device.synchronize()  # type: ignore[attr-defined]
+                tensor_done(index)
+    except BaseException:
+        if device is not None:
+            # Copies queued before the failure still run on the stream: wait for them before the
+            # caller frees the slots (or the engine its buffers) they are reading or writing.
+            with contextlib.suppress(Exception):
                 device.synchronize()  # type: ignore[attr-defined]
-            tensor_done(index)
+        raise
     if device is not None:
         device.synchronize()  # type: ignore[attr-defined]
 

@@ -6,14 +6,23 @@ subprocess that opens the IPC handles with cupy and copies on its own stream).
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import signal
 import subprocess
 import sys
 
 import pytest
 
+# tools/gpu-check sets this: there a missing piece is a failure, not a skip that looks like a pass
+if os.environ.get("KVSTORED_REQUIRE_GPU") == "1":
+    for _module in ("torch", "cupy"):
+        if importlib.util.find_spec(_module) is None:
+            pytest.fail(f"KVSTORED_REQUIRE_GPU=1 but {_module} is not installed", pytrace=False)
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
+    if os.environ.get("KVSTORED_REQUIRE_GPU") == "1":
+        pytest.fail("KVSTORED_REQUIRE_GPU=1 but torch sees no CUDA device", pytrace=False)
     pytest.skip("no CUDA device on this host (CPU twin covers the same code above the copy)",
                 allow_module_level=True)
 pytest.importorskip("cupy", reason="the daemon's CUDA path needs cupy (extra 'cuda')")

@@ -72,3 +72,44 @@ def test_tensor_done_is_reported_only_once_the_tensors_copies_have_completed(tmp
         gate.set()
         engine.close()
         arena.close()
+
+
+class FailingDevice(AsyncDevice):
+    """Queues tensor 0's copies, then fails to queue tensor 1's (a CUDA error from
+    cudaMemcpy2DAsync): the copies already queued still run on the stream."""
+
+    def copy(self, arena, t, block_ids, offsets, to_arena):  # type: ignore[no-untyped-def]
+        if t.part_offset:
+            raise RuntimeError("cudaErrorInvalidValue")
+        super().copy(arena, t, block_ids, offsets, to_arena)
+
+
+def test_a_failed_device_copy_waits_for_the_copies_already_queued(tmp_path: Path) -> None:
+    """When queueing a later tensor's copies failed, _run raised at once without synchronizing
+    the stream: the caller then freed the arena slots (and the engine may free its buffers) while
+    the earlier tensors' DMA was still reading or writing them."""
+    arena = Arena(str(tmp_path), 8 * BLOCK, prefault=False)
+    engine = CopyEngine(arena)
+    layers = [np.zeros(4 * BLOCK, np.uint8) for _ in range(2)]
+    region = TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0).region()
+    gate = threading.Event()
+    gate.set()
+    device = FailingDevice(gate)
+    buffers = SimpleNamespace(tensors=[TensorMemory(region, 0, layers[0], 0),
+                                       TensorMemory(region, BLOCK, layers[1], 0)], cuda=device, busy=0)
+    outcome: list[BaseException] = []
+
+    async def main() -> None:
+        try:
+            await engine.from_arena(buffers, [1], [0])  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    try:
+        asyncio.run(main())
+        assert len(outcome) == 1, "the failed copy was not reported"
+        assert device.queued == [], "the copy failed while copies it had queued were still running"
+        assert buffers.busy == 0
+    finally:
+        engine.close()
+        arena.close()

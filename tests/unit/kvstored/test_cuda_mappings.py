@@ -110,3 +110,22 @@ def test_tensors_and_registrations_of_one_allocation_share_its_mapping(cuda) -> 
     assert again.open(b"pool")
     again.close()
     assert runtime.mapped == {}
+
+
+@pytest.mark.parametrize("cuda_first", [True, False])
+def test_a_registration_mixing_cuda_and_shared_memory_tensors_is_refused(cuda, tmp_path, cuda_first) -> None:  # type: ignore[no-untyped-def]
+    """A registration of CUDA tensors and shared-memory tensors was accepted, and its copies then
+    took every tensor for a device one: the shared-memory tensor's file offset went to
+    cudaMemcpy2DAsync as a device address."""
+    from kvstored.buffers import RegisteredBuffers, TensorSource
+    from kvstored.errors import InvalidArgument
+    from kvstored_client.layout import TensorLayout
+
+    _module, runtime = cuda
+    layout = TensorLayout((4, 4096), (4096, 1), "uint8", 0)
+    (tmp_path / "engine-kv").write_bytes(bytes(layout.extent_bytes))
+    shm = TensorSource("engine-kv", 0, layout)
+    dev = TensorSource("", 0, layout, cuda_ipc_handle=b"pool", device_uuid=UUID.hex())
+    with pytest.raises(InvalidArgument, match="all tensors of one registration"):
+        RegisteredBuffers(1, str(tmp_path), [dev, shm] if cuda_first else [shm, dev])
+    assert runtime.mapped == {}, "the refused registration left its IPC mapping open"
