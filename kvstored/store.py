@@ -535,7 +535,7 @@ class BlockStore:
             if offset is None:
                 cut = i
                 break
-            self._ssd_policy.removed(block)
+            self._ssd_policy.removed(block, moved=True)   # up to DRAM; its SSD copy stays
             block.offset = offset
             done: asyncio.Future[bool] = loop.create_future()
             self._promoting[block] = done
@@ -800,20 +800,22 @@ class BlockStore:
         self._n.dram_evictions += 1
         return True
 
-    def _release_slot(self, block: Block) -> None:
-        """Give back a block's DRAM slot (its bytes stay wherever else they are)."""
+    def _release_slot(self, block: Block, leaving: bool = False) -> None:
+        """Give back a block's DRAM slot (its bytes stay wherever else they are); ``leaving``:
+        the block leaves the index too."""
         if block.offset == NO_SLOT:
             return
-        self._dram_for(block).removed(block)
+        # to the SSD tier (a move, not an eviction of its bytes), or gone
+        self._dram_for(block).removed(block, moved=block.on_ssd and not leaving)
         if block.sealed and not block.on_ssd:
             self._set_clean(block)
         self._allocator.free(block.offset)
         block.offset = NO_SLOT
 
-    def _drop_ssd_copy(self, block: Block) -> None:
+    def _drop_ssd_copy(self, block: Block, leaving: bool = False) -> None:
         if not block.on_ssd:
             return
-        self._ssd_policy.removed(block)
+        self._ssd_policy.removed(block, moved=block.in_dram and not leaving)   # still in DRAM, or gone
         block.flags &= ~ON_SSD
         self._ssd_used -= self._block_bytes(block)
         if block.in_dram and block.sealed:
@@ -833,8 +835,8 @@ class BlockStore:
 
     def _remove(self, block: Block) -> None:
         """Take a leaf out of the index and out of every tier; hollow ancestors follow."""
-        self._release_slot(block)
-        self._drop_ssd_copy(block)
+        self._release_slot(block, leaving=True)
+        self._drop_ssd_copy(block, leaving=True)
         block.index.remove(block)
         self._remove_if_hollow(block.parent)
 

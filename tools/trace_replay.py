@@ -200,7 +200,7 @@ class OfflineBound:
         for block in blocks:
             self._heap.set(block, (-self._next_use(block.key), 0.0))
 
-    def removed(self, block: Block) -> None:
+    def removed(self, block: Block, moved: bool = False) -> None:
         self._heap.discard(block)
 
     def victim(self) -> Block | None:

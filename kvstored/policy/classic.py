@@ -50,7 +50,7 @@ class _HeapPolicy:
         self._tick += 1
         self._uses.hit(blocks, float(self._tick))
 
-    def removed(self, block: Block) -> None:
+    def removed(self, block: Block, moved: bool = False) -> None:
         self._uses.forget(block)
         self._heap.discard(block)
 

@@ -50,7 +50,8 @@ class CreditPolicy:
         self._top = len(class_weights) - 1
         self._uses = UseLog()
         self._heap = LeafHeap(can_evict, refresh=self._current)
-        self._ghost: OrderedDict[bytes, int] = OrderedDict()
+        # evicted key -> the class it left with, and whether it only moved to another tier
+        self._ghost: OrderedDict[bytes, tuple[int, bool]] = OrderedDict()
         self._ghost_entries = ghost_entries
 
     def __len__(self) -> int:
@@ -82,9 +83,14 @@ class CreditPolicy:
         return self._priority(use)
 
     def _returning(self, key: bytes) -> int:
-        """The class a block named ``key`` enters with: new, or one above its class when evicted."""
+        """The class a block named ``key`` enters with: new; one above its class when it was
+        evicted (stored again: it was wanted after it left); its class when it only moved to
+        another tier and back (not a use: a round trip must not earn credit)."""
         ghost = self._ghost.get(key)
-        return 0 if ghost is None else min(ghost + 1, self._top)
+        if ghost is None:
+            return 0
+        cls, moved = ghost
+        return cls if moved else min(cls + 1, self._top)
 
     def admit(self, key: bytes, full: bool) -> bool:
         if not full:
@@ -106,11 +112,11 @@ class CreditPolicy:
     def hit(self, blocks: Sequence[Block]) -> None:
         self._uses.hit(blocks, self._clock())  # untracked blocks (not stored through this policy) are skipped
 
-    def removed(self, block: Block) -> None:
+    def removed(self, block: Block, moved: bool = False) -> None:
         use = self._uses.forget(block)
         if use is not None and self._ghost_entries:
             ghost = self._ghost
-            ghost[block.key] = self._class_of(use)
+            ghost[block.key] = (self._class_of(use), moved)
             ghost.move_to_end(block.key)
             while len(ghost) > self._ghost_entries:
                 ghost.popitem(last=False)

@@ -45,9 +45,10 @@ class BlockPolicy(Protocol):
         """A lookup matched ``blocks``, the parent-first prefix of a chain: mark them used."""
         ...
 
-    def removed(self, block: Block) -> None:
-        """``block`` left the index (evicted, aborted or lost); untracked blocks are ignored.
-        May be called before or after ``PrefixIndex.remove``."""
+    def removed(self, block: Block, moved: bool = False) -> None:
+        """``block`` left the index (evicted, aborted or lost) or, with ``moved``, only this tier
+        (its bytes stay in another: it may come back by a move, which is not a reuse); untracked
+        blocks are ignored. May be called before or after ``PrefixIndex.remove``."""
         ...
 
     def victim(self) -> Block | None:

@@ -617,3 +617,28 @@ def test_write_back_that_admission_refuses_is_not_rescanned_on_every_save(tmp_pa
         asyncio.run(main())
         assert store.stats().tiers[1].used_bytes == 0        # never admitted, as configured
         assert 1 <= rounds <= 2, f"{rounds} write-back rounds for 40 saves"
+
+
+def test_moving_between_tiers_is_not_a_reuse(tmp_path: Path) -> None:
+    """Was: a block moved between DRAM and SSD (prefetch up, evicted down) left a ghost in each
+    tier's credit policy and came back one class higher every time, so a block never hit reached
+    the top class (+416 s of credit) by moving around, and outlived blocks really reused."""
+    with make_store(tmp_path, dram="credit", ssd="credit") as (store, _):
+        s = store.open_session("t", 1).session_id
+        state = store.open_namespace(Namespace())
+        keys = chain(1)
+        save(store, s, state.namespace_id, keys)
+        asyncio.run(store.flush())
+        store.evict(tier=Tier.DRAM)                     # SSD only now
+        block = state.index.get(keys[0])
+        assert block is not None
+        classes = []
+        for _ in range(3):
+            async def up() -> None:
+                store.prefetch(state.namespace_id, KeyRequest(hashes=keys))   # not a hit
+                await store.drain()
+            asyncio.run(up())
+            classes.append(store._dram_for(block).reuse_class(block))
+            store.evict(tier=Tier.DRAM)
+            classes.append(store._ssd_policy.reuse_class(block))
+        assert classes == [0] * 6, classes
