@@ -35,6 +35,7 @@ SHAPE = (2, 64, 16, 8, 128)  # vLLM flash layout per layer, bf16: 64 KiB per blo
 
 def _engine(client: kvstored.Client, layers: int = 4, model: str = "gpu-test") -> tuple[list, kvstored.Buffers]:
     kv = [torch.randn(SHAPE, device="cuda").to(torch.bfloat16) for _ in range(layers)]
+    torch.cuda.synchronize()   # the daemon copies on its own stream: the engine's writes must be done
     buffers = client.register_buffers(kv, block_dim=1, namespace=kvstored.Namespace(model=model))
     return kv, buffers
 
@@ -116,6 +117,7 @@ def test_cupy_arrays_carved_from_one_pool_allocation_round_trip(daemon) -> None:
     del big   # back to the pool: the arrays below are carved out of this one allocation
     src = [cupy.random.random(SHAPE, dtype=cupy.float32).astype(cupy.float16) for _ in range(2)]
     dst = [cupy.zeros(SHAPE, dtype=cupy.float16) for _ in range(2)]
+    cupy.cuda.Device().synchronize()
     with kvstored.Client(daemon.socket) as c:
         ns = kvstored.Namespace(model="gpu-cupy")
         bs = c.register_buffers(src, block_dim=1, namespace=ns)
