@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from clock import Clock
@@ -94,10 +95,11 @@ def _corrupt_on_disk(store: BlockStore, ns: int, key: bytes) -> None:
         fh.write(bytes([b[0] ^ 0xFF]))
 
 
-@pytest.fixture
-def ssd_env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
+@contextlib.contextmanager
+def _store_over_ssd(tmp_path: Path, dram_blocks: int = 8) -> Iterator[tuple[BlockStore, Clock, CopyEngine]]:
+    """A store of ``dram_blocks`` DRAM blocks (pages of 4) over an SSD tier of 64, both LRU."""
     from kvstored.tiers.ssd import SSDTier
-    cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
+    cfg = config.build({"dram": {"capacity": dram_blocks * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
                                  "policy": "lru"},
                         "ssd": {"enabled": True, "capacity": 64 * BLOCK, "policy": "lru",
                                 "high_watermark": 0.95, "low_watermark": 0.5, "sync": False}})
@@ -105,10 +107,18 @@ def ssd_env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
     copy = CopyEngine(arena)
     tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False)
     clock = Clock()
-    yield BlockStore(cfg, arena, copy, tier, clock=clock), clock
-    tier.close()
-    copy.close()
-    arena.close()
+    try:
+        yield BlockStore(cfg, arena, copy, tier, clock=clock), clock, copy
+    finally:
+        tier.close()
+        copy.close()
+        arena.close()
+
+
+@pytest.fixture
+def ssd_env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
+    with _store_over_ssd(tmp_path) as (store, clock, _):
+        yield store, clock
 
 
 def test_a_corrupt_leaf_read_by_a_streams_second_look_leaves_the_index(ssd_env: tuple[BlockStore, Clock]) -> None:
@@ -534,44 +544,47 @@ def test_a_stream_cancelled_twice_while_its_copy_runs_leaves_no_busy_lease(env: 
         engine.close()
 
 
+def _register_rows(store: BlockStore, session_id: str, ns: int, engine: Any, rows: int) -> Any:
+    """Register ``engine`` (``rows`` rows of one block each) as one tensor."""
+    from kvstored.buffers import TensorSource
+    from kvstored_client.layout import TensorLayout
+    return store.register_buffers(session_id, ns, [TensorSource(
+        engine.name, 0, TensorLayout((rows, BLOCK), (BLOCK, 1), "uint8", 0))])
+
+
+def _peer(first_byte: int, pause: bool) -> Any:
+    """A fetcher standing in for PeerNode.fetch: block i is filled with ``first_byte + i``; with
+    ``pause`` it yields to the loop after each block (a socket that is not always ready)."""
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        for i in range(len(want)):
+            try:
+                view = await into(i, BLOCK)
+            except KVError as exc:            # as PeerNode.fetch reports it
+                return Fetched(i, "no_room", str(exc))
+            view[:] = bytes([i + first_byte]) * BLOCK
+            await landed(i, "peer-a")
+            if pause:
+                await asyncio.sleep(0)
+        return Fetched(len(want), "complete")
+    return fetcher
+
+
 def test_a_stream_longer_than_dram_sinks_its_own_blocks_not_other_clients(tmp_path: Path) -> None:
     """A stream into engine buffers of a prompt longer than what DRAM has left: _fill_reservation
     makes room by writing the stream's delivered blocks to SSD and dropping their slots. It wrote
     back the 8 oldest DRAM-only blocks of the whole namespace instead, here another client's
     leased prompt, then found none of its own blocks clean and gave up without retrying: the
     stream stopped with no_room at block 8 while the SSD tier had room for all of it."""
-    from kvstored.buffers import TensorSource
-    from kvstored.tiers.ssd import SSDTier
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
 
-    cfg = config.build({"dram": {"capacity": 16 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
-                                 "policy": "lru"},
-                        "ssd": {"enabled": True, "capacity": 64 * BLOCK, "policy": "lru",
-                                "high_watermark": 0.95, "low_watermark": 0.5, "sync": False}})
-    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
-    copy = CopyEngine(arena)
-    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False)
-    store = BlockStore(cfg, arena, copy, tier, clock=Clock())
-    engine = shm.empty((12, BLOCK), "uint8")
-    try:
+    with _store_over_ssd(tmp_path, 16) as (store, _, _), \
+            contextlib.closing(shm.empty((12, BLOCK), "uint8")) as engine:
         holder = store.open_session("holder", 1).session_id
         reader = store.open_session("decode", 2).session_id
         ns = store.open_namespace(NS).namespace_id
-        buffers = store.register_buffers(reader, ns, [TensorSource(
-            engine.name, 0, TensorLayout((12, BLOCK), (BLOCK, 1), "uint8", 0))])
+        buffers = _register_rows(store, reader, ns, engine, 12)
         others, keys = chain(8, 10_000), chain(12)
-
-        async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
-            for i in range(len(want)):
-                try:
-                    view = await into(i, BLOCK)
-                except KVError as exc:            # as PeerNode.fetch reports it
-                    return Fetched(i, "no_room", str(exc))
-                view[:] = bytes([i + 1]) * BLOCK
-                await landed(i, "peer-a")
-                await asyncio.sleep(0)
-            return Fetched(len(want), "complete")
+        fetcher = _peer(first_byte=1, pause=True)
 
         async def main():  # type: ignore[no-untyped-def]
             r = store.reserve(holder, ns, KeyRequest(hashes=others), BLOCK)
@@ -589,11 +602,6 @@ def test_a_stream_longer_than_dram_sinks_its_own_blocks_not_other_clients(tmp_pa
         assert end.stop == "complete" and end.blocks == 12, end
         rows = engine.numpy()
         assert [int(rows[i][0]) for i in range(12)] == list(range(1, 13))
-    finally:
-        engine.close()
-        tier.close()
-        copy.close()
-        arena.close()
 
 
 def test_a_block_a_stream_just_fetched_stays_under_the_next_one(env: tuple[BlockStore, Clock]) -> None:
@@ -690,25 +698,13 @@ def test_a_stream_longer_than_dram_waits_for_its_blocks_copies_before_dropping_t
     queued for, or in, their copy into the engine's buffers (a peer's blocks arrive faster than
     one batch is copied), hence pinned: none could give up its slot, and the stream stopped with
     no_room instead of waiting the moment it takes for the copy to end."""
-    from kvstored.buffers import TensorSource
-    from kvstored.tiers.ssd import SSDTier
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
 
-    cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
-                                 "policy": "lru"},
-                        "ssd": {"enabled": True, "capacity": 64 * BLOCK, "policy": "lru",
-                                "high_watermark": 0.95, "low_watermark": 0.5, "sync": False}})
-    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
-    copy = CopyEngine(arena)
-    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False)
-    store = BlockStore(cfg, arena, copy, tier, clock=Clock())
-    engine = shm.empty((10, BLOCK), "uint8")
-    try:
+    with _store_over_ssd(tmp_path, 8) as (store, _, copy), \
+            contextlib.closing(shm.empty((10, BLOCK), "uint8")) as engine:
         reader = store.open_session("decode", 2).session_id
         ns = store.open_namespace(NS).namespace_id
-        buffers = store.register_buffers(reader, ns, [TensorSource(
-            engine.name, 0, TensorLayout((10, BLOCK), (BLOCK, 1), "uint8", 0))])
+        buffers = _register_rows(store, reader, ns, engine, 10)
         keys = chain(10)
         written_back = asyncio.Event()
         real_write_back, real_from_arena = store._write_back, copy.from_arena
@@ -726,15 +722,7 @@ def test_a_stream_longer_than_dram_waits_for_its_blocks_copies_before_dropping_t
         store._write_back = write_back  # type: ignore[method-assign]
         copy.from_arena = from_arena  # type: ignore[method-assign]
 
-        async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
-            for i in range(len(want)):    # the socket holds every block: no pause between them
-                try:
-                    view = await into(i, BLOCK)
-                except KVError as exc:            # as PeerNode.fetch reports it
-                    return Fetched(i, "no_room", str(exc))
-                view[:] = bytes([i + 2]) * BLOCK
-                await landed(i, "peer-a")
-            return Fetched(len(want), "complete")
+        fetcher = _peer(first_byte=2, pause=False)   # the socket holds every block: no pause between them
 
         async def main():  # type: ignore[no-untyped-def]
             r = store.reserve(reader, ns, KeyRequest(hashes=keys[:1]), BLOCK)   # block 0 is local
@@ -750,11 +738,6 @@ def test_a_stream_longer_than_dram_waits_for_its_blocks_copies_before_dropping_t
         assert end.stop == "complete" and end.blocks == 10, end
         rows = engine.numpy()
         assert [int(rows[i][0]) for i in range(1, 10)] == list(range(2, 11))
-    finally:
-        engine.close()
-        tier.close()
-        copy.close()
-        arena.close()
 
 
 @pytest.mark.parametrize("how", ["lease", "prefetch"])

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from loopback import free_ports
+from silent_peer import node_with_a_silent_peer
 
 from kvstored import config
 from kvstored.cluster.membership import Member
@@ -278,36 +279,14 @@ def test_a_fetch_asking_a_silent_peer_ends_within_its_deadline() -> None:
     # Regression: the question to the peers was bounded by peers.lookup_timeout_s, not by what was
     # left of peers.deadline_s, so a fetch from a partitioned peer overran its deadline (here 10x).
     async def main() -> None:
-        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await reader.read()   # accepts, never answers, until the other side goes away
-            writer.close()
-
-        server = await asyncio.start_server(silent, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        (own,) = free_ports(1)
-        cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False},
-                            "peers": {"listen": f"127.0.0.1:{own}", "node_id": "b", "token": "t",
-                                      "static": [f"b=127.0.0.1:{own}", f"x=127.0.0.1:{port}"],
-                                      "deadline_s": 0.5, "lookup_timeout_s": 5.0}})
-        arena = Arena(tempfile.mkdtemp(), cfg.dram.capacity, prefault=False)
-        copy = CopyEngine(arena)
-        store = BlockStore(cfg, arena, copy)
-        store.open_namespace(NS)
-        peers = PeerNode(cfg, store)
-        await peers.start()
-        try:
-            s = store.open_session("reader", 1)
+        async with node_with_a_silent_peer(NS, deadline_s=0.5, lookup_timeout_s=5.0) as b:
+            s = b.store.open_session("reader", 1)
             t0 = asyncio.get_running_loop().time()
-            end = await store.stream_blocks(s.session_id, NS.identity(), KeyRequest(hashes=chain(2)), 0, (),
-                                            lambda _: None, peers.fetch)
+            end = await b.store.stream_blocks(s.session_id, b.namespace_id, KeyRequest(hashes=chain(2)), 0, (),
+                                              lambda _: None, b.peers.fetch)
             took = asyncio.get_running_loop().time() - t0
             assert end.blocks == 0 and end.stop != "complete", end
             assert took < 2.5, f"the fetch took {took:.1f}s with peers.deadline_s = 0.5"
-        finally:
-            await peers.close()
-            server.close()
-            copy.close()
-            arena.close()
 
     run(main())
 
@@ -318,37 +297,15 @@ def test_a_fetch_cut_short_by_the_callers_deadline_is_a_timeout_and_blames_no_pe
     # down (a failure counted, kvctl peers showing it down with the error) and the stream's outcome
     # blamed it as 'unreachable', though the peer had its full lookup_timeout_s left to answer.
     async def main() -> None:
-        async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await reader.read()   # accepts, takes its time (longer than the caller waits)
-            writer.close()
-
-        server = await asyncio.start_server(slow, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        (own,) = free_ports(1)
-        cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False},
-                            "peers": {"listen": f"127.0.0.1:{own}", "node_id": "b", "token": "t",
-                                      "static": [f"b=127.0.0.1:{own}", f"x=127.0.0.1:{port}"],
-                                      "deadline_s": 30.0, "lookup_timeout_s": 5.0}})
-        arena = Arena(tempfile.mkdtemp(), cfg.dram.capacity, prefault=False)
-        copy = CopyEngine(arena)
-        store = BlockStore(cfg, arena, copy)
-        store.open_namespace(NS)
-        peers = PeerNode(cfg, store)
-        await peers.start()
-        try:
-            s = store.open_session("reader", 1)
+        async with node_with_a_silent_peer(NS, deadline_s=30.0, lookup_timeout_s=5.0) as b:
+            s = b.store.open_session("reader", 1)
             loop = asyncio.get_running_loop()
             until = loop.time() + 0.3
-            fetcher = functools.partial(peers.fetch, until=until)
-            end = await store.stream_blocks(s.session_id, NS.identity(), KeyRequest(hashes=chain(2)), 0, (),
-                                            lambda _: None, fetcher)
+            fetcher = functools.partial(b.peers.fetch, until=until)
+            end = await b.store.stream_blocks(s.session_id, b.namespace_id, KeyRequest(hashes=chain(2)), 0, (),
+                                              lambda _: None, fetcher)
             assert loop.time() - until < 1.0
             assert end.blocks == 0 and end.stop == "timeout", end
-            assert peers.failures == 0 and peers._peers["x"].state != "down", peers._peers["x"].last_error
-        finally:
-            await peers.close()
-            server.close()
-            copy.close()
-            arena.close()
+            assert b.peers.failures == 0 and b.peers._peers["x"].state != "down", b.peers._peers["x"].last_error
 
     run(main())

@@ -75,58 +75,28 @@ def test_a_stream_from_a_silent_peer_ends_before_the_callers_deadline() -> None:
     pull fail with DEADLINE_EXCEEDED (an error, the blocks in place not accounted for) instead of
     the short outcome ("timeout") the README promises. The transfer now ends before the caller's
     deadline (here 2 s, with peers.deadline_s at 30 s)."""
-    import tempfile
+    from silent_peer import node_with_a_silent_peer
 
-    from loopback import free_ports
-
-    from kvstored import config
-    from kvstored.copy import CopyEngine
-    from kvstored.peers.node import PeerNode
-    from kvstored.store import BlockStore
-    from kvstored.tiers.dram import Arena
     from kvstored_client.hashing import block_hashes
     from kvstored_client.namespace import Namespace
-
-    block = 4096
-    ns = Namespace(model="m", block_bytes=block)
 
     class DeadlineContext(Context):
         def time_remaining(self) -> float:
             return 2.0
 
     async def main() -> pb.BlockStreamEnd:
-        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await reader.read()   # accepts, never answers, until the other side goes away
-            writer.close()
-
-        server = await asyncio.start_server(silent, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        (own,) = free_ports(1)
-        cfg = config.build({"dram": {"capacity": 8 * block, "page_bytes": 4 * block, "prefault": False},
-                            "peers": {"listen": f"127.0.0.1:{own}", "node_id": "b", "token": "t",
-                                      "static": [f"b=127.0.0.1:{own}", f"x=127.0.0.1:{port}"],
-                                      "deadline_s": 30.0, "lookup_timeout_s": 30.0}})
-        arena = Arena(tempfile.mkdtemp(), cfg.dram.capacity, prefault=False)
-        copy = CopyEngine(arena)
-        store = BlockStore(cfg, arena, copy)
-        ns_id = store.open_namespace(ns).namespace_id
-        peers = PeerNode(cfg, store)
-        await peers.start()
-        servicer = KVStoreServicer(store, arena, 30.0, 64, asyncio.Event(), peers)
-        session = store.open_session("decode", 1).session_id
-        request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id, peers=True, end_only=True)
-        request.keys.hashes.extend(block_hashes(list(range(32))))
-        try:
+        async with node_with_a_silent_peer(Namespace(model="m", block_bytes=4096),
+                                           deadline_s=30.0, lookup_timeout_s=30.0) as b:
+            servicer = KVStoreServicer(b.store, b.arena, 30.0, 64, asyncio.Event(), b.peers)
+            session = b.store.open_session("decode", 1).session_id
+            request = pb.StreamBlocksRequest(session_id=session, namespace_id=b.namespace_id, peers=True,
+                                             end_only=True)
+            request.keys.hashes.extend(block_hashes(list(range(32))))
             async with asyncio.timeout(10):   # a hang fails the test instead of stalling the suite
                 async for event in servicer.StreamBlocks(request, DeadlineContext()):  # type: ignore[arg-type]
                     if event.HasField("end"):
                         return event.end
             raise AssertionError("no end")
-        finally:
-            await peers.close()
-            server.close()
-            copy.close()
-            arena.close()
 
     end = asyncio.run(main())
     assert end.blocks == 0 and end.stop != "complete", end
