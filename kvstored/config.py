@@ -32,6 +32,7 @@ class ServerConfig:
     socket: str = ""                 # Unix socket path; "" = default runtime location
     socket_mode: int = 0o660
     tcp: str = ""                    # "host:port" for an additional TCP listener; "" = none
+    metrics: str = ""                # "host:port" serving Prometheus metrics at /metrics; "" = none
     insecure: bool = False           # allow an unauthenticated TCP listener on a non-loopback address
     max_batch_blocks: int = 16384    # blocks in one request (a 256k-token prompt at 16/block)
     shutdown_grace_s: float = 10.0
@@ -260,6 +261,8 @@ def _validate(cfg: Config) -> None:
         (cfg.log.level in _LOG_LEVELS, f"log.level: must be one of {', '.join(_LOG_LEVELS)}"),
         (cfg.server.tcp == "" or _port_ok(cfg.server.tcp, zero=True),
          "server.tcp: expected host:port with a port in 0..65535"),
+        (cfg.server.metrics == "" or _port_ok(cfg.server.metrics, zero=True),
+         "server.metrics: expected host:port with a port in 0..65535"),
     ]
     p = cfg.peers
     checks += [

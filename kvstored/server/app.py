@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ import socket
 import stat
 import sys
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 import lmdb
@@ -24,6 +26,7 @@ from kvstored.copy import CopyEngine
 from kvstored.peers.node import PeerNode
 from kvstored.peers.transport import PeerConfigError
 from kvstored.server import sdnotify
+from kvstored.server.metrics import Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
@@ -98,6 +101,17 @@ def _effective_json(cfg: Config) -> str:
     if cfg.peers.token:   # a secret: say that one is set, not what it is
         data["peers"]["token"] = "<set, not shown>"
     return json.dumps(data, indent=2)
+
+
+def _metrics_snapshot(store: BlockStore, peers: PeerNode | None) -> Snapshot:
+    return Snapshot(store.stats(), peers.pushed if peers is not None else 0,
+                    peers.failures if peers is not None else 0)
+
+
+def _stop_metrics(server: WSGIServer | None) -> None:
+    if server is not None:
+        server.shutdown()
+        server.server_close()
 
 
 class StartupError(Exception):
@@ -190,6 +204,7 @@ async def serve(cfg: Config) -> int:
     ssd: SSDTier | None = None
     copy: CopyEngine | None = None
     peers: PeerNode | None = None
+    metrics_server: WSGIServer | None = None
     socket_bound = False
     tcp_address = ""
     try:
@@ -252,11 +267,20 @@ async def serve(cfg: Config) -> int:
         pb_grpc.add_KVStoreServicer_to_server(
             KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down, peers),
             server)
+        if cfg.server.metrics:
+            snapshot = functools.partial(_metrics_snapshot, store, peers)
+            try:
+                metrics_server = serve_metrics(cfg.server.metrics, asyncio.get_running_loop(), snapshot)
+            except (OSError, ValueError) as exc:
+                raise StartupError(f"cannot serve server.metrics on {cfg.server.metrics}: {exc}") from None
+            port = metrics_server.server_address[1]
+            log.info("Prometheus metrics on http://%s:%s/metrics", cfg.server.metrics.rpartition(":")[0], port)
         await server.start()
         os.chmod(sock_path, cfg.server.socket_mode)
         sock_id = _file_id(sock_path)
     except BaseException:
         # Whatever stopped the start-up, leave no arena in the shm dir and no socket nobody serves.
+        _stop_metrics(metrics_server)
         with contextlib.suppress(Exception):
             await server.stop(None)
         if peers is not None:
@@ -314,6 +338,8 @@ async def serve(cfg: Config) -> int:
     log.info("shutting down: finishing in-flight calls")
     sdnotify.notify("STOPPING=1")
     await health_servicer.enter_graceful_shutdown()
+    if metrics_server is not None:   # its scrapes ask this loop, which is about to end
+        await asyncio.to_thread(_stop_metrics, metrics_server)
     # No new calls from here on; calls with a copy in flight finish under their sessions first
     # (ending a session dooms its busy leases: a SaveBlocks copying at SIGTERM stored nothing).
     stopping = asyncio.ensure_future(server.stop(cfg.server.shutdown_grace_s))

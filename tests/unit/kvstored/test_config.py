@@ -224,6 +224,8 @@ def test_etcd_with_a_wildcard_listener_needs_advertise(listen: str) -> None:
 @pytest.mark.parametrize(("values", "needle"), [
     ({"server": {"tcp": "127.0.0.1:70000"}}, "server.tcp"),
     ({"server": {"tcp": "127.0.0.1:65536"}}, "server.tcp"),
+    ({"server": {"metrics": "127.0.0.1:65536"}}, "server.metrics"),
+    ({"server": {"metrics": "nowhere"}}, "server.metrics"),
     ({"peers": {"listen": "127.0.0.1:65536"}}, "peers.listen"),
     ({"peers": {"listen": "127.0.0.1:7000", "advertise": "127.0.0.1:99999"}}, "peers.advertise"),
     ({"peers": {"etcd": "127.0.0.1:123456"}}, "peers.etcd"),

@@ -1,0 +1,107 @@
+"""Prometheus metrics: the store's counters and gauges, served over HTTP (``server.metrics``).
+
+The HTTP server is prometheus-client's own, on a thread of its own; a scrape asks the event loop
+for a snapshot of the counters (the store's state belongs to the loop), so a scrape never reads
+them half-updated. Names carry the ``kvstored_`` prefix and base units (bytes, seconds, blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstored.store import StoreStats
+
+SCRAPE_TIMEOUT_S = 5.0   # a loop that cannot answer in this time fails the scrape, not the daemon
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What one scrape reports: the store's stats and the peer counters kept outside it."""
+
+    store: StoreStats
+    peer_pushed_blocks: int = 0
+    peer_failures: int = 0
+
+
+class StoreCollector(Collector):
+    """Turns a :class:`Snapshot`, taken on ``loop`` by ``snapshot``, into metric families."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, snapshot: Callable[[], Snapshot]) -> None:
+        self._loop = loop
+        self._snapshot = snapshot
+
+    def _take(self) -> Snapshot:
+        async def take() -> Snapshot:
+            return self._snapshot()
+        return asyncio.run_coroutine_threadsafe(take(), self._loop).result(SCRAPE_TIMEOUT_S)
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._take()
+        s = snap.store
+        tier_gauges = {
+            "capacity_bytes": GaugeMetricFamily("kvstored_tier_capacity_bytes", "Bytes a tier may hold.",
+                                                labels=["tier"]),
+            "used_bytes": GaugeMetricFamily("kvstored_tier_used_bytes", "Bytes a tier holds now.", labels=["tier"]),
+            "blocks": GaugeMetricFamily("kvstored_tier_blocks", "Blocks a tier holds now.", labels=["tier"]),
+        }
+        tier_counters = {
+            "evictions": CounterMetricFamily("kvstored_tier_evictions", "Blocks evicted from a tier.",
+                                             labels=["tier"]),
+            "write_errors": CounterMetricFamily("kvstored_tier_write_errors", "Block writes a tier failed.",
+                                                labels=["tier"]),
+            "read_errors": CounterMetricFamily("kvstored_tier_read_errors",
+                                               "Block reads a tier failed (checksum mismatches included).",
+                                               labels=["tier"]),
+        }
+        for tier in s.tiers:
+            for name, gauge in tier_gauges.items():
+                gauge.add_metric([tier.name], getattr(tier, name))
+            for name, counter in tier_counters.items():
+                counter.add_metric([tier.name], getattr(tier, name))
+        yield from tier_gauges.values()
+        yield from tier_counters.values()
+        counters: list[tuple[str, str, int]] = [
+            ("lookups", "Lookups served.", s.lookups),
+            ("lookup_blocks", "Blocks asked for by lookups and loads.", s.lookup_blocks),
+            ("hit_blocks", "Blocks found cached by lookups and loads.", s.hit_blocks),
+            ("hit_tokens", "Tokens whose KV was found cached.", s.hit_tokens),
+            ("saved_blocks", "Blocks stored by clients.", s.saved_blocks),
+            ("promotions", "Blocks brought from SSD to DRAM.", s.promotions),
+            ("demotions", "Blocks written from DRAM to SSD.", s.demotions),
+            ("dropped_blocks", "Blocks lost: evicted with no copy elsewhere, or corrupt.", s.dropped_blocks),
+            ("peer_fetched_blocks", "Blocks fetched from peers.", s.peer_fetched_blocks),
+            ("peer_served_blocks", "Blocks served to peers.", s.peer_served_blocks),
+            ("peer_received_blocks", "Blocks peers pushed here.", s.peer_received_blocks),
+            ("peer_pushed_blocks", "Blocks pushed to peers.", snap.peer_pushed_blocks),
+            ("peer_failures", "Failed exchanges with peers.", snap.peer_failures),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"kvstored_{name}", doc, value=value)
+        gauges: list[tuple[str, str, float]] = [
+            ("uptime_seconds", "Seconds since the daemon started.", s.uptime_s),
+            ("active_leases", "Read leases held by clients now.", s.active_leases),
+            ("clients", "Client sessions open now.", s.clients),
+            ("namespaces", "Namespaces known.", s.namespaces),
+            ("index_blocks", "Blocks in the prefix index.", s.index_blocks),
+        ]
+        for name, doc, level in gauges:
+            yield GaugeMetricFamily(f"kvstored_{name}", doc, value=level)
+
+
+def serve_metrics(address: str, loop: asyncio.AbstractEventLoop,
+                  snapshot: Callable[[], Snapshot]) -> WSGIServer:
+    """Serve ``/metrics`` on ``address`` ("host:port"; port 0 picks one: see ``server_address``)
+    from a thread of its own; stop it with ``shutdown()`` then ``server_close()``. Raises OSError
+    when the address cannot be bound."""
+    host, _, port = address.rpartition(":")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(loop, snapshot))
+    server, _thread = start_http_server(int(port), host.strip("[]"), registry)
+    return server
