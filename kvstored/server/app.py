@@ -26,7 +26,7 @@ from kvstored.copy import CopyEngine
 from kvstored.peers.node import PeerNode
 from kvstored.peers.transport import PeerConfigError
 from kvstored.server import sdnotify
-from kvstored.server.metrics import Snapshot, serve_metrics
+from kvstored.server.metrics import RpcTimer, Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
@@ -196,9 +196,11 @@ async def serve(cfg: Config) -> int:
 
     # No SO_REUSEPORT (gRPC's default): a second daemon on the same TCP port must fail to start,
     # not share the port and answer every other call.
+    timer = RpcTimer() if cfg.server.metrics else None
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.so_reuseport", 0)])
+                                      ("grpc.so_reuseport", 0)],
+                             interceptors=[timer] if timer is not None else None)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     arena: Arena | None = None
     ssd: SSDTier | None = None
@@ -270,7 +272,7 @@ async def serve(cfg: Config) -> int:
         if cfg.server.metrics:
             snapshot = functools.partial(_metrics_snapshot, store, peers)
             try:
-                metrics_server = serve_metrics(cfg.server.metrics, asyncio.get_running_loop(), snapshot)
+                metrics_server = serve_metrics(cfg.server.metrics, asyncio.get_running_loop(), snapshot, timer)
             except (OSError, ValueError) as exc:
                 raise StartupError(f"cannot serve server.metrics on {cfg.server.metrics}: {exc}") from None
             port = metrics_server.server_address[1]

@@ -8,17 +8,23 @@ them half-updated. Names carry the ``kvstored_`` prefix and base units (bytes, s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+import grpc
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvstored.store import StoreStats
 
 SCRAPE_TIMEOUT_S = 5.0   # a loop that cannot answer in this time fails the scrape, not the daemon
+# Buckets from 100 µs (a lookup) to 30 s (a long stream from a peer), in seconds.
+RPC_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +101,58 @@ class StoreCollector(Collector):
             yield GaugeMetricFamily(f"kvstored_{name}", doc, value=level)
 
 
-def serve_metrics(address: str, loop: asyncio.AbstractEventLoop,
-                  snapshot: Callable[[], Snapshot]) -> WSGIServer:
+class RpcTimer(grpc.aio.ServerInterceptor):
+    """Times every unary and server-streaming call into ``kvstored_rpc_duration_seconds{method}``
+    (a stream: from the request to its last message). Session and Migrate streams, which last as
+    long as a client or a migration does, are not timed."""
+
+    def __init__(self) -> None:
+        self.histogram = Histogram("kvstored_rpc_duration_seconds", "Time to serve a call, by method.",
+                                   ["method"], buckets=RPC_BUCKETS, registry=None)
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+                                handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming:
+            return handler
+        observe = self.histogram.labels(handler_call_details.method.rpartition("/")[2]).observe
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def timed_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                start = time.perf_counter()
+                try:
+                    return await unary(request, context)
+                finally:
+                    observe(time.perf_counter() - start)
+
+            return grpc.unary_unary_rpc_method_handler(timed_unary, handler.request_deserializer,
+                                                       handler.response_serializer)
+        streaming = handler.unary_stream
+        if streaming is None or not inspect.isasyncgenfunction(streaming):
+            return handler   # (every server stream of ours is an async generator)
+
+        async def timed_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            start = time.perf_counter()
+            try:
+                async for message in streaming(request, context):
+                    yield message
+            finally:
+                observe(time.perf_counter() - start)
+
+        return grpc.unary_stream_rpc_method_handler(timed_stream, handler.request_deserializer,
+                                                    handler.response_serializer)
+
+
+def serve_metrics(address: str, loop: asyncio.AbstractEventLoop, snapshot: Callable[[], Snapshot],
+                  timer: RpcTimer | None = None) -> WSGIServer:
     """Serve ``/metrics`` on ``address`` ("host:port"; port 0 picks one: see ``server_address``)
-    from a thread of its own; stop it with ``shutdown()`` then ``server_close()``. Raises OSError
-    when the address cannot be bound."""
+    from a thread of its own, with ``timer``'s histogram; stop it with ``shutdown()`` then
+    ``server_close()``. Raises OSError when the address cannot be bound."""
     host, _, port = address.rpartition(":")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(loop, snapshot))
+    if timer is not None:
+        registry.register(timer.histogram)
     server, _thread = start_http_server(int(port), host.strip("[]"), registry)
     return server

@@ -28,14 +28,20 @@ def test_a_scrape_reports_what_the_daemon_did(tmp_path: Path) -> None:
             tokens = np.arange(16 * 4)
             c.save(tokens, np.ones((4, 4096), np.uint8))
             assert c.load(tokens).blocks == 4
+            assert len(list(c.stream(tokens, peers=False))) == 4   # a server stream, timed to its end
             got = scrape(port)
         assert got[("kvstored_saved_blocks_total", ())] == 4
-        assert got[("kvstored_hit_blocks_total", ())] == 4
+        assert got[("kvstored_hit_blocks_total", ())] == 8   # the load and the stream
         assert got[("kvstored_index_blocks", ())] == 4
         assert got[("kvstored_tier_used_bytes", (("tier", "dram"),))] == 4 * 4096
         assert got[("kvstored_tier_capacity_bytes", (("tier", "ssd"),))] == 256 << 20
         assert ("kvstored_tier_evictions_total", (("tier", "ssd"),)) in got
         assert got[("kvstored_clients", ())] >= 1
+        # every call is timed by method: the save's Reserve and Seal, the load's stream
+        assert got[("kvstored_rpc_duration_seconds_count", (("method", "Reserve"),))] >= 1
+        assert got[("kvstored_rpc_duration_seconds_count", (("method", "Seal"),))] >= 1
+        assert got[("kvstored_rpc_duration_seconds_sum", (("method", "Seal"),))] > 0
+        assert got[("kvstored_rpc_duration_seconds_count", (("method", "StreamBlocks"),))] == 1
     finally:
         d.stop()
 
