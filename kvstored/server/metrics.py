@@ -103,8 +103,8 @@ class StoreCollector(Collector):
 
 class RpcTimer(grpc.aio.ServerInterceptor):
     """Times every unary and server-streaming call into ``kvstored_rpc_duration_seconds{method}``
-    (a stream: from the request to its last message). Session and Migrate streams, which last as
-    long as a client or a migration does, are not timed."""
+    (a stream: from the request to its last message; a migration longer than the last bucket
+    counts in +Inf). Session streams, which last as long as their client, are not timed."""
 
     def __init__(self) -> None:
         self.histogram = Histogram("kvstored_rpc_duration_seconds", "Time to serve a call, by method.",
