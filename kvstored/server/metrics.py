@@ -27,6 +27,42 @@ SCRAPE_TIMEOUT_S = 5.0   # a loop that cannot answer in this time fails the scra
 RPC_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+_Kind = type[CounterMetricFamily] | type[GaugeMetricFamily]
+_C, _G = CounterMetricFamily, GaugeMetricFamily   # a counter's name gets _total when exposed
+
+# (kind, name after kvstored_, help, attribute of TierStats / StoreStats / Snapshot)
+_TIER_METRICS: list[tuple[_Kind, str, str, str]] = [
+    (_G, "tier_capacity_bytes", "Bytes a tier may hold.", "capacity_bytes"),
+    (_G, "tier_used_bytes", "Bytes a tier holds now.", "used_bytes"),
+    (_G, "tier_blocks", "Blocks a tier holds now.", "blocks"),
+    (_C, "tier_evictions", "Blocks evicted from a tier.", "evictions"),
+    (_C, "tier_write_errors", "Block writes a tier failed.", "write_errors"),
+    (_C, "tier_read_errors", "Block reads a tier failed (checksum mismatches included).", "read_errors"),
+]
+_STORE_METRICS: list[tuple[_Kind, str, str, str]] = [
+    (_C, "lookups", "Lookups served.", "lookups"),
+    (_C, "lookup_blocks", "Blocks asked for by lookups and loads.", "lookup_blocks"),
+    (_C, "hit_blocks", "Blocks found cached by lookups and loads.", "hit_blocks"),
+    (_C, "hit_tokens", "Tokens whose KV was found cached.", "hit_tokens"),
+    (_C, "saved_blocks", "Blocks stored by clients.", "saved_blocks"),
+    (_C, "promotions", "Blocks brought from SSD to DRAM.", "promotions"),
+    (_C, "demotions", "Blocks written from DRAM to SSD.", "demotions"),
+    (_C, "dropped_blocks", "Blocks lost: evicted with no copy elsewhere, or corrupt.", "dropped_blocks"),
+    (_C, "peer_fetched_blocks", "Blocks fetched from peers.", "peer_fetched_blocks"),
+    (_C, "peer_served_blocks", "Blocks served to peers.", "peer_served_blocks"),
+    (_C, "peer_received_blocks", "Blocks peers pushed here.", "peer_received_blocks"),
+    (_G, "uptime_seconds", "Seconds since the daemon started.", "uptime_s"),
+    (_G, "active_leases", "Read leases held by clients now.", "active_leases"),
+    (_G, "clients", "Client sessions open now.", "clients"),
+    (_G, "namespaces", "Namespaces known.", "namespaces"),
+    (_G, "index_blocks", "Blocks in the prefix index.", "index_blocks"),
+]
+_PEER_METRICS: list[tuple[_Kind, str, str, str]] = [
+    (_C, "peer_pushed_blocks", "Blocks pushed to peers.", "peer_pushed_blocks"),
+    (_C, "peer_failures", "Failed exchanges with peers.", "peer_failures"),
+]
+
+
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """What one scrape reports: the store's stats and the peer counters kept outside it."""
@@ -50,55 +86,15 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self._take()
-        s = snap.store
-        tier_gauges = {
-            "capacity_bytes": GaugeMetricFamily("kvstored_tier_capacity_bytes", "Bytes a tier may hold.",
-                                                labels=["tier"]),
-            "used_bytes": GaugeMetricFamily("kvstored_tier_used_bytes", "Bytes a tier holds now.", labels=["tier"]),
-            "blocks": GaugeMetricFamily("kvstored_tier_blocks", "Blocks a tier holds now.", labels=["tier"]),
-        }
-        tier_counters = {
-            "evictions": CounterMetricFamily("kvstored_tier_evictions", "Blocks evicted from a tier.",
-                                             labels=["tier"]),
-            "write_errors": CounterMetricFamily("kvstored_tier_write_errors", "Block writes a tier failed.",
-                                                labels=["tier"]),
-            "read_errors": CounterMetricFamily("kvstored_tier_read_errors",
-                                               "Block reads a tier failed (checksum mismatches included).",
-                                               labels=["tier"]),
-        }
-        for tier in s.tiers:
-            for name, gauge in tier_gauges.items():
-                gauge.add_metric([tier.name], getattr(tier, name))
-            for name, counter in tier_counters.items():
-                counter.add_metric([tier.name], getattr(tier, name))
-        yield from tier_gauges.values()
-        yield from tier_counters.values()
-        counters: list[tuple[str, str, int]] = [
-            ("lookups", "Lookups served.", s.lookups),
-            ("lookup_blocks", "Blocks asked for by lookups and loads.", s.lookup_blocks),
-            ("hit_blocks", "Blocks found cached by lookups and loads.", s.hit_blocks),
-            ("hit_tokens", "Tokens whose KV was found cached.", s.hit_tokens),
-            ("saved_blocks", "Blocks stored by clients.", s.saved_blocks),
-            ("promotions", "Blocks brought from SSD to DRAM.", s.promotions),
-            ("demotions", "Blocks written from DRAM to SSD.", s.demotions),
-            ("dropped_blocks", "Blocks lost: evicted with no copy elsewhere, or corrupt.", s.dropped_blocks),
-            ("peer_fetched_blocks", "Blocks fetched from peers.", s.peer_fetched_blocks),
-            ("peer_served_blocks", "Blocks served to peers.", s.peer_served_blocks),
-            ("peer_received_blocks", "Blocks peers pushed here.", s.peer_received_blocks),
-            ("peer_pushed_blocks", "Blocks pushed to peers.", snap.peer_pushed_blocks),
-            ("peer_failures", "Failed exchanges with peers.", snap.peer_failures),
-        ]
-        for name, doc, value in counters:
-            yield CounterMetricFamily(f"kvstored_{name}", doc, value=value)
-        gauges: list[tuple[str, str, float]] = [
-            ("uptime_seconds", "Seconds since the daemon started.", s.uptime_s),
-            ("active_leases", "Read leases held by clients now.", s.active_leases),
-            ("clients", "Client sessions open now.", s.clients),
-            ("namespaces", "Namespaces known.", s.namespaces),
-            ("index_blocks", "Blocks in the prefix index.", s.index_blocks),
-        ]
-        for name, doc, level in gauges:
-            yield GaugeMetricFamily(f"kvstored_{name}", doc, value=level)
+        for kind, name, doc, attr in _TIER_METRICS:
+            family = kind(f"kvstored_{name}", doc, labels=["tier"])
+            for tier in snap.store.tiers:
+                family.add_metric([tier.name], getattr(tier, attr))
+            yield family
+        for kind, name, doc, attr in _STORE_METRICS:
+            yield kind(f"kvstored_{name}", doc, value=getattr(snap.store, attr))
+        for kind, name, doc, attr in _PEER_METRICS:
+            yield kind(f"kvstored_{name}", doc, value=getattr(snap, attr))
 
 
 class RpcTimer(grpc.aio.ServerInterceptor):
