@@ -325,11 +325,7 @@ class BlockStore:
         if spec.hash_algo != "sha256_cbor" and not self._config.keys.allow_fast_hash:
             return (f"namespace.hash_algo {spec.hash_algo!r} is disabled on this daemon "
                     "(set keys.allow_fast_hash = true on trusted single-tenant nodes)")
-        try:
-            self._check_block_bytes(spec.block_bytes)
-        except InvalidArgument as exc:
-            return str(exc)
-        return ""
+        return self._too_large(spec.block_bytes)
 
     def _add_namespace(self, namespace_id: int, spec: Namespace) -> NamespaceState:
         state = NamespaceState(namespace_id, spec, PrefixIndex(namespace_id))
@@ -354,10 +350,16 @@ class BlockStore:
         self._ssd.put_namespace(state.namespace_id,
                                 json.dumps(dataclasses.asdict(state.spec)).encode()).add_done_callback(written)
 
-    def _check_block_bytes(self, block_bytes: int) -> None:
+    def _too_large(self, block_bytes: int) -> str:
+        """Why blocks of ``block_bytes`` cannot have a DRAM slot here ("" when they can)."""
         if block_bytes > self._config.dram.page_bytes:
-            raise InvalidArgument(f"block_bytes {block_bytes} exceeds dram.page_bytes "
-                                  f"{self._config.dram.page_bytes}; raise it in the daemon config")
+            return (f"block_bytes {block_bytes} exceeds dram.page_bytes {self._config.dram.page_bytes}; "
+                    "raise it in the daemon config")
+        return ""
+
+    def _check_block_bytes(self, block_bytes: int) -> None:
+        if why := self._too_large(block_bytes):
+            raise InvalidArgument(why)
 
     def _fix_block_bytes(self, state: NamespaceState, block_bytes: int) -> None:
         if block_bytes <= 0:
