@@ -344,19 +344,16 @@ class PeerNode:
         callers = until is not None and until < end
         if until is not None:
             end = min(end, until)
+        deadline = "the caller's deadline" if callers else f"peers.deadline_s ({self._cfg.deadline_s:g}s)"
         done = 0
         while done < len(keys):
             left = end - loop.time()
             if left <= 0:   # not a fault of any peer: none is marked down for it
-                return Fetched(done, "timeout", ("the caller's deadline" if callers else
-                                                 f"peers.deadline_s ({self._cfg.deadline_s:g}s)")
-                               + f" passed after {done} block(s)")
+                return Fetched(done, "timeout", f"{deadline} passed after {done} block(s)")
             holders, errors = await self._ask(namespace_id, keys[done: done + FIRST_WINDOW],
                                               min(self._cfg.lookup_timeout_s, left))
             if not holders and errors and loop.time() >= end:   # the question ran out of the fetch's time
-                return Fetched(done, "timeout", ("the caller's deadline" if callers else
-                                                 f"peers.deadline_s ({self._cfg.deadline_s:g}s)")
-                               + f" passed after {done} block(s) while the peers were asked")
+                return Fetched(done, "timeout", f"{deadline} passed after {done} block(s) while the peers were asked")
             if not holders:
                 if not self._peers:
                     return Fetched(done, "no_peers", "this node has no peers")
