@@ -33,9 +33,11 @@ from kvstored_client.errors import (
     ClientClosed,
     DaemonNotRunning,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     KVStoreError,
     LeaseExpired,
+    NotFound,
     from_rpc_error,
 )
 from kvstored_client.hashing import ChainHasher
@@ -119,16 +121,34 @@ class LoadResult:
     data: Any
 
 
-@dataclass(frozen=True, slots=True)
-class Buffers:
-    """A registration of engine KV tensors with the daemon."""
+@dataclass(slots=True, eq=False)
+class _Registration:
+    """What ``register_buffers`` sent, and the id the daemon gave it in which session: a
+    registration belongs to a session, so after a restart the SDK registers the tensors again."""
 
+    client: Client
+    tensors: tuple[pb.TensorDesc, ...]
+    session_id: str
     buffers_id: int
+    registered: bool = True   # False once unregistered
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Buffers:
+    """A registration of engine KV tensors with the daemon. It lives through a daemon restart:
+    the SDK registers the tensors again with the new daemon on their next use."""
+
     num_blocks: int
     block_bytes: int
     layout: str
     namespace: Namespace
-    num_tensors: int = 0
+    num_tensors: int
+    _registration: _Registration = field(repr=False)
+
+    @property
+    def buffers_id(self) -> int:
+        """The daemon's id for this registration in the client's current session."""
+        return self._registration.buffers_id
 
 
 class Client:
@@ -183,6 +203,7 @@ class Client:
         self._arena: np.ndarray | None = None
         self._arena_map: mmap.mmap | None = None
         self._namespace_ids: dict[Namespace, tuple[int, Namespace]] = {}
+        self._registrations_lock = threading.Lock()   # one thread registers buffers again at a time
         self._releases_lock = threading.Lock()
         self._pending_releases: list[grpc.Future] = []
         self._hashers: dict[tuple[int, str, str], ChainHasher] = {}
@@ -634,16 +655,66 @@ class Client:
             raise InvalidArgument(f"buffers have layout {signature!r} but the namespace says {ns.layout!r}")
         ns = dataclasses.replace(ns, layout=signature)
         session = self._session()
+        resp = self._register(session, ns, descs)
+        return Buffers(resp.num_blocks, resp.block_bytes, resp.layout, ns, len(descs),
+                       _Registration(self, tuple(descs), session, resp.buffers_id))
+
+    def _register(self, session: str, ns: Namespace, descs: Sequence[pb.TensorDesc]) -> pb.RegisterBuffersResponse:
         ns_id, _ = self._ns(ns)
         resp = self._call(self._stub.RegisterBuffers, pb.RegisterBuffersRequest(
             session_id=session, namespace_id=ns_id, tensors=descs))
-        self._namespace_ids.pop(ns, None)
-        return Buffers(resp.buffers_id, resp.num_blocks, resp.block_bytes, resp.layout, ns, len(descs))
+        self._namespace_ids.pop(ns, None)   # registering may have fixed the namespace's block size
+        return resp
+
+    def _buffers_id(self, buffers: Buffers, session: str) -> int:
+        """The daemon's id for ``buffers`` in ``session``, registering the tensors again when they
+        were registered in an earlier session (the daemon restarted, or the session ended): a
+        registration belongs to its session, and an engine registers its buffers once."""
+        reg = buffers._registration
+        if reg.client is not self:
+            raise InvalidArgument("these buffers were registered by another client")
+        with self._registrations_lock:
+            if not reg.registered:
+                raise NotFound("these buffers were unregistered")
+            if reg.session_id != session:
+                resp = self._register(session, buffers.namespace, reg.tensors)
+                if (resp.num_blocks, resp.block_bytes, resp.layout) != \
+                        (buffers.num_blocks, buffers.block_bytes, buffers.layout):
+                    # (the tensors are the same, so only another daemon version could say so)
+                    self._forget_buffers(session, resp.buffers_id)
+                    raise KVStoreError(
+                        f"registering the buffers again after a daemon restart gave {resp.num_blocks} blocks of "
+                        f"{resp.block_bytes} B ({resp.layout}), not {buffers.num_blocks} of {buffers.block_bytes} B "
+                        f"({buffers.layout}): register them anew")
+                reg.session_id, reg.buffers_id = session, resp.buffers_id
+            return reg.buffers_id
+
+    def _forget_buffers(self, session: str, buffers_id: int) -> None:
+        self._call(self._stub.UnregisterBuffers, pb.UnregisterBuffersRequest(session_id=session,
+                                                                             buffers_id=buffers_id))
 
     def unregister_buffers(self, buffers: Buffers) -> None:
-        """After this returns the daemon no longer touches the tensors; the engine may free them."""
-        self._call(self._stub.UnregisterBuffers, pb.UnregisterBuffersRequest(
-            session_id=self._session(), buffers_id=buffers.buffers_id))
+        """After this returns the daemon no longer touches the tensors; the engine may free them.
+
+        Buffers registered in a session that has ended since (a daemon restart) are only
+        forgotten: the daemon dropped them when the session ended. Using ``buffers`` afterwards
+        raises NotFound."""
+        reg = buffers._registration
+        if reg.client is not self:
+            raise InvalidArgument("these buffers were registered by another client")
+        with self._registrations_lock:
+            if not reg.registered:
+                return
+            with self._lock:
+                current = self._session_id
+            if reg.session_id == current:
+                try:
+                    self._forget_buffers(reg.session_id, reg.buffers_id)
+                except FailedPrecondition as exc:
+                    # a restart this client has not noticed yet: the session, and the buffers, are gone
+                    if not str(exc).startswith("unknown session"):
+                        raise
+            reg.registered = False
 
     def save_blocks(self, buffers: Buffers, block_ids: Sequence[int], tokens: Any = None, *,
                     hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
@@ -654,8 +725,8 @@ class Client:
         background and in order; call this per chunk of prefill and each chunk leaves at once."""
         session = self._session()
         ns_id, spec = self._ns(buffers.namespace)
-        request = pb.SaveBlocksRequest(session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id,
-                                       push_to=push_to)
+        request = pb.SaveBlocksRequest(session_id=session, namespace_id=ns_id,
+                                       buffers_id=self._buffers_id(buffers, session), push_to=push_to)
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
         _set_block_ids(request, block_ids, buffers, self._packed_keys)
         resp = self._call(self._stub.SaveBlocks, request)
@@ -672,7 +743,8 @@ class Client:
         """
         session = self._session()
         ns_id, spec = self._ns(buffers.namespace)
-        request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns_id, buffers_id=buffers.buffers_id)
+        request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns_id,
+                                       buffers_id=self._buffers_id(buffers, session))
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
         _set_block_ids(request, block_ids, buffers, self._packed_keys)
         if not wait:
@@ -714,7 +786,8 @@ class Client:
         session, arena = self._session_arena(buffers is None)
         ns_id, spec = self._ns(ns)
         request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id,
-                                         buffers_id=buffers.buffers_id if buffers is not None else 0, peers=peers)
+                                         buffers_id=0 if buffers is None else self._buffers_id(buffers, session),
+                                         peers=peers)
         n_blocks = self._keys(request.keys, spec, tokens, hashes, cache_salt)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")

@@ -16,6 +16,7 @@ import pytest
 import kvstored
 from conftest import Daemon, wait_serving
 from kvstored import Namespace
+from kvstored_client._proto import kvstored_pb2 as pb
 
 
 def rows(n: int, width: int = 4096, seed: int = 0) -> np.ndarray:
@@ -448,3 +449,64 @@ def test_a_stream_whose_namespace_size_was_fixed_meanwhile_carries_whole_blocks(
         got = [arrival.data for arrival in stream]
         assert stream.outcome is not None and stream.outcome.complete
         assert len(got) == 3 and all(np.array_equal(g, row) for g, row in zip(got, kv))
+
+
+def test_registered_buffers_live_through_a_daemon_restart(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Was: a registration belonged to the session that made it, so after `systemctl restart
+    kvstored` every save_blocks/load_blocks of an engine raised NotFound("unknown buffers") until
+    the engine registered its buffers again, which engines that register once at start never do.
+    The SDK now registers them again with the new daemon on their next use."""
+    d = daemon_factory("--set", "ssd.enabled=false")
+    ns = Namespace(model="reregister", kv_dtype="float16")
+    engine = kvstored.shm.empty((8, 2, 16, 2, 8), "float16")   # 8 blocks of 16 tokens
+    kv = engine.numpy()
+    kv[...] = np.random.default_rng(3).standard_normal(kv.shape).astype(np.float16)
+    c = kvstored.Client(d.socket)
+    try:
+        buffers = c.register_buffers([kv], 0, namespace=ns)
+        assert c.save_blocks(buffers, [0, 1], np.arange(32)).stored == 2
+        restart(d)
+        deadline = time.monotonic() + 10
+        while c._session_id is not None and time.monotonic() < deadline:   # the session's end is noticed
+            time.sleep(0.02)
+        # the same Buffers object, a new daemon: save two blocks, load them into two other slots
+        assert c.save_blocks(buffers, [2, 3], np.arange(1000, 1032)).stored == 2
+        registered_as = buffers.buffers_id
+        kv[4:6] = 0
+        assert c.load_blocks(buffers, [4, 5], np.arange(1000, 1032)).blocks == 2
+        assert np.array_equal(kv[4:6], kv[2:4])
+        kv[6:8] = 0
+        stream = c.stream(np.arange(1000, 1032), buffers=buffers, block_ids=[6, 7])
+        assert stream.wait().blocks == 2
+        assert np.array_equal(kv[6:8], kv[2:4])
+        assert buffers.buffers_id == registered_as, "registered again once, not per call"
+        c.unregister_buffers(buffers)
+        with pytest.raises(kvstored.NotFound, match="unknown buffers"):   # the daemon let them go
+            c._call(c._stub.LoadBlocks, pb.LoadBlocksRequest(
+                session_id=c._session(), namespace_id=c._ns(buffers.namespace)[0], buffers_id=registered_as,
+                keys=pb.BlockKeys(hashes=kvstored.block_hashes(np.arange(1000, 1032))), block_ids=[4, 5]))
+        with pytest.raises(kvstored.NotFound, match="unregistered"):
+            c.save_blocks(buffers, [0], np.arange(2000, 2016))
+    finally:
+        c.close()
+        engine.close()
+
+
+def test_unregistering_buffers_of_a_session_that_ended_is_quiet(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Buffers registered before a daemon restart and unregistered after it: the daemon dropped
+    them with the session, so there is nothing to refuse (was: NotFound on shutdown paths)."""
+    d = daemon_factory("--set", "ssd.enabled=false")
+    engine = kvstored.shm.empty((4, 2, 16, 2, 8), "float16")
+    c = kvstored.Client(d.socket)
+    try:
+        buffers = c.register_buffers([engine.numpy()], 0, namespace=Namespace(model="unreg", kv_dtype="float16"))
+        restart(d)
+        c.unregister_buffers(buffers)            # whether or not the session's end was noticed yet
+        c.unregister_buffers(buffers)            # twice: nothing
+        with pytest.raises(kvstored.NotFound, match="unregistered"):
+            c.load_blocks(buffers, [0], np.arange(16))
+        with kvstored.Client(d.socket) as other, pytest.raises(kvstored.InvalidArgument, match="another client"):
+            other.load_blocks(buffers, [0], np.arange(16))
+    finally:
+        c.close()
+        engine.close()
