@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvstored_client import Client, KVStoreError
@@ -121,9 +123,12 @@ def evict(socket: str | None, model: str, tier: str) -> None:
 @click.pass_obj
 def flush(socket: str | None, model: str) -> None:
     """Write every DRAM block without an SSD copy to the SSD tier now (e.g. before a restart)."""
-    with _client(socket) as client:
-        n = client.flush(model)
-    click.echo(f"flushed {n} block(s) to ssd")
+    written = 0
+    with _client(socket) as client, _bar("flushing to ssd") as (bar, task):
+        for p in client.flushing(model):
+            written = p["written_blocks"]
+            bar.update(task, total=written + p["left_blocks"], completed=written)
+    click.echo(f"flushed {written} block(s) to ssd")
 
 
 @cli.command()
@@ -149,15 +154,20 @@ def peers(socket: str | None, as_json: bool) -> None:
     Console().print(table)
 
 
+@contextlib.contextmanager
+def _bar(description: str) -> Iterator[tuple[Progress, TaskID]]:
+    """A progress bar of blocks on stderr (stdout keeps the one-line result)."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=False) as bar:
+        yield bar, bar.add_task(description, total=None)
+
+
 def _run_migration(socket: str | None, to: str, model: str, drain: bool) -> None:
-    with _client(socket) as client:
-        last: dict[str, Any] = {}
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=Console(stderr=True), transient=False) as bar:
-            task = bar.add_task("draining" if drain else f"migrating to {to}", total=None)
-            for p in client.migrate(to, model=model, drain=drain):
-                last = p
-                bar.update(task, total=p["total_blocks"], completed=p["pushed_blocks"] + p["failed_blocks"])
+    last: dict[str, Any] = {}
+    with _client(socket) as client, _bar("draining" if drain else f"migrating to {to}") as (bar, task):
+        for p in client.migrate(to, model=model, drain=drain):
+            last = p
+            bar.update(task, total=p["total_blocks"], completed=p["pushed_blocks"] + p["failed_blocks"])
     click.echo(f"pushed {last.get('pushed_blocks', 0)} of {last.get('total_blocks', 0)} block(s)"
                + (f", dropped {last['dropped_blocks']} local copies" if drain else "")
                + (f"; {last['failed_blocks']} failed: {last['detail']}" if last.get("failed_blocks") else ""))

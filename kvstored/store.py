@@ -23,7 +23,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
@@ -157,6 +157,16 @@ Fetcher = Callable[[int, list[bytes], Into, Landed], Awaitable[Fetched]]
 
 _STORED_HERE = "stored_here"   # _fill_reservation: go on from blocks another client stored meanwhile
 _FLUSH_ROUNDS = 6000   # write-back rounds (or 10 ms waits for other write-backs) a flush takes at most
+
+
+@dataclass(frozen=True, slots=True)
+class FlushProgress:
+    """How far a flush is: blocks it wrote to SSD so far, and blocks of the flushed namespaces
+    still only in DRAM (saves during the flush add to them)."""
+
+    written: int
+    left: int
+    done: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -1174,17 +1184,29 @@ class BlockStore:
 
     async def flush(self, model: str = "") -> int:
         """Write every DRAM block of ``model`` (all when empty) without an SSD copy to SSD now;
-        returns how many were written. ResourceExhausted, saying how many were written and how
-        many were not, when some could not be (the tier is full of blocks that cannot leave, or
-        writes failed): those blocks would not survive a restart."""
+        returns how many were written. Failures as :meth:`flushing`."""
+        written = 0
+        async for progress in self.flushing(model):
+            written = progress.written
+        return written
+
+    async def flushing(self, model: str = "") -> AsyncGenerator[FlushProgress, None]:
+        """Write every DRAM block of ``model`` (all when empty) without an SSD copy to SSD now,
+        yielding progress before the first write round, after each (at most 256 MiB), and, done,
+        at the end. ResourceExhausted, saying how many were written and how many were not, when
+        some could not be (the tier is full of blocks that cannot leave, or writes failed): those
+        blocks would not survive a restart. FailedPrecondition without an SSD tier; NotFound for
+        a model never seen."""
         if self._ssd is None:
             raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)")
         ids = self._namespace_ids(model)
         total = 0
+        yield FlushProgress(0, self._dram_only(ids))
         for _ in range(_FLUSH_ROUNDS):
             written = await self._write_back(float("inf"), force=True, models=ids)
             total += written
             if written:
+                yield FlushProgress(total, self._dram_only(ids))
                 continue
             # Blocks another write-back is writing now are skipped above: wait for them to land
             # (or fail) rather than count them as left.
@@ -1197,7 +1219,11 @@ class BlockStore:
             raise ResourceExhausted(f"wrote {total} block(s) to SSD, but {left} block(s) are still only in DRAM "
                                     f"(SSD tier of {self._config.ssd.capacity >> 20} MiB full, or write errors: "
                                     "see kvctl stats)")
-        return total
+        yield FlushProgress(total, 0, done=True)
+
+    def _dram_only(self, ids: set[int]) -> int:
+        """Sealed blocks of these namespaces in DRAM without an SSD copy (the write-back queue)."""
+        return sum(1 for b in self._dirty if b.index.namespace_id in ids and b.sealed and b.in_dram and not b.on_ssd)
 
     # -- registered engine buffers ----------------------------------------------------------
     def register_buffers(self, session_id: str, namespace_id: int,

@@ -52,9 +52,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 # as long again after the daemon was back. The daemon is local: retrying its socket is cheap.
 RECONNECT_BACKOFF_MS = 100
 MAX_RECONNECT_BACKOFF_MS = 1000
-# The daemon repeats a migration's progress at least every 5 s: a client gives up after three
-# silent intervals (or its timeout_s, when longer).
-MIGRATE_IDLE_MIN_S = 15.0
+# The daemon repeats a migration's or a flush's progress at least every 5 s: a client gives up
+# after three silent intervals (or its timeout_s, when longer).
+PROGRESS_IDLE_MIN_S = 15.0
 T = TypeVar("T")
 TIER_NAMES: dict[int, str] = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_PEER: "peer"}
 
@@ -857,7 +857,7 @@ class Client:
                 return
             request.namespace_id = ns_id
         for p in self._until_idle(self._stub.Migrate(request, timeout=None), "migration",
-                                  max(self._timeout, MIGRATE_IDLE_MIN_S)):
+                                  max(self._timeout, PROGRESS_IDLE_MIN_S)):
             yield {"total_blocks": p.total_blocks, "pushed_blocks": p.pushed_blocks,
                    "failed_blocks": p.failed_blocks, "dropped_blocks": p.dropped_blocks,
                    "detail": p.detail, "done": p.done}
@@ -918,8 +918,23 @@ class Client:
         """Write every DRAM block of ``model`` (all when empty) that has no SSD copy to SSD now;
         returns how many were written. ResourceExhausted, saying how many were written and how
         many were not, when some could not be (a full SSD tier, write errors); FailedPrecondition
-        when the daemon runs without an SSD tier; NotFound for a model it has never seen."""
-        return int(self._call(self._stub.Flush, pb.FlushRequest(model=model)).blocks)
+        when the daemon runs without an SSD tier; NotFound for a model it has never seen. Takes
+        as long as the writes take (minutes for a large arena), as :meth:`flushing`."""
+        written = 0
+        for progress in self.flushing(model):
+            written = progress["written_blocks"]
+        return written
+
+    def flushing(self, model: str = "") -> Iterator[dict[str, Any]]:
+        """:meth:`flush`, yielding progress dicts (written_blocks, left_blocks: still only in DRAM,
+        done) before the first write, after each write round and at the end. A flush may take any
+        time, but the daemon reports progress every few seconds: when nothing comes for
+        ``timeout_s`` (at least 15 s), DeadlineExceeded (the flush is cancelled; what was written
+        stays written)."""
+        self._check_open()
+        for p in self._until_idle(self._stub.FlushStream(pb.FlushRequest(model=model), timeout=None), "flush",
+                                  max(self._timeout, PROGRESS_IDLE_MIN_S)):
+            yield {"written_blocks": p.written_blocks, "left_blocks": p.left_blocks, "done": p.done}
 
     def close(self) -> None:
         """End the session (the daemon releases its leases and buffers) and the channel. Calls

@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -16,7 +17,7 @@ from kvstored.errors import FailedPrecondition, InvalidArgument, KVError
 from kvstored.index import Tier
 from kvstored.peers.node import MigrateProgress, PeerNode
 from kvstored.server.status import code_for, mapped
-from kvstored.store import Arrival, BlockStore, Fetcher, KeyRequest, StreamEnd
+from kvstored.store import Arrival, BlockStore, Fetcher, FlushProgress, KeyRequest, StreamEnd
 from kvstored.tiers.dram import Arena
 from kvstored_client._proto import kvstored_pb2 as pb
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
@@ -34,7 +35,9 @@ STREAM_GATHER_MAX_S = 0.008
 # deadline, so that its outcome (a short stream, "timeout") reaches the caller rather than
 # DEADLINE_EXCEEDED: with the defaults, peers.deadline_s and the SDK's timeout_s are both 30 s.
 STREAM_END_MARGIN_S = 1.0
-MIGRATE_HEARTBEAT_S = 5.0   # the latest migration progress is sent again at least this often
+HEARTBEAT_S = 5.0   # the latest progress of a migration or a flush is sent again at least this often
+P = TypeVar("P")
+M = TypeVar("M")
 _TIER_PB = {Tier.DRAM: pb.TIER_DRAM, Tier.SSD: pb.TIER_SSD, Tier.PEER: pb.TIER_PEER}
 _TIER_FROM_PB = {pb.TIER_UNSPECIFIED: None, pb.TIER_DRAM: Tier.DRAM, pb.TIER_SSD: Tier.SSD}
 
@@ -66,6 +69,44 @@ def _tensor(i: int, msg: pb.TensorDesc) -> TensorSource:
     return TensorSource(msg.shm_name, msg.offset,
                         TensorLayout(tuple(msg.shape), tuple(msg.strides), msg.dtype, msg.block_dim),
                         msg.cuda_ipc_handle, msg.device_uuid)
+
+
+def _migrate_pb(p: MigrateProgress) -> pb.MigrateProgress:
+    return pb.MigrateProgress(total_blocks=p.total, pushed_blocks=p.pushed, failed_blocks=p.failed,
+                              dropped_blocks=p.dropped, detail=p.detail, done=p.done)
+
+
+def _flush_pb(p: FlushProgress) -> pb.FlushProgress:
+    return pb.FlushProgress(written_blocks=p.written, left_blocks=p.left, done=p.done)
+
+
+async def _with_heartbeat(progress: AsyncGenerator[P, None], message: Callable[[P], M]) -> AsyncIterator[M]:
+    """``progress`` as messages, the latest sent again whenever nothing new came for HEARTBEAT_S:
+    a long step (pushing a chain, writing a round to SSD) must not look like a stuck daemon to a
+    client that gives up after a silence. ``progress`` is closed at the end, and when the call is
+    cancelled (its step cancelled first)."""
+    latest: M | None = None
+    step: asyncio.Future[P] = asyncio.ensure_future(anext(progress))
+    try:
+        while True:
+            await asyncio.wait((step,), timeout=HEARTBEAT_S)
+            if not step.done():
+                if latest is not None:
+                    yield latest
+                continue
+            try:
+                p = step.result()
+            except StopAsyncIteration:
+                return
+            latest = message(p)
+            yield latest
+            step = asyncio.ensure_future(anext(progress))
+    finally:
+        if not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await step
+        await progress.aclose()
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
@@ -330,31 +371,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                          "peers.etcd)")
             prefix = _keys(request.prefix) if request.HasField("prefix") else None
             progress = self._peers.migrate(request.to, request.model, request.namespace_id, prefix, request.drain)
-            latest: pb.MigrateProgress | None = None
-            step: asyncio.Future[MigrateProgress] = asyncio.ensure_future(anext(progress))
-            try:
-                while True:
-                    # A chain can take long to push: the latest progress again at least every
-                    # MIGRATE_HEARTBEAT_S, so a client can tell a slow migration from a stuck daemon.
-                    await asyncio.wait((step,), timeout=MIGRATE_HEARTBEAT_S)
-                    if not step.done():
-                        if latest is not None:
-                            yield latest
-                        continue
-                    try:
-                        p = step.result()
-                    except StopAsyncIteration:
-                        return
-                    latest = pb.MigrateProgress(total_blocks=p.total, pushed_blocks=p.pushed, failed_blocks=p.failed,
-                                                dropped_blocks=p.dropped, detail=p.detail, done=p.done)
-                    yield latest
-                    step = asyncio.ensure_future(anext(progress))
-            finally:
-                if not step.done():
-                    step.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await step
-                await progress.aclose()
+            async for message in _with_heartbeat(progress, _migrate_pb):
+                yield message
         except KVError as exc:
             await context.abort(code_for(exc), str(exc))
 
@@ -372,6 +390,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @mapped
     async def Flush(self, request: pb.FlushRequest, context: grpc.aio.ServicerContext) -> pb.FlushResponse:
         return pb.FlushResponse(blocks=await self._store.flush(request.model))
+
+    async def FlushStream(self, request: pb.FlushRequest,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FlushProgress]:
+        try:
+            async for message in _with_heartbeat(self._store.flushing(request.model), _flush_pb):
+                yield message
+        except KVError as exc:
+            await context.abort(code_for(exc), str(exc))
 
     @mapped
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:

@@ -294,6 +294,33 @@ def test_kvctl_evict_and_flush(daemon) -> None:  # type: ignore[no-untyped-def]
     assert re.search(r"index blocks\s+0\s*$", table, re.M), table
 
 
+def test_a_flush_longer_than_the_client_timeout_completes_and_shows_progress(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Was: Flush was one unary call under the client's timeout_s (30 s by default), so `kvctl
+    flush` of an arena that takes longer to write (a few tens of GiB here) was cancelled midway
+    with DeadlineExceeded, and showed nothing meanwhile. Flushing now streams progress; the
+    client gives up only after a silence."""
+    d = daemon_factory("--dram-capacity", "256MiB", "--ssd-capacity", "512MiB",
+                       "--set", "dram.writeback_watermark=1.0")   # nothing written before the flush
+    with kvstored.Client(d.socket) as c:
+        for i in range(60):                       # 960 blocks of 256 KiB: 240 MiB
+            c.save(prompt(i), content(prompt(i)))
+        c._timeout = 0.01                         # a flush that takes longer than the client's timeout_s
+        progress = list(c.flushing())
+        c._timeout = 30.0
+        assert progress[0] == {"written_blocks": 0, "left_blocks": 960, "done": False}
+        assert progress[-1] == {"written_blocks": 960, "left_blocks": 0, "done": True}
+        written = [p["written_blocks"] for p in progress]
+        assert written == sorted(written) and len(progress) > 2, progress   # one report per write round
+        assert all(p["written_blocks"] + p["left_blocks"] == 960 for p in progress)
+        assert c.stats()["tiers"][1]["blocks"] == 960
+        c.save(prompt(99), content(prompt(99)))
+    out = subprocess.run([sys.executable, "-m", "kvstored.kvctl", "flush"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "KVSTORED_SOCKET": d.socket})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "flushed 16 block(s) to ssd\n"
+    assert "flushing to ssd" in out.stderr and "16/16" in out.stderr   # the progress bar
+
+
 def test_kvctl_flush_fails_when_blocks_stay_dram_only(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """Regression: ``kvctl flush`` said "flushed N" and exited 0 while blocks it could not write
     (the SSD tier too small) stayed in DRAM only, to be lost at the restart it was run for."""

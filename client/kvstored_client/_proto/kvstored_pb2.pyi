@@ -352,6 +352,16 @@ class FlushResponse(_message.Message):
     blocks: int
     def __init__(self, blocks: _Optional[int] = ...) -> None: ...
 
+class FlushProgress(_message.Message):
+    __slots__ = ("written_blocks", "left_blocks", "done")
+    WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEFT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    written_blocks: int
+    left_blocks: int
+    done: bool
+    def __init__(self, written_blocks: _Optional[int] = ..., left_blocks: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
+
 class LoadEvent(_message.Message):
     __slots__ = ("started", "tensor_done", "done")
     STARTED_FIELD_NUMBER: _ClassVar[int]

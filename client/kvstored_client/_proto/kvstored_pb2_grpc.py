@@ -114,6 +114,11 @@ class KVStoreStub:
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.SerializeToString,
                 response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.FlushResponse.FromString,
                 _registered_method=True)
+        self.FlushStream = channel.unary_stream(
+                '/kvstored.v1.KVStore/FlushStream',
+                request_serializer=kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.SerializeToString,
+                response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.FlushProgress.FromString,
+                _registered_method=True)
         self.StreamBlocks = channel.unary_stream(
                 '/kvstored.v1.KVStore/StreamBlocks',
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.StreamBlocksRequest.SerializeToString,
@@ -240,6 +245,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FlushStream(self, request, context):
+        """The same, reporting progress after each write round and again at least every few seconds
+        (a flush of a large arena takes minutes); ends with done, or a status when blocks were left.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamBlocks(self, request, context):
         """Hand a prompt's blocks over one by one, in token order, as each is in place: first the
         cached prefix, then blocks fetched from the peer that holds the rest while later ones stream.
@@ -346,6 +359,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Flush,
                     request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.FromString,
                     response_serializer=kvstored_dot_v1_dot_kvstored__pb2.FlushResponse.SerializeToString,
+            ),
+            'FlushStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.FlushStream,
+                    request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.FromString,
+                    response_serializer=kvstored_dot_v1_dot_kvstored__pb2.FlushProgress.SerializeToString,
             ),
             'StreamBlocks': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamBlocks,
@@ -795,6 +813,33 @@ class KVStore:
             '/kvstored.v1.KVStore/Flush',
             kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.SerializeToString,
             kvstored_dot_v1_dot_kvstored__pb2.FlushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FlushStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstored.v1.KVStore/FlushStream',
+            kvstored_dot_v1_dot_kvstored__pb2.FlushRequest.SerializeToString,
+            kvstored_dot_v1_dot_kvstored__pb2.FlushProgress.FromString,
             options,
             channel_credentials,
             insecure,
