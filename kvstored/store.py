@@ -265,6 +265,8 @@ class BlockStore:
         self._allocator = SlotAllocator(arena.capacity, config.dram.page_bytes)
         self._tick = 0                                      # advances with every request that allocates
         self._page_tick = [0] * self._allocator.num_pages   # when each page was last used (sealed or hit)
+        # the blocks holding a slot in each page (see _bind_slot); a used slot of none: a landing
+        self._page_blocks: list[dict[Block, None]] = [{} for _ in range(self._allocator.num_pages)]
         self._dram_policies: dict[int, BlockPolicy] = {}   # one per slot size
         self._ssd_policy = make_policy(config.ssd.policy, clock,
                                        max(config.ssd.capacity // GHOST_BLOCK_BYTES, MIN_GHOST_BLOCKS),
@@ -548,7 +550,7 @@ class BlockStore:
                 cut = i
                 break
             self._ssd_policy.removed(block, moved=True)   # up to DRAM; its SSD copy stays
-            block.offset = offset
+            self._bind_slot(block, offset)
             done: asyncio.Future[bool] = loop.create_future()
             self._promoting[block] = done
             read: Future[None]
@@ -754,7 +756,7 @@ class BlockStore:
             if offset is None:
                 self._remove_if_hollow(existing)
                 return "full"
-            existing.offset = offset
+            self._bind_slot(existing, offset)
             existing.flags = 0
             existing.check = None
             existing.pins += 1
@@ -769,7 +771,7 @@ class BlockStore:
                 parent.pins -= 1
         if offset is None:
             return "full"
-        lease.new.append(state.index.insert(key, parent, offset))
+        lease.new.append(self._bind_slot(state.index.insert(key, parent, NO_SLOT), offset))
         return "ok"
 
     def _alloc(self, sb: int) -> int | None:
@@ -781,9 +783,8 @@ class BlockStore:
         return offset
 
     def _reclaim_dram(self, sb: int) -> bool:
-        """Free one DRAM slot. The victim is this size's policy's choice, unless another size's
-        choice sits in a page used less recently than that: then that one goes, so pages drift to
-        the sizes in use (a page returns to the pool when its last slot is freed). A block with an
+        """Make room for a slot of ``sb`` bytes: free one slot of this size, the victim of this
+        size's policy, or a whole page of another size (see :meth:`_take_page`). A block with an
         SSD copy just loses its slot (and joins the SSD policy); one without leaves the index.
 
         DRAM admits every block (``admit`` is not asked): a block refused here would never reach
@@ -791,26 +792,114 @@ class BlockStore:
         less at a time when the arena is merely full of blocks that already have SSD copies.
         The policy's admission guards the SSD tier instead (see :meth:`_write_back`)."""
         self._writeback_wanted.set()
-        page_bytes = self._allocator.page_bytes
         own = self._dram_policies.get(sb)
         victim = own.victim() if own is not None else None
+        if len(self._dram_policies) > (own is not None) and self._take_page(sb, victim):   # other sizes
+            return True
+        if victim is None:
+            return False
+        self._evict_slot(victim)
+        return True
+
+    def _take_page(self, sb: int, victim: Block | None) -> bool:
+        """Make room from another slot size than ``sb``, so that pages drift to the sizes in use,
+        when another size's policy victim sits in a page used less recently than the page of
+        ``victim`` (this size's own; None: than any). In this order:
+
+        - the least recently used such page whose blocks can all leave now, emptied at once;
+        - else another size's page that can, used less recently than ``victim``'s (the policy
+          orders blocks, not pages: its victim's page may hold a leased block, another not);
+        - else, when the least recently used such page holds no block that must stay (it only
+          has blocks whose children sit in other pages), that size's victim alone, as a step
+          towards emptying it (chains that cross between pages free none whole).
+
+        False when nothing left: no block leaves for a page that cannot empty."""
+        page_bytes, page_tick = self._allocator.page_bytes, self._page_tick
+        bound = page_tick[victim.offset // page_bytes] if victim is not None else None
+        older: list[tuple[int, Block]] = []   # (page, victim in it) of the other sizes
         for size, policy in self._dram_policies.items():
             if size == sb or not len(policy):
                 continue
             other = policy.victim()
-            if other is not None and (victim is None or self._page_tick[other.offset // page_bytes]
-                                      < self._page_tick[victim.offset // page_bytes]):
-                victim = other
-        if victim is None:
+            if other is not None:
+                page = other.offset // page_bytes
+                if bound is None or page_tick[page] < bound:
+                    older.append((page, other))
+        if not older:
+            return False   # as before: no other size's victim is older than this size's own
+        older.sort(key=lambda pv: page_tick[pv[0]])
+        step: Block | None = None   # a victim whose page may empty once its children's pages do
+        for page, other in older:
+            held, leavers = self._page_leavers(page)
+            if leavers is not None:
+                self._empty_page(page, leavers)
+                return True
+            if not held and step is None:
+                step = other
+        tried = {page for page, _ in older}
+        rest = [page for page, size in self._allocator.pages()
+                if size != sb and page not in tried and (bound is None or page_tick[page] < bound)]
+        for page in sorted(rest, key=page_tick.__getitem__):
+            leavers = self._page_leavers(page)[1]
+            if leavers is not None:
+                self._empty_page(page, leavers)
+                return True
+        if step is None:
             return False
-        if victim.on_ssd:
-            self._release_slot(victim)
-            self._ssd_policy.inserted([victim])
+        self._evict_slot(step)
+        return True
+
+    def _empty_page(self, page: int, leavers: list[Block]) -> None:
+        """Evict ``leavers``, every block of ``page`` (see :meth:`_page_leavers`): the page
+        returns to the pool."""
+        # leaving the index deepest first (a block after its children), then losing slots
+        # parent first (the order the SSD policy is told of a run)
+        for block in leavers:
+            if not block.on_ssd:
+                self._evict_slot(block)
+        for block in reversed(leavers):
+            if block.on_ssd:
+                self._evict_slot(block)
+        assert not self._page_blocks[page] and self._allocator.used_slots(page) == 0, "page not emptied"
+
+    def _page_leavers(self, page: int) -> tuple[bool, list[Block] | None]:
+        """``(held, leavers)`` of ``page``: ``held`` when a slot in it cannot be given up now,
+        whatever else leaves; ``leavers``: its blocks, deepest first, when all may give up their
+        slots now (else None). As :meth:`_dram_can_evict` asks of a victim: unpinned, sealed, not
+        being written out or promoted; a slot held by no block (a peer's block landing) is held.
+        A block with an SSD copy only loses its slot; one without leaves the index, so its
+        children must too: all in this page and leaving as well (leaf-first within the page)."""
+        blocks = self._page_blocks[page]
+        used = self._allocator.used_slots(page)
+        assert len(blocks) <= used, f"page {page}: {len(blocks)} blocks in {used} used slots"
+        if len(blocks) < used:
+            return True, None
+        order = sorted(blocks, key=lambda b: -b.depth)   # children before their parents
+        leaving: dict[Block, int] = {}   # children of a block leaving the index with it
+        promoting = self._promoting
+        stuck = False   # a block with a child outside this page or staying in the index
+        for block in order:
+            if block.pins or block.flags & (SEALED | DEMOTING) != SEALED or block in promoting:
+                return True, None
+            if block.flags & ON_SSD:
+                continue
+            if block.children != leaving.get(block, 0):
+                stuck = True
+                continue
+            parent = block.parent
+            if parent is not None and parent in blocks:
+                leaving[parent] = leaving.get(parent, 0) + 1
+        return False, None if stuck else order
+
+    def _evict_slot(self, block: Block) -> None:
+        """Evict ``block`` from DRAM: with an SSD copy it only loses its slot, else it is dropped."""
+        if block.on_ssd:
+            self._release_slot(block)
+            self._ssd_policy.inserted([block])
         else:
-            self._remove(victim)
+            self._remove(block)
             self._n.dropped += 1
         self._n.dram_evictions += 1
-        return True
 
     def _release_slot(self, block: Block, leaving: bool = False) -> None:
         """Give back a block's DRAM slot (its bytes stay wherever else they are); ``leaving``:
@@ -821,8 +910,18 @@ class BlockStore:
         self._dram_for(block).removed(block, moved=block.on_ssd and not leaving)
         if block.sealed and not block.on_ssd:
             self._set_clean(block)
+        del self._page_blocks[block.offset // self._allocator.page_bytes][block]   # KeyError: never bound
         self._allocator.free(block.offset)
         block.offset = NO_SLOT
+
+    def _bind_slot(self, block: Block, offset: int) -> Block:
+        """Give ``block`` (slotless) the slot at ``offset``, just allocated: every slot a block
+        holds is bound here and given back by :meth:`_release_slot`, so that each page knows its
+        blocks (see :meth:`_page_leavers`)."""
+        assert block.offset == NO_SLOT, "a block holds one slot at most"
+        block.offset = offset
+        self._page_blocks[offset // self._allocator.page_bytes][block] = None
+        return block
 
     def _drop_ssd_copy(self, block: Block, leaving: bool = False) -> None:
         if not block.on_ssd:
@@ -1535,7 +1634,7 @@ class BlockStore:
         # push then counts it held if its bytes are readable), or the parent may have gone.
         if verified and state.index.get(landing.key) is None \
                 and (above is None or state.index.get(above.key) is above):
-            block = state.index.insert(landing.key, above, landing.offset)
+            block = self._bind_slot(state.index.insert(landing.key, above, NO_SLOT), landing.offset)
             block.pins = 0
             block.check = checksum
             self._sealed_now([block])
@@ -1560,7 +1659,7 @@ class BlockStore:
             self._remove_if_hollow(block)
             return False
         self._arena.view(offset, payload.nbytes)[:] = payload
-        block.offset = offset
+        self._bind_slot(block, offset)
         block.flags = 0
         block.check = None
         self._sealed_now([block])

@@ -195,6 +195,15 @@ class SlotAllocator:
         self.used_bytes += slot_bytes
         return offset
 
+    def used_slots(self, index: int) -> int:
+        """Slots in use in page ``index`` (0: a free page)."""
+        page = self._pages.get(index)
+        return page.used if page is not None else 0
+
+    def pages(self) -> list[tuple[int, int]]:
+        """``(index, slot_bytes)`` of every page that holds slots."""
+        return [(index, page.slot_bytes) for index, page in self._pages.items()]
+
     def free(self, offset: int) -> None:
         index = offset // self.page_bytes
         page = self._pages.get(index)

@@ -153,6 +153,167 @@ def test_pages_drift_between_slot_sizes(tmp_path: Path, policy: str) -> None:
         assert cached(store, big, chain(4, 2000)) == 4  # two pages of big now
 
 
+def _small_and_big(store: BlockStore) -> tuple[int, int]:
+    small = store.open_namespace(Namespace(model="small")).namespace_id
+    big = store.open_namespace(Namespace(model="big")).namespace_id
+    return small, big
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_page_that_cannot_empty_loses_no_block_to_another_size(tmp_path: Path, policy: str) -> None:
+    """Both pages hold big blocks, each page one leased: no page can go to the small size, so a
+    small save is refused (nothing else can make room) and no big block is dropped for nothing."""
+    with make_store(tmp_path, dram=policy) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        small, big = _small_and_big(store)
+        chains = [chain(4, 1000), chain(4, 2000)]   # a page each
+        for keys in chains:
+            clock.now += 1.0
+            save(store, s, big, keys)
+        for keys in chains:   # each page's first block leased: its page cannot empty
+            assert asyncio.run(store.lookup(big, KeyRequest(hashes=keys[:1]), lease=True, session_id=s)).blocks == 1
+        clock.now += 1.0
+        with pytest.raises(ResourceExhausted):
+            store.reserve(s, small, KeyRequest(hashes=chain(1, 9000)), 1024)
+        assert store.stats().dropped_blocks == 0
+        assert [cached(store, big, keys) for keys in chains] == [4, 4]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_size_whose_pages_cannot_empty_leaves_the_other_to_evict_its_own(tmp_path: Path, policy: str) -> None:
+    """The big page was used longer ago than the small one but holds a leased block: a small save
+    evicts a small block, not the big page's unleased ones."""
+    with make_store(tmp_path, dram=policy) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        small, big = _small_and_big(store)
+        big_keys = chain(4, 1000)
+        save(store, s, big, big_keys)
+        assert asyncio.run(store.lookup(big, KeyRequest(hashes=big_keys[:1]), lease=True, session_id=s)).blocks == 1
+        clock.now += 1.0
+        r = store.reserve(s, small, KeyRequest(hashes=chain(16, 5000)), 1024)   # the other page, full
+        assert store.seal(s, r.reservation_id) == 16
+        clock.now += 1.0
+        r = store.reserve(s, small, KeyRequest(hashes=chain(1, 9000)), 1024)
+        assert store.seal(s, r.reservation_id) == 1
+        assert store.stats().dropped_blocks == 1   # the small chain's leaf
+        assert cached(store, big, big_keys) == 4
+        assert cached(store, small, chain(16, 5000)) == 15
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_page_goes_to_another_size_whole(tmp_path: Path, policy: str) -> None:
+    """Big one-block prompts fill both pages, hit alternately page by page: a small save takes the
+    page used least recently, in one step, and drops its four blocks only (not the other page's,
+    evicted in the policy's order until some page empties)."""
+    with make_store(tmp_path, dram=policy) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        small, big = _small_and_big(store)
+        prompts = [chain(1, 1000 * i) for i in range(8)]   # 0-3 in one page, 4-7 in the other
+        for keys in prompts:
+            clock.now += 1.0
+            save(store, s, big, keys)
+        for i in (0, 4, 1, 5, 2, 6, 3, 7):
+            clock.now += 1.0
+            assert cached(store, big, prompts[i]) == 1
+        clock.now += 1.0
+        r = store.reserve(s, small, KeyRequest(hashes=chain(1, 9000)), 1024)
+        assert store.seal(s, r.reservation_id) == 1
+        assert store.stats().dropped_blocks == 4
+        assert [cached(store, big, keys) for keys in prompts] == [0] * 4 + [1] * 4
+        assert store.stats().tiers[0].blocks == 5
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_pages_whose_chains_cross_each_other_still_drift(tmp_path: Path, policy: str) -> None:
+    """Chain x starts in page 0 and goes on in page 1, chain y the other way round: neither page
+    can empty alone, nothing is leased, and a small save still gets a page (block by block, as
+    when no page could go whole)."""
+    with make_store(tmp_path, dram=policy) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        small, big = _small_and_big(store)
+        x, y = chain(2, 1000), chain(2, 2000)
+        holes = []
+        for page in range(2):   # page 0: x0, a hole, two fillers; page 1: y0, a hole, two fillers
+            clock.now += 1.0
+            save(store, s, big, (x, y)[page][:1])
+            holes.append(store.reserve(s, big, KeyRequest(hashes=chain(1, 5000 + page)), BLOCK).reservation_id)
+            for k in range(2):
+                save(store, s, big, chain(1, 6000 + 10 * page + k))
+        for reservation in holes:
+            store.release(s, reservation, reservation_only=True)
+        save(store, s, big, y)   # y1 into page 0's hole
+        save(store, s, big, x)   # x1 into page 1's
+        page_bytes = store._allocator.page_bytes
+        index = store._namespaces[big].index
+        assert [[index.get(k).offset // page_bytes for k in keys] for keys in (x, y)] == [[0, 1], [1, 0]]  # type: ignore[union-attr]
+        clock.now += 1.0
+        r = store.reserve(s, small, KeyRequest(hashes=chain(1, 9000)), 1024)
+        assert store.seal(s, r.reservation_id) == 1
+        assert 4 <= store.stats().dropped_blocks < 8
+        _check_pages(store)
+
+
+def _check_pages(store: BlockStore) -> None:
+    """Each page knows the blocks holding its slots, and no others; the index has no orphan."""
+    page_bytes = store._allocator.page_bytes
+    in_dram = 0
+    for state in store._namespaces.values():
+        for block in state.index:
+            assert block.parent is None or state.index.get(block.parent.key) is block.parent
+            if block.in_dram:
+                in_dram += 1
+                assert block in store._page_blocks[block.offset // page_bytes]
+    assert sum(map(len, store._page_blocks)) == in_dram
+    for page, blocks in enumerate(store._page_blocks):
+        assert len(blocks) == store._allocator.used_slots(page)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_pages_drift_under_churn_of_two_sizes(tmp_path: Path, policy: str) -> None:
+    """Random saves of branching chains of two sizes, leased lookups, releases and write-backs:
+    pages change size whole, leased blocks stay where they were read, nothing is orphaned."""
+    rng = random.Random(hash(policy) & 0xFFFF)
+    with make_store(tmp_path, dram=policy, ssd="lru", ssd_blocks=64) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        small, big = _small_and_big(store)
+        sizes = {small: 1024, big: BLOCK}
+        held: list[tuple[int, int, list[bytes], list[int]]] = []
+        prefixes = [list(range(p * 1000, p * 1000 + 16 * 3)) for p in range(3)]
+
+        async def lookup_and_drain(ns: int, keys: list[bytes], lease: bool) -> tuple[int, int, list[int]]:
+            r = await store.lookup(ns, KeyRequest(hashes=keys), lease=lease, session_id=s if lease else "")
+            await store.drain()
+            return r.blocks, r.lease_id, list(r.offsets)
+
+        for _ in range(300):
+            clock.now += rng.random() * 10
+            ns = rng.choice((small, big))
+            tokens = prefixes[rng.randrange(3)][: 16 * rng.randrange(1, 4)]   # shared prefixes: trees
+            keys = block_hashes(tokens + [rng.randrange(50_000) for _ in range(16 * rng.randrange(0, 3))])
+            op = rng.random()
+            if op < 0.5:
+                with contextlib.suppress(ResourceExhausted):
+                    r = store.reserve(s, ns, KeyRequest(hashes=keys), sizes[ns])
+                    store.seal(s, r.reservation_id)
+            elif op < 0.7 and len(held) < 2:
+                n, lease_id, offsets = asyncio.run(lookup_and_drain(ns, keys, True))
+                if n:
+                    held.append((ns, lease_id, keys[:n], offsets))
+            elif op < 0.8:
+                asyncio.run(lookup_and_drain(ns, keys, False))
+            elif op < 0.9:
+                asyncio.run(store.flush())
+            elif held:
+                store.release(s, held.pop(rng.randrange(len(held)))[1])
+            for ns_held, _, keys_held, offsets in held:
+                for key, offset in zip(keys_held, offsets):
+                    block = store._namespaces[ns_held].index.get(key)
+                    assert block is not None and block.offset == offset and block.pins > 0
+            _check_pages(store)
+        stats = store.stats()
+        assert stats.tiers[0].evictions > 20  # the arena was under pressure throughout
+
+
 def _hit_on_ssd(store: BlockStore, ns: int, keys: list[bytes]) -> None:
     """Look ``keys`` up while they are on SSD only: a hit, and a promotion to DRAM, awaited."""
     async def run() -> None:
