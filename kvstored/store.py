@@ -990,6 +990,11 @@ class BlockStore:
         self._leases.pop(lease, session)
         for block in lease.pinned:
             block.pins -= 1
+        # A block whose SSD read failed its checksum while this lease held it is hollow (a request
+        # cancelled before it could drop it, say): once nothing holds it, it leaves the index.
+        for block in reversed(lease.pinned):
+            if not block.readable:
+                self._remove_if_hollow(block)
         if lease.kind != LeaseKind.RESERVATION:
             return
         if aborted:
@@ -1471,11 +1476,14 @@ class BlockStore:
 
     def _end_busy(self, lease: Lease, session: Session, keep: bool = False) -> None:
         """The request that kept ``lease`` busy is over: end it if it was doomed meanwhile (or is
-        gone), else abort it unless ``keep`` (a lease handed to the caller)."""
+        gone), else abort it unless ``keep`` (a lease handed to the caller) and its session is
+        still open."""
         self._busy.discard(lease.lease_id)
         if lease.lease_id in self._doomed or self._leases.get(lease.lease_id) is None:
             self._finish_doomed(lease)
-        elif not keep:
+        elif not keep or session.session_id not in self._sessions:
+            # A lease taken after the session ended (a stream's, while its lookup awaited SSD
+            # reads) was never doomed: kept, nobody could release it until the reaper came.
             self._end(lease, session if session.session_id in self._sessions else None, aborted=True)
 
     def _finish_doomed(self, lease: Lease) -> None:
@@ -1548,6 +1556,8 @@ class BlockStore:
             ready = await self._ensure_dram([block])
         except BaseException:   # cancelled while it was being read (the peer gave up): no pin left behind
             block.pins -= 1
+            # a read that already failed its checksum kept the block for our pin: a hollow leaf goes
+            self._remove_if_hollow(block)
             raise
         if ready < 1:
             block.pins -= 1

@@ -838,3 +838,163 @@ def test_shutdown_waits_for_a_load_still_reading_from_ssd(ssd_env: tuple[BlockSt
     finally:
         release.set()
         engine.close()
+
+
+def test_a_checkout_cancelled_after_its_blocks_read_failed_leaves_no_hollow_leaf(
+        ssd_env: tuple[BlockStore, Clock]) -> None:
+    """(found by test_store_random) A peer's checkout of an SSD-only leaf whose read fails its
+    checksum, cancelled (the peer gave up) once the read has failed but before the checkout
+    resumed: _finish_promotion's _remove_if_hollow kept the block (the checkout's pin), and the
+    checkout's ``except BaseException`` only dropped the pin: a hollow leaf stayed in the index
+    for ever (never evicted: no tier's policy tracks it), as in _lookup_chain's fix above."""
+    import concurrent.futures
+
+    from kvstored.index import Tier
+    from kvstored.tiers.ssd import Corrupt
+    store, _ = ssd_env
+    s = store.open_session("holder", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    a = chain(1)
+    ssd = store._ssd
+    assert ssd is not None
+    read: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    async def main() -> None:
+        r = store.reserve(s, ns, KeyRequest(hashes=a), BLOCK)
+        store.seal(s, r.reservation_id)
+        assert await store.flush() == 1
+        assert store.evict("", Tier.DRAM) == 1
+        ssd.read_into = lambda *args: read  # type: ignore[method-assign]
+        block = store._namespaces[ns].index.get(a[0])
+        task = asyncio.ensure_future(store.checkout(ns, a[0]))
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if block in store._promoting:
+                break
+        read.set_exception(Corrupt("checksum mismatch"))
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if block not in store._promoting:
+                break
+        assert block not in store._promoting and not task.done()
+        task.cancel()                                   # the peer gave up
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await store.drain()
+
+    asyncio.run(main())
+    b = store._namespaces[ns].index.get(a[0])
+    assert b is None, f"hollow leaf left in the index (pins={b.pins}, readable={b.readable})"
+
+
+def test_a_stream_cancelled_after_its_second_looks_read_failed_leaves_no_hollow_leaf(
+        ssd_env: tuple[BlockStore, Clock]) -> None:
+    """(found by test_store_random) Sibling of the test above: the stream is cancelled (the
+    client left) once block 1's read from SSD, started by _fill_reservation's second look, has
+    failed its checksum but before the stream resumed. The block is hollow, kept by the read
+    lease's and the reservation's pins; the ends of both leases (_fetch_rest's ``except``,
+    stream_blocks' ``finally``) only unpinned it: a hollow leaf stayed in the index for ever."""
+    import concurrent.futures
+
+    from kvstored.tiers.ssd import Corrupt
+    store, _ = ssd_env
+    reader = store.open_session("reader", 2).session_id
+    ns = store.open_namespace(NS).namespace_id
+    a = chain(2)
+    ssd = store._ssd
+    assert ssd is not None
+    real_read = ssd.read_into
+    read1: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        raise AssertionError("every block is held here")
+
+    async def main() -> None:
+        holder, lease = await _on_ssd_with_dram_leased(store, ns, a, 7)   # 7 of 8 leased: room for a[0] only
+        ssd.read_into = lambda namespace_id, key, view: (  # type: ignore[method-assign]
+            read1 if key == a[1] else real_read(namespace_id, key, view))
+        block1 = store._namespaces[ns].index.get(a[1])
+        task = asyncio.ensure_future(store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
+                                                         lambda arrival: None, fetcher))
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if store._promoting or task.done():
+                break
+        assert store._promoting and not task.done(), "a[0] should be on its way up from SSD"
+        store.release(holder, lease)                           # room again, while the lookup waits
+        for _ in range(500):
+            await asyncio.sleep(0.001)
+            if block1 in store._promoting or task.done():
+                break
+        assert block1 in store._promoting and not task.done(), "the second look should read a[1]"
+        read1.set_exception(Corrupt("checksum mismatch"))
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if block1 not in store._promoting:
+                break
+        assert block1 not in store._promoting and not task.done()
+        task.cancel()                                          # the client left
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await store.drain()
+
+    asyncio.run(main())
+    b = store._namespaces[ns].index.get(a[1])
+    assert b is None, f"hollow leaf left in the index (pins={b.pins}, readable={b.readable})"
+    assert len(store._leases) == 0 and not store._busy
+
+
+def test_a_stream_whose_session_ends_during_its_lookup_leaves_no_lease(ssd_env: tuple[BlockStore, Clock]) -> None:
+    """(found by test_store_random) An arena stream whose client's session ends while its lookup
+    waits for a block to come up from SSD: the session's end takes the lookup's lease, so the
+    stream pinned a fresh read lease on the ended session, leased the blocks the peer sent in
+    it and kept it as the one handed over: nobody could release it (the session is gone), and
+    its blocks stayed pinned until the reaper ended it a TTL later."""
+    import concurrent.futures
+
+    from kvstored.index import Tier
+    store, _ = ssd_env
+    s = store.open_session("holder", 1).session_id
+    reader = store.open_session("reader", 2).session_id
+    ns = store.open_namespace(NS).namespace_id
+    a = chain(2)
+    ssd = store._ssd
+    assert ssd is not None
+    real_read = ssd.read_into
+    read0: concurrent.futures.Future[None] = concurrent.futures.Future()
+    held: dict[str, object] = {}
+
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        for i in range(len(want)):
+            view = await into(i, BLOCK)
+            view[:] = bytes([i + 7]) * BLOCK
+            await landed(i, "peer-a")
+        return Fetched(len(want), "complete")
+
+    async def main():  # type: ignore[no-untyped-def]
+        r = store.reserve(s, ns, KeyRequest(hashes=a[:1]), BLOCK)
+        store.seal(s, r.reservation_id)
+        assert await store.flush() == 1
+        assert store.evict("", Tier.DRAM) == 1                 # a[0] lives on SSD only
+
+        def read_into(namespace_id, key, view):  # type: ignore[no-untyped-def]
+            held.update(args=(namespace_id, key, view))
+            return read0
+        ssd.read_into = read_into  # type: ignore[method-assign]
+        task = asyncio.ensure_future(store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
+                                                         lambda arrival: None, fetcher))
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if store._promoting or task.done():
+                break
+        assert store._promoting and not task.done(), "a[0] should be on its way up from SSD"
+        store.close_session(reader)                            # the client went away
+        real_read(*held["args"]).result(5)                     # type: ignore[misc]
+        read0.set_result(None)
+        end = await task
+        await store.drain()
+        return end
+
+    asyncio.run(main())
+    assert len(store._leases) == 0, "a lease of an ended session was left behind"
+    assert all(b.pins == 0 for b in store._namespaces[ns].index)
