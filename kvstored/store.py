@@ -874,13 +874,14 @@ class BlockStore:
         assert len(blocks) <= used, f"page {page}: {len(blocks)} blocks in {used} used slots"
         if len(blocks) < used:
             return True, None
-        order = sorted(blocks, key=lambda b: -b.depth)   # children before their parents
-        leaving: dict[Block, int] = {}   # children of a block leaving the index with it
         promoting = self._promoting
-        stuck = False   # a block with a child outside this page or staying in the index
-        for block in order:
+        for block in blocks:   # before sorting: pages of other sizes are scanned while none can empty
             if block.pins or block.flags & (SEALED | DEMOTING) != SEALED or block in promoting:
                 return True, None
+        order = sorted(blocks, key=lambda b: -b.depth)   # children before their parents
+        leaving: dict[Block, int] = {}   # children of a block leaving the index with it
+        stuck = False   # a block with a child outside this page or staying in the index
+        for block in order:
             if block.flags & ON_SSD:
                 continue
             if block.children != leaving.get(block, 0):

@@ -8,7 +8,9 @@ bytes move by memory copies into and out of that arena, never inside protobuf me
 from __future__ import annotations
 
 import array
+import contextlib
 import dataclasses
+import itertools
 import math
 import mmap
 import os
@@ -18,7 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -128,9 +130,11 @@ class _Registration:
 
     client: Client
     tensors: tuple[pb.TensorDesc, ...]
-    session_id: str
-    buffers_id: int
+    current: tuple[str, int]   # (session id, buffers id): one attribute, read without the lock
     registered: bool = True   # False once unregistered
+    # held by the one thread registering these buffers again (or unregistering them); others wait
+    # for it within their own timeout_s, never for every other thread's RPC in turn
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -148,7 +152,7 @@ class Buffers:
     @property
     def buffers_id(self) -> int:
         """The daemon's id for this registration in the client's current session."""
-        return self._registration.buffers_id
+        return self._registration.current[1]
 
 
 class Client:
@@ -203,7 +207,6 @@ class Client:
         self._arena: np.ndarray | None = None
         self._arena_map: mmap.mmap | None = None
         self._namespace_ids: dict[Namespace, tuple[int, Namespace]] = {}
-        self._registrations_lock = threading.Lock()   # one thread registers buffers again at a time
         self._releases_lock = threading.Lock()
         self._pending_releases: list[grpc.Future] = []
         self._hashers: dict[tuple[int, str, str], ChainHasher] = {}
@@ -657,7 +660,7 @@ class Client:
         session = self._session()
         resp = self._register(session, ns, descs)
         return Buffers(resp.num_blocks, resp.block_bytes, resp.layout, ns, len(descs),
-                       _Registration(self, tuple(descs), session, resp.buffers_id))
+                       _Registration(self, tuple(descs), (session, resp.buffers_id)))
 
     def _register(self, session: str, ns: Namespace, descs: Sequence[pb.TensorDesc]) -> pb.RegisterBuffersResponse:
         ns_id, _ = self._ns(ns)
@@ -669,14 +672,18 @@ class Client:
     def _buffers_id(self, buffers: Buffers, session: str) -> int:
         """The daemon's id for ``buffers`` in ``session``, registering the tensors again when they
         were registered in an earlier session (the daemon restarted, or the session ended): a
-        registration belongs to its session, and an engine registers its buffers once."""
-        reg = buffers._registration
-        if reg.client is not self:
-            raise InvalidArgument("these buffers were registered by another client")
-        with self._registrations_lock:
+        registration belongs to its session, and an engine registers its buffers once. One
+        thread registers them again; others using the same buffers wait for it, each at most its
+        ``timeout_s`` (DeadlineExceeded), and calls with other buffers do not wait at all."""
+        reg = self._registration_of(buffers)
+        if not reg.registered:
+            raise NotFound("these buffers were unregistered")
+        if reg.current[0] == session:
+            return reg.current[1]
+        with self._holding(reg):
             if not reg.registered:
                 raise NotFound("these buffers were unregistered")
-            if reg.session_id != session:
+            if reg.current[0] != session:
                 resp = self._register(session, buffers.namespace, reg.tensors)
                 if (resp.num_blocks, resp.block_bytes, resp.layout) != \
                         (buffers.num_blocks, buffers.block_bytes, buffers.layout):
@@ -686,8 +693,27 @@ class Client:
                         f"registering the buffers again after a daemon restart gave {resp.num_blocks} blocks of "
                         f"{resp.block_bytes} B ({resp.layout}), not {buffers.num_blocks} of {buffers.block_bytes} B "
                         f"({buffers.layout}): register them anew")
-                reg.session_id, reg.buffers_id = session, resp.buffers_id
-            return reg.buffers_id
+                reg.current = (session, resp.buffers_id)
+            return reg.current[1]
+
+    def _registration_of(self, buffers: Buffers) -> _Registration:
+        reg = buffers._registration
+        if reg.client is not self:
+            raise InvalidArgument("these buffers were registered by another client")
+        return reg
+
+    @contextlib.contextmanager
+    def _holding(self, reg: _Registration) -> Iterator[None]:
+        """``reg``'s lock, waited for at most ``timeout_s``: the thread holding it is in an RPC
+        that may take that long, and a daemon that stops answering must give each caller
+        DeadlineExceeded after its own timeout_s, not after every other thread's in turn."""
+        if not reg.lock.acquire(timeout=self._timeout):
+            raise DeadlineExceeded(f"kvstored on {self.socket} did not answer within {self._timeout:g} s "
+                                   "(Client timeout_s) while another thread registered these buffers again")
+        try:
+            yield
+        finally:
+            reg.lock.release()
 
     def _forget_buffers(self, session: str, buffers_id: int) -> None:
         self._call(self._stub.UnregisterBuffers, pb.UnregisterBuffersRequest(session_id=session,
@@ -699,17 +725,16 @@ class Client:
         Buffers registered in a session that has ended since (a daemon restart) are only
         forgotten: the daemon dropped them when the session ended. Using ``buffers`` afterwards
         raises NotFound."""
-        reg = buffers._registration
-        if reg.client is not self:
-            raise InvalidArgument("these buffers were registered by another client")
-        with self._registrations_lock:
+        reg = self._registration_of(buffers)
+        with self._holding(reg):
             if not reg.registered:
                 return
             with self._lock:
                 current = self._session_id
-            if reg.session_id == current:
+            session_id, buffers_id = reg.current
+            if session_id == current:
                 try:
-                    self._forget_buffers(reg.session_id, reg.buffers_id)
+                    self._forget_buffers(session_id, buffers_id)
                 except FailedPrecondition as exc:
                     # a restart this client has not noticed yet: the session, and the buffers, are gone
                     if not str(exc).startswith("unknown session"):
@@ -862,7 +887,7 @@ class Client:
                    "failed_blocks": p.failed_blocks, "dropped_blocks": p.dropped_blocks,
                    "detail": p.detail, "done": p.done}
 
-    def _until_idle(self, call: Any, what: str, idle_s: float) -> Iterator[Any]:
+    def _until_idle(self, call: Any, what: str, idle_s: float) -> Generator[Any, None, None]:
         """The messages of a server stream with no overall deadline, as they come; the call is
         cancelled and DeadlineExceeded raised when none comes for ``idle_s``."""
         inbox: queue.Queue[Any] = queue.Queue()
@@ -930,11 +955,27 @@ class Client:
         done) before the first write, after each write round and at the end. A flush may take any
         time, but the daemon reports progress every few seconds: when nothing comes for
         ``timeout_s`` (at least 15 s), DeadlineExceeded (the flush is cancelled; what was written
-        stays written)."""
+        stays written). A daemon from before FlushStream flushes in one call under ``timeout_s``
+        and reports once, at the end."""
         self._check_open()
-        for p in self._until_idle(self._stub.FlushStream(pb.FlushRequest(model=model), timeout=None), "flush",
-                                  max(self._timeout, PROGRESS_IDLE_MIN_S)):
-            yield {"written_blocks": p.written_blocks, "left_blocks": p.left_blocks, "done": p.done}
+        progress = self._until_idle(self._stub.FlushStream(pb.FlushRequest(model=model), timeout=None), "flush",
+                                    max(self._timeout, PROGRESS_IDLE_MIN_S))
+        try:
+            first = next(progress)
+        except StopIteration:
+            return
+        except KVStoreError as exc:
+            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            # a daemon older than FlushStream: its unary Flush, as this SDK called it before
+            written = int(self._call(self._stub.Flush, pb.FlushRequest(model=model)).blocks)
+            yield {"written_blocks": written, "left_blocks": 0, "done": True}
+            return
+        try:
+            for p in itertools.chain((first,), progress):
+                yield {"written_blocks": p.written_blocks, "left_blocks": p.left_blocks, "done": p.done}
+        finally:
+            progress.close()   # a caller that stops listening cancels the flush now
 
     def close(self) -> None:
         """End the session (the daemon releases its leases and buffers) and the channel. Calls
