@@ -1256,35 +1256,40 @@ class BlockStore:
 
     def evict(self, model: str = "", tier: Tier | None = None) -> int:
         """Drop cached blocks of the namespaces of ``model`` (all when empty) from ``tier`` (all
-        when None); pinned blocks stay. Returns how many blocks lost a copy or left the index."""
+        when None); pinned blocks stay, and so does the SSD copy of a block with a child that
+        keeps one. Returns how many blocks lost a copy or left the index."""
         ids = self._namespace_ids(model)
         blocks = sorted((b for ns_id in ids for b in self._namespaces[ns_id].index), key=lambda b: -b.depth)
         count = 0
+        # Blocks with a child that keeps an SSD copy (or is being written to SSD): theirs stays,
+        # or a restart would drop the child, its record hanging under no parent record.
+        under_ssd: set[Block] = set()
         for block in blocks:
             if block.index.get(block.key) is not block:
                 continue   # left with a child removed before it (a hollow parent goes with its last child)
             if block.pins or block.flags & (SEALED | DEMOTING) != SEALED or block in self._promoting:
-                continue
-            if tier is Tier.DRAM and block.in_dram:
+                pass
+            elif tier is Tier.DRAM and block.in_dram:
                 if block.on_ssd:
                     self._release_slot(block)
                     self._ssd_policy.inserted([block])
+                    count += 1
                 elif block.children == 0:
                     self._remove(block)
-                else:
-                    continue
-                count += 1
+                    count += 1
             elif tier is Tier.SSD and block.on_ssd:
-                if block.in_dram:
+                if block.in_dram and block not in under_ssd:
                     self._drop_ssd_copy(block)
+                    count += 1
                 elif block.children == 0:
                     self._remove(block)
-                else:
-                    continue
-                count += 1
+                    count += 1
             elif tier is None and block.children == 0:
                 self._remove(block)
                 count += 1
+            if block.flags & (ON_SSD | DEMOTING) and block.parent is not None \
+                    and block.index.get(block.key) is block:
+                under_ssd.add(block.parent)
         return count
 
     async def flush(self, model: str = "") -> int:
