@@ -34,7 +34,7 @@ import xxhash
 from kvstored.buffers import BlockIds, RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
-from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound, ResourceExhausted
+from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound, ResourceExhausted, Unavailable
 from kvstored.handover import Arrival, Handover
 from kvstored.index import DEMOTING, HIT, NO_SLOT, ON_SSD, SEALED, Block, PrefixIndex, Tier
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
@@ -282,6 +282,7 @@ class BlockStore:
         self._busy: set[int] = set()      # lease ids with a copy in flight
         self._lookups_in_flight = 0       # leased lookups waiting for SSD reads (quiesce)
         self._doomed: set[int] = set()    # busy leases to end once their copy is done
+        self._stopping = False            # quiesce() began: no new copies nor leases (shutdown)
         self._promoting: dict[Block, asyncio.Future[bool]] = {}
         self._background: set[asyncio.Task[object]] = set()
         self._writeback_wanted = asyncio.Event()
@@ -305,6 +306,15 @@ class BlockStore:
                 self._end(lease, session, aborted=True)
         for buffers_id in list(session.buffers):
             self._drop_buffers(buffers_id)
+
+    def _working_session(self, session_id: str) -> Session:
+        """:meth:`_session`, for a request that starts new work (a copy, a lease, a reservation):
+        Unavailable once shutdown began. A call the server had taken before SIGTERM may start
+        only after quiesce() found nothing in flight; its session then ends under its copy (a
+        save stored nothing and said the session closed) or its lease (a load found nothing)."""
+        if self._stopping:
+            raise Unavailable("the daemon is stopping")
+        return self._session(session_id)
 
     def _session(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -437,7 +447,7 @@ class BlockStore:
         fails its checksum ends the prefix there) and pinned for a direct read. Without, blocks
         found on a slower tier start moving to DRAM in the background (prefetch).
         """
-        session = self._session(session_id) if lease else None
+        session = self._working_session(session_id) if lease else None
         state, chain = self.resolve_keys(namespace_id, keys)
         return await self._lookup_chain(state, chain, session)
 
@@ -695,7 +705,7 @@ class BlockStore:
         Fewer slots than asked come back when the tier cannot make room; none when another
         client is writing the next block. Raises InvalidArgument for a wrong payload size.
         """
-        session = self._session(session_id)
+        session = self._working_session(session_id)
         state, chain = self.resolve_keys(namespace_id, keys)
         if block_bytes <= 0:
             raise InvalidArgument("block_bytes must be positive")
@@ -1339,7 +1349,7 @@ class BlockStore:
     def register_buffers(self, session_id: str, namespace_id: int,
                          sources: Sequence[TensorSource]) -> RegisteredBuffers:
         """Map an engine's KV tensors; their block layout must match the namespace's."""
-        session = self._session(session_id)
+        session = self._working_session(session_id)
         state = self._namespace(namespace_id)
         buffers = RegisteredBuffers(self._next_buffers_id, self._config.dram.shm_dir, sources)
         try:
@@ -1407,7 +1417,7 @@ class BlockStore:
 
         Returns (already present, newly stored); stored may fall short when the tier is full.
         """
-        session = self._session(session_id)
+        session = self._working_session(session_id)
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id)
         state, chain = self.resolve_keys(namespace_id, keys)
         # The ids of blocks cached already are not used: an engine that no longer holds them may
@@ -1448,7 +1458,7 @@ class BlockStore:
         ``started`` learns the tiers of the blocks about to be copied, ``tensor_done(i)`` when
         registered tensor ``i`` (a layer) is in place for all of them.
         """
-        session = self._session(session_id)
+        session = self._working_session(session_id)
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id)
         state, chain = self.resolve_keys(namespace_id, keys)
         self._check_block_ids(buffers, chain, block_ids)
@@ -1724,7 +1734,7 @@ class BlockStore:
         blocks and drops the partial one; the end says why it stopped. Raises the usual errors for
         bad input.
         """
-        session = self._session(session_id)
+        session = self._working_session(session_id)
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id) if buffers_id else None
         state, chain = self.resolve_keys(namespace_id, keys)
         if buffers is not None:
@@ -1937,7 +1947,9 @@ class BlockStore:
         """Wait until no request has a copy in flight (no busy lease) nor a leased lookup waiting
         for SSD reads, for at most ``timeout_s``; whether none has. Shutdown waits so before it
         ends the sessions: ending one dooms its busy leases (a save whose reservation is doomed
-        stores nothing) and ends the leases of lookups under way (a load then finds nothing)."""
+        stores nothing) and ends the leases of lookups under way (a load then finds nothing).
+        From the first call on, requests that would start new work are refused (Unavailable)."""
+        self._stopping = True
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s
         while (self._busy or self._lookups_in_flight) and loop.time() < end:

@@ -188,6 +188,8 @@ class Client:
                     f"permission denied on {self.socket}: a daemon may well be running, but this user "
                     "may not open its socket (the systemd unit's socket is mode 0660, group kvstored: "
                     "add this user to that group)") from None
+            if exc.code() == grpc.StatusCode.CANCELLED:   # see _error
+                raise DaemonNotRunning(f"kvstored on {self.socket} cancelled the call: it is stopping") from None
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise DaemonNotRunning(
                     f"no kvstored daemon answers on {self.socket}. Start one with `kvstored` "
@@ -234,6 +236,11 @@ class Client:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return DeadlineExceeded(f"kvstored on {self.socket} did not answer within {self._timeout:g} s "
                                     "(Client timeout_s)")
+        if code == grpc.StatusCode.CANCELLED:
+            # Not by this client (its own cancellations end in ClientClosed or are the caller's
+            # close()): a stopping daemon's server cancels the calls it will not finish, and a
+            # bare KVStoreError("CANCELLED") told the caller nothing it could act on.
+            return DaemonNotRunning(f"kvstored on {self.socket} cancelled the call: it is stopping")
         if _unknown_namespace(exc):
             # a restarted daemon that has not heard of the namespace (calls without a session never
             # see the restart): the next call opens it again
@@ -333,7 +340,11 @@ class Client:
             done.set()
             raise
         with self._lock:
-            if not isinstance(opened, BaseException) and self._session_call is not call:
+            if self._closed:
+                # closed by another thread meanwhile (its close cancelled the session stream): not
+                # the daemon's doing
+                opened = self._closed_during_call()
+            elif not isinstance(opened, BaseException) and self._session_call is not call:
                 opened = DaemonNotRunning(f"kvstored on {self.socket} ended the session at once")
             if isinstance(opened, BaseException):
                 if self._session_call is call:
@@ -1102,6 +1113,7 @@ class BlockStream:
         # first save, or a peer's push, fixed it since): asked again when a block arrives
         self._learn_block_bytes = learn_block_bytes
         self._keep_data = True
+        self._cancelled = False   # by close()
         self.outcome: StreamOutcome | None = None
 
     def __iter__(self) -> Iterator[BlockArrival]:
@@ -1143,8 +1155,10 @@ class BlockStream:
                     self.outcome = StreamOutcome(e.blocks, e.requested, e.blocks * self._block_size, e.stop, e.detail)
                     break
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED and self.outcome is None:
-                return
+            if exc.code() == grpc.StatusCode.CANCELLED and self.outcome is None and self._cancelled:
+                return   # close(): the caller stopped the stream
+            # Cancelled by anyone else (the client closed, the daemon stopping) is an error, not a
+            # quiet end with no outcome that looks like the caller's own close.
             raise self._client._error(exc) from None
         finally:
             if self.outcome is None:
@@ -1170,6 +1184,7 @@ class BlockStream:
         """Stop the stream before its end; its lease (if the loop saw it) is released when the
         loop exits. Without a loop, the daemon drops the lease when the call is cancelled or,
         at the latest, when it expires."""
+        self._cancelled = True
         self._call.cancel()
 
     def wait(self) -> StreamOutcome:

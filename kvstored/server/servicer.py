@@ -86,7 +86,17 @@ async def _with_heartbeat(progress: AsyncGenerator[P, None], message: Callable[[
     client that gives up after a silence. ``progress`` is closed at the end, and when the call is
     cancelled (its step cancelled first)."""
     latest: M | None = None
-    step: asyncio.Future[P] = asyncio.ensure_future(anext(progress))
+
+    def next_step() -> asyncio.Future[P]:
+        step = asyncio.ensure_future(anext(progress))
+        # Its exception (StopAsyncIteration at the end, or the error) counts as retrieved at once:
+        # a step that ends in the turn the call is cancelled, or while a cancelled call's
+        # generator waits to be finalized after a heartbeat, is never read, and asyncio logged
+        # "Task exception was never retrieved" with a traceback, as if the daemon had crashed.
+        step.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return step
+
+    step = next_step()
     try:
         while True:
             await asyncio.wait((step,), timeout=HEARTBEAT_S)
@@ -100,7 +110,7 @@ async def _with_heartbeat(progress: AsyncGenerator[P, None], message: Callable[[
                 return
             latest = message(p)
             yield latest
-            step = asyncio.ensure_future(anext(progress))
+            step = next_step()
     finally:
         if not step.done():
             step.cancel()

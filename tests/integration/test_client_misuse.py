@@ -559,3 +559,41 @@ def test_engine_threads_reregistering_after_a_restart_time_out_each_on_its_own(d
         c.close()
         for e in engines:
             e.close()
+
+
+def test_a_stream_cut_by_closing_its_client_raises_client_closed(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Was: closing the client (from another thread) cancelled the stream's call and the loop
+    just ended: no arrivals, no error, ``outcome`` None, as if the caller had closed the stream."""
+    c = kvstored.Client(daemon.socket)
+    tokens = np.arange(16 * 4)
+    c.save(tokens, rows(4))
+    stream = c.stream(tokens)
+    c.close()
+    with pytest.raises(kvstored.ClientClosed, match="closed during the call"):
+        for _ in stream:
+            pass
+    with pytest.raises(kvstored.ClientClosed):
+        c.stream(tokens).wait()
+
+
+def test_a_client_closed_while_its_session_opens_raises_client_closed(daemon) -> None:  # type: ignore[no-untyped-def]
+    """Found by tests/integration/test_sdk_random.py. Was: another thread closing the client just
+    as a call opened its session cancelled the new session's stream, and the call raised
+    DaemonNotRunning ("ended the session at once"), blaming a daemon that was fine."""
+    import queue
+
+    c = kvstored.Client(daemon.socket)
+    real = c._watch_session
+
+    def watch(call, done, first) -> None:  # type: ignore[no-untyped-def]
+        box: queue.Queue[object] = queue.Queue()
+        watcher = threading.Thread(target=real, args=(call, done, box), daemon=True)
+        watcher.start()
+        opened = box.get(timeout=10)   # the session is open ...
+        c.close()                      # ... when another thread closes the client
+        watcher.join(10)               # (the watcher sees the session end)
+        first.put(opened)              # only then does the opening call hear of its session
+
+    c._watch_session = watch  # type: ignore[method-assign]
+    with pytest.raises(kvstored.ClientClosed, match="closed during the call"):
+        c.load(np.arange(32))

@@ -48,3 +48,41 @@ def test_an_arena_stream_hands_over_block_0_without_first_copying_the_whole_even
     assert len(copies) == 1, f"{len(copies)} blocks were copied before block 0 was handed over"
     rest = list(it)
     assert len(rest) == n - 1 and released == [7]
+
+
+def test_a_stream_cancelled_by_anyone_but_its_caller_raises() -> None:
+    """Was: any CANCELLED status ended the loop quietly with ``outcome`` None, as the caller's
+    own close() does: a client closed by another thread, or a stopping daemon, looked like a
+    stream the caller had stopped itself."""
+    import time
+    from types import SimpleNamespace
+
+    import grpc
+    import pytest
+
+    import kvstored
+    from kvstored_client.client import BlockStream
+
+    class Cancelled(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.CANCELLED
+
+        def details(self) -> str:
+            return "CANCELLED"
+
+    class Call:
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            raise Cancelled()
+            yield
+
+        def cancel(self) -> None:
+            pass
+
+    client = SimpleNamespace(_hello=SimpleNamespace(lease_ttl_ms=30_000),
+                             _error=lambda exc: kvstored.DaemonNotRunning("went away"))
+    stream = BlockStream(client, "s", Call(), None, 16, 256, time.monotonic())  # type: ignore[arg-type]
+    with pytest.raises(kvstored.DaemonNotRunning):
+        list(stream)
+    closed = BlockStream(client, "s", Call(), None, 16, 256, time.monotonic())  # type: ignore[arg-type]
+    closed.close()
+    assert list(closed) == [] and closed.outcome is None   # the caller's own close: a quiet end

@@ -43,3 +43,38 @@ def test_sdk_errors_are_also_the_builtin_errors_callers_catch() -> None:
     assert issubclass(kvstored.LeaseExpired, kvstored.FailedPrecondition)
     for name in ("ClientClosed", "DaemonNotRunning", "NotFound", "ResourceExhausted"):
         assert issubclass(getattr(kvstored, name), kvstored.KVStoreError)
+
+
+def test_a_call_the_daemon_cancelled_is_daemon_not_running() -> None:
+    """Was: a daemon stopping (SIGTERM) cancels the calls that reach it meanwhile, and the SDK
+    raised a bare KVStoreError("CANCELLED"), which says nothing a caller can act on; the daemon
+    went away, as with UNAVAILABLE."""
+    from kvstored_client.client import Client
+
+    client = Client.__new__(Client)   # no daemon needed: only how a status becomes an error
+    client.socket, client._timeout, client._closed, client._namespace_ids = "/run/kv.sock", 5.0, False, {}
+    err = client._error(Status(grpc.StatusCode.CANCELLED, "CANCELLED"))
+    assert type(err) is kvstored.DaemonNotRunning and "/run/kv.sock" in str(err)
+
+
+def test_a_client_made_while_the_daemon_stops_raises_daemon_not_running(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Was: ``Client()`` against a daemon in the middle of stopping (its server cancels the Hello)
+    raised a bare KVStoreError("CANCELLED") instead of DaemonNotRunning."""
+    from concurrent import futures
+
+    from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
+
+    class Stopping(pb_grpc.KVStoreServicer):
+        def Hello(self, request, context):  # type: ignore[no-untyped-def]
+            context.abort(grpc.StatusCode.CANCELLED, "")
+
+    socket = str(tmp_path / "kv.sock")
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_KVStoreServicer_to_server(Stopping(), server)
+    server.add_insecure_port(f"unix:{socket}")
+    server.start()
+    try:
+        with pytest.raises(kvstored.DaemonNotRunning, match="stopping"):
+            kvstored.Client(socket)
+    finally:
+        server.stop(None)

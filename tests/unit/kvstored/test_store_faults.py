@@ -998,3 +998,36 @@ def test_a_stream_whose_session_ends_during_its_lookup_leaves_no_lease(ssd_env: 
     asyncio.run(main())
     assert len(store._leases) == 0, "a lease of an ended session was left behind"
     assert all(b.pins == 0 for b in store._namespaces[ns].index)
+
+
+def test_a_call_that_starts_after_shutdown_quiesced_is_refused_not_cut_off(env: tuple[BlockStore, Clock]) -> None:
+    """Found by tests/integration/test_sdk_random.py. Was: a SaveBlocks the server had taken
+    before SIGTERM but whose handler ran only after quiesce() found nothing in flight started
+    its copy, the session ended under it, and the engine got FailedPrecondition ("session closed
+    or reservation expired during the copy"), a LeaseExpired to the SDK, for a daemon that was
+    merely stopping; a leased lookup likewise lost its lease to the session's end. Now work
+    that starts once shutdown began is refused: Unavailable, which the SDK raises as
+    DaemonNotRunning."""
+    from kvstored.errors import Unavailable
+    store, _ = env
+    s = store.open_session("engine", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    engine, buffers = _engine_buffers(store, s, ns)
+    a = chain(2)
+
+    async def main() -> None:
+        assert await store.quiesce(1.0)   # SIGTERM with nothing in flight: the wait ends at once
+        save = asyncio.ensure_future(store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=a), [0, 1]))
+        await asyncio.sleep(0)            # the handler runs before the sessions end
+        store.close_session(s)
+        with pytest.raises(Unavailable, match="stopping"):
+            await save
+        with pytest.raises(Unavailable, match="stopping"):
+            store.reserve(s, ns, KeyRequest(hashes=a), BLOCK)
+        with pytest.raises(Unavailable, match="stopping"):
+            await store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=s)
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()

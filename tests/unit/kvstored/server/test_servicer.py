@@ -210,3 +210,42 @@ def test_a_session_ends_with_a_closing_event_when_the_daemon_stops() -> None:
         assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()] == []
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("ending", [StopAsyncIteration(), NotFound("no namespace of model 'm'")])
+def test_a_progress_stream_cancelled_as_its_step_ends_leaves_no_unretrieved_error(ending: Exception) -> None:
+    """Found by tests/integration/test_sdk_random.py (a client abandoning ``flushing``). Was: when
+    the call was cancelled in the same turn as the progress step ended (a flush's last round, or
+    its error), the step's exception was never retrieved and the daemon logged "Task exception
+    was never retrieved" with a traceback, as if it had crashed."""
+    import gc
+
+    from kvstored.server.servicer import _with_heartbeat
+
+    logged: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
+        last_round = asyncio.Event()
+
+        async def progress() -> Any:
+            yield 1
+            await last_round.wait()
+            if not isinstance(ending, StopAsyncIteration):
+                raise ending
+
+        stream = _with_heartbeat(progress(), lambda p: p)
+        assert await anext(stream) == 1
+        waiting = asyncio.ensure_future(anext(stream))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        last_round.set()   # the step ends ...
+        waiting.cancel()   # ... as the client goes away
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await stream.aclose()
+        gc.collect()
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [ctx for ctx in logged if "never retrieved" in ctx.get("message", "")], logged
