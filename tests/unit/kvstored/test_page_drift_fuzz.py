@@ -17,15 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from clock import Clock
+from store_harness import open_store
 
-from kvstored import config
-from kvstored.copy import CopyEngine
 from kvstored.errors import KVError
 from kvstored.index import Block, Tier
 from kvstored.policy.registry import POLICIES
 from kvstored.store import BlockStore, KeyRequest, PeerLanding
-from kvstored.tiers.dram import Arena
-from kvstored.tiers.ssd import SSDTier
 from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
@@ -39,19 +36,8 @@ def make_store(tmp_path: Path, policy: str, pages: int = 6, ssd_blocks: int = 48
         "dram": {"capacity": pages * PAGE, "page_bytes": PAGE, "prefault": False, "policy": policy},
         "ssd": {"enabled": True, "capacity": ssd_blocks * BIG, "policy": "lru", "high_watermark": 0.95,
                 "low_watermark": 0.5, "sync": False, "admission": "always"}}
-    cfg = config.build(values)
-    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
-    copy = CopyEngine(arena)
-    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False)
-    clock = Clock()
-    ids = iter(range(1, 1000))
-    store = BlockStore(cfg, arena, copy, tier, clock=clock, new_session_id=lambda: f"s{next(ids)}")
-    try:
-        yield store, clock
-    finally:
-        tier.close()
-        copy.close()
-        arena.close()
+    with open_store(tmp_path, values, ssd=True) as made:
+        yield made
 
 
 def pattern(key: bytes, n: int) -> np.ndarray:

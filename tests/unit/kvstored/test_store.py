@@ -12,13 +12,11 @@ from pathlib import Path
 
 import pytest
 from clock import Clock
+from store_harness import open_store
 
-from kvstored import config
-from kvstored.copy import CopyEngine
 from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstored.policy.credit import DEFAULT_TAU_S
 from kvstored.store import BlockStore, KeyRequest
-from kvstored.tiers.dram import Arena
 from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
@@ -30,26 +28,13 @@ def _store(tmp_path: Path, extra: dict[str, dict[str, object]] | None = None,
            ssd: bool = False) -> Iterator[tuple[BlockStore, Clock]]:
     """A store over an 8-block arena in pages of 4 blocks, DRAM only unless ``ssd``, with ``extra``
     config."""
-    from kvstored.tiers.ssd import SSDTier
     values: dict[str, dict[str, object]] = {
         "dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False},
         "leases": {"ttl_s": 10.0, "reservation_ttl_s": 20.0}}
     for section, table in (extra or {}).items():
         values.setdefault(section, {}).update(table)
-    cfg = config.build(values)
-    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
-    copy = CopyEngine(arena)
-    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False) if ssd else None
-    clock = Clock()
-    ids = iter(range(1, 1000))
-    store = BlockStore(cfg, arena, copy, tier, clock=clock, new_session_id=lambda: f"s{next(ids)}")
-    try:
-        yield store, clock
-    finally:
-        if tier is not None:
-            tier.close()
-        copy.close()
-        arena.close()
+    with open_store(tmp_path, values, ssd) as made:
+        yield made
 
 
 @pytest.fixture

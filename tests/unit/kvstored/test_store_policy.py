@@ -11,15 +11,12 @@ from pathlib import Path
 
 import pytest
 from clock import Clock
+from store_harness import open_store
 
-from kvstored import config
-from kvstored.copy import CopyEngine
 from kvstored.errors import ResourceExhausted
 from kvstored.index import Tier
 from kvstored.policy.registry import POLICIES
 from kvstored.store import BlockStore, KeyRequest
-from kvstored.tiers.dram import Arena
-from kvstored.tiers.ssd import SSDTier
 from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
@@ -35,20 +32,8 @@ def make_store(tmp_path: Path, dram: str, ssd: str | None = None, ssd_blocks: in
         "dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False, "policy": dram},
         "ssd": {"enabled": ssd is not None, "capacity": ssd_blocks * BLOCK, "policy": ssd or "lru",
                 "high_watermark": 0.95, "low_watermark": 0.5, "sync": False, "admission": admission}}
-    cfg = config.build(values)
-    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
-    copy = CopyEngine(arena)
-    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False) if ssd is not None else None
-    clock = Clock()
-    ids = iter(range(1, 1000))
-    store = BlockStore(cfg, arena, copy, tier, clock=clock, new_session_id=lambda: f"s{next(ids)}")
-    try:
-        yield store, clock
-    finally:
-        if tier is not None:
-            tier.close()
-        copy.close()
-        arena.close()
+    with open_store(tmp_path, values, ssd is not None) as made:
+        yield made
 
 
 def chain(n: int, start: int = 0) -> list[bytes]:

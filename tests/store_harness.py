@@ -1,0 +1,37 @@
+"""A BlockStore for unit tests, built from config values over a temporary directory."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from clock import Clock
+
+from kvstored import config
+from kvstored.copy import CopyEngine
+from kvstored.store import BlockStore
+from kvstored.tiers.dram import Arena
+from kvstored.tiers.ssd import SSDTier
+
+
+@contextlib.contextmanager
+def open_store(tmp_path: Path, values: dict[str, dict[str, object]],
+               ssd: bool = False) -> Iterator[tuple[BlockStore, Clock]]:
+    """A store configured by ``values`` (an arena in ``tmp_path``, not pre-faulted; with ``ssd``,
+    an SSD tier in ``tmp_path / "ssd"``), on a manual clock, its sessions named s1, s2, ...;
+    everything is closed on exit."""
+    cfg = config.build(values)
+    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
+    copy = CopyEngine(arena)
+    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False) if ssd else None
+    clock = Clock()
+    ids = iter(range(1, 1000))
+    store = BlockStore(cfg, arena, copy, tier, clock=clock, new_session_id=lambda: f"s{next(ids)}")
+    try:
+        yield store, clock
+    finally:
+        if tier is not None:
+            tier.close()
+        copy.close()
+        arena.close()
