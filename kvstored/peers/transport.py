@@ -611,6 +611,7 @@ class BlockServer:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._streams: set[_Stream] = set()
+        self._closing = False
 
     @property
     def address(self) -> tuple[str, int]:
@@ -629,12 +630,14 @@ class BlockServer:
                 "mutual TLS or a shared token, or set insecure = true to allow it explicitly")
         ctx = self._auth.server_context()
         loop = asyncio.get_running_loop()
+        self._closing = False
         self._server = await loop.create_server(
             self._make_protocol, self._host or None, self._port, ssl=ctx, reuse_address=True,
             ssl_handshake_timeout=self._limits.handshake_timeout_s if ctx is not None else None)
 
     async def close(self) -> None:
         """Stop listening and end every connection (in-flight transfers see the peer close)."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
         for stream in list(self._streams):
@@ -660,6 +663,12 @@ class BlockServer:
 
     def _connected(self, stream: _Stream) -> None:
         """Called once the connection (and its TLS handshake, if any) is up."""
+        if self._closing:
+            # Accepted just before the listener closed, and up only now (after ``close`` ended the
+            # connections it knew of): served, it would outlive the listener (and, after a restart,
+            # the store it serves from) until the peer hangs up.
+            stream.close(abort=True)
+            return
         self._streams.add(stream)
         task = asyncio.ensure_future(self._serve_connection(stream))
         self._tasks.add(task)

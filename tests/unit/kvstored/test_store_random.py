@@ -16,11 +16,9 @@ import asyncio
 import os
 import random
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ if __name__ == "__main__":   # run as a script: find the tests' helpers as pytes
     sys.path[:0] = [str(Path(__file__).resolve().parents[3] / "tests"), str(Path(__file__).resolve().parents[3])]
 
 from clock import Clock
+from random_model import Broken, ClientSession, Tracked, payload, sweep, under_ssd
 
 from kvstored import config
 from kvstored.buffers import TensorSource
@@ -53,38 +52,6 @@ MODELS = ("a", "b")
 ROWS_PER_OP = 6                 # longest chain
 SLOTS_PER_BUFFER = 3            # concurrent ops one session's buffers serve
 TTL, RES_TTL = 10.0, 20.0
-
-
-def _payload(key: bytes, ns: int, version: int, nbytes: int) -> bytes:
-    """Bytes no other write produces: the key, the namespace and a version, repeated."""
-    return (key[:7] + bytes([ns]) + version.to_bytes(8, "little")) * (nbytes // 16)
-
-
-class Broken(AssertionError):
-    pass
-
-
-@dataclass
-class Tracked:
-    """A lease or reservation the test (the client) holds."""
-
-    lease_id: int
-    session: str
-    ns: int                     # index into MODELS
-    keys: list[bytes]           # the blocks it covers, in chain order
-    offsets: list[int]
-    expected: list[bytes]       # their bytes (reservations: what the client wrote)
-    reservation: bool
-    born: tuple[float, float]   # the clock when its request started and when it returned
-    ttl: float
-
-
-@dataclass
-class ClientSession:
-    session_id: str
-    buffers: dict[int, tuple[int, Any]] = field(default_factory=dict)   # ns -> (buffers_id, SharedTensor)
-    free_rows: dict[int, list[int]] = field(default_factory=dict)       # ns -> free row ranges
-    closed: bool = False
 
 
 class Fuzz:
@@ -209,7 +176,7 @@ class Fuzz:
             await self.store.write_back_for_shutdown()
         await self.store.drain()
         # restore takes back what is on SSD under parents on SSD (a chain's head only in DRAM is lost)
-        self.on_ssd = {(self.ns_of(b), b.key) for b in self.blocks() if b.on_ssd and self.under_ssd(b)}
+        self.on_ssd = {(self.ns_of(b), b.key) for b in self.blocks() if b.on_ssd and under_ssd(b)}
         self.copy.close()
         assert self.ssd is not None
         self.ssd.close()
@@ -223,15 +190,6 @@ class Fuzz:
         tail = self.log[-int(os.environ.get("FUZZ_LOG", "25")):]
         raise Broken(f"seed {self.seed}: {what}\nin flight: {sorted(self.inflight.values())}\nlast ops:\n  "
                      + "\n  ".join(tail))
-
-    @staticmethod
-    def under_ssd(block: Block) -> bool:
-        parent = block.parent
-        while parent is not None:
-            if not parent.on_ssd:
-                return False
-            parent = parent.parent
-        return True
 
     def ns_of(self, block: Block) -> int:
         return self.ns_ids.index(block.index.namespace_id)
@@ -404,7 +362,7 @@ class Fuzz:
 
     def new_bytes(self, ns: int, key: bytes) -> bytes:
         self.version += 1
-        return _payload(key, ns, self.version, SIZES[ns])
+        return payload(key, ns, self.version, SIZES[ns])
 
     def op_reserve(self) -> None:
         s, ns, keys = self.pick()
@@ -875,18 +833,4 @@ def test_random_operations_regressions(tmp_path: Path, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    first, count = int(sys.argv[1]), int(sys.argv[2])
-    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 300
-    verbose = len(sys.argv) > 4
-    failed = []
-    for seed in range(first, first + count):
-        with tempfile.TemporaryDirectory() as d:
-            try:
-                run_seed(Path(d), seed, steps)
-            except Broken as exc:
-                failed.append(seed)
-                print(str(exc) if verbose else str(exc).splitlines()[0], flush=True)
-            except Exception as exc:
-                failed.append(seed)
-                print(f"seed {seed}: {exc!r}", flush=True)
-    print(f"{count - len(failed)}/{count} passed; failing seeds: {failed}")
+    sweep(run_seed, 300)

@@ -250,6 +250,36 @@ def test_an_idle_connection_notices_the_peer_going_away(use_uvloop: bool) -> Non
     run(main(), use_uvloop)
 
 
+def test_a_connection_accepted_as_the_listener_closes_is_not_served() -> None:
+    # The loop accepts a connection, then calls connection_made on a later turn: a close between
+    # the two found no such connection to end. It was served afterwards, by a listener that no
+    # longer exists (after a daemon restart: from the store that was closed), until the peer left.
+    keys, data = chain(2, 1024)
+
+    async def main() -> None:
+        blocks = Blocks(data)
+        srv = BlockServer("127.0.0.1", 0, PeerAuth(), blocks.serve, release_block=blocks.release)
+        closing: list[asyncio.Future[None]] = []
+        make = srv._make_protocol
+
+        def made() -> T._Stream:
+            # the close starts on the loop's next turn, ahead of this connection's connection_made
+            closing.append(asyncio.ensure_future(srv.close()))
+            return make()
+
+        srv._make_protocol = made   # type: ignore[method-assign]
+        await srv.start()
+        with contextlib.suppress(PeerAuthError, OSError):   # refused: fine
+            conn = await asyncio.wait_for(PeerConnection.open(srv.address, PeerAuth()), 5)
+            res = await conn.fetch(NS, keys, Collector(), 5)
+            conn.close()
+            assert res.delivered == 0, "a closed listener served blocks"
+        await asyncio.wait_for(closing[0], 5)
+        assert blocks.served == []
+
+    run(main())
+
+
 def test_corrupt_block_is_dropped_and_ends_the_transfer() -> None:
     keys, data = chain(5)
     sizes = [len(data[k]) for k in keys]
