@@ -35,6 +35,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+if __name__ == "__main__":   # run as a script: find the tests' helpers as pytest does
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+
 import kvstored
 from conftest import ROOT, Daemon, start_daemon, wait_serving
 from kvstored import Namespace
