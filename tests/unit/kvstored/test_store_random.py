@@ -13,11 +13,12 @@ so a failing seed may need a few runs to fail again. Many seeds, outside the sui
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import sys
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -441,15 +442,26 @@ class Fuzz:
         free = s.free_rows[ns]
         return free.pop(self.rng.randrange(len(free))) if free else None
 
-    async def op_save_blocks(self) -> None:
-        s, ns, keys = self.pick()
+    @contextlib.contextmanager
+    def engine_rows(self, s: ClientSession, ns: int, n: int) -> Iterator[tuple[int, Any, list[int]] | None]:
+        """``(buffers_id, rows, ids)``: a free range of ``n`` rows of the session's buffers for
+        ``ns``, given back afterwards; None when every range is in use."""
         slot = self.rows(s, ns)
         if slot is None:
+            yield None
             return
         try:
             buffers_id, engine = s.buffers[ns]
-            ids = list(range(slot * ROWS_PER_OP, slot * ROWS_PER_OP + len(keys)))
-            rows = engine.numpy()
+            yield buffers_id, engine.numpy(), list(range(slot * ROWS_PER_OP, slot * ROWS_PER_OP + n))
+        finally:
+            s.free_rows[ns].append(slot)
+
+    async def op_save_blocks(self) -> None:
+        s, ns, keys = self.pick()
+        with self.engine_rows(s, ns, len(keys)) as place:
+            if place is None:
+                return
+            buffers_id, rows, ids = place
             written = [self.new_bytes(ns, k) for k in keys]
             for i, data in zip(ids, written):
                 rows[i] = np.frombuffer(data, np.uint8)
@@ -458,25 +470,18 @@ class Fuzz:
             for i in range(present, present + stored):
                 self.model[(ns, keys[i])] = written[i]
             self.log.append(f"  -> save_blocks present {present} stored {stored}")
-        finally:
-            s.free_rows[ns].append(slot)
 
     async def op_load_blocks(self) -> None:
         s, ns, keys = self.pick()
-        slot = self.rows(s, ns)
-        if slot is None:
-            return
-        try:
-            buffers_id, engine = s.buffers[ns]
-            ids = list(range(slot * ROWS_PER_OP, slot * ROWS_PER_OP + len(keys)))
-            rows = engine.numpy()
+        with self.engine_rows(s, ns, len(keys)) as place:
+            if place is None:
+                return
+            buffers_id, rows, ids = place
             rows[ids] = 0
             tiers = await self.store.load_blocks(s.session_id, self.ns_ids[ns], buffers_id,
                                                  KeyRequest(hashes=keys), ids)
             self.expect(ns, keys, [bytes(rows[i]) for i in ids[: len(tiers)]], "load_blocks")
             self.log.append(f"  -> load_blocks {len(tiers)}")
-        finally:
-            s.free_rows[ns].append(slot)
 
     async def op_stream(self) -> None:
         """stream_blocks with a stand-in peer that sends what is missing (or stops short)."""
