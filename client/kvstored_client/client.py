@@ -733,9 +733,9 @@ class Client:
     def unregister_buffers(self, buffers: Buffers) -> None:
         """After this returns the daemon no longer touches the tensors; the engine may free them.
 
-        Buffers registered in a session that has ended since (a daemon restart) are only
-        forgotten: the daemon dropped them when the session ended. Using ``buffers`` afterwards
-        raises NotFound."""
+        Buffers registered in a session that has ended since (a daemon restart), or with a
+        daemon that is gone or stopping (DaemonNotRunning), are only forgotten: the daemon drops
+        them when the session ends. Using ``buffers`` afterwards raises NotFound."""
         reg = self._registration_of(buffers)
         with self._holding(reg):
             if not reg.registered:
@@ -750,6 +750,10 @@ class Client:
                     # a restart this client has not noticed yet: the session, and the buffers, are gone
                     if not str(exc).startswith("unknown session"):
                         raise
+                except DaemonNotRunning:
+                    # an engine shutting down after the daemon: the daemon is gone, or exiting
+                    # (it cancels calls only then), and its mappings of the buffers with it
+                    pass
             reg.registered = False
 
     def save_blocks(self, buffers: Buffers, block_ids: Sequence[int], tokens: Any = None, *,

@@ -25,7 +25,7 @@ from kvstored.config import Config, ConfigError
 from kvstored.copy import CopyEngine
 from kvstored.peers.node import PeerNode
 from kvstored.peers.transport import PeerConfigError
-from kvstored.server import sdnotify
+from kvstored.server import logs, sdnotify
 from kvstored.server.metrics import RpcTimer, Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.store import BlockStore
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(_effective_json(cfg))
         return 0
-    logging.basicConfig(level=cfg.log.level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(cfg.log.level, sys.stderr)
     import uvloop
 
     try:

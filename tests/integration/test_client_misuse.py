@@ -597,3 +597,38 @@ def test_a_client_closed_while_its_session_opens_raises_client_closed(daemon) ->
     c._watch_session = watch  # type: ignore[method-assign]
     with pytest.raises(kvstored.ClientClosed, match="closed during the call"):
         c.load(np.arange(32))
+
+
+def test_unregistering_buffers_as_the_daemon_dies_is_quiet(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """Was: an engine shutting down as the daemon died got DaemonNotRunning from
+    unregister_buffers (its teardown failed) although the daemon's mappings of the buffers had
+    ended with it. The daemon is frozen so that the call is in flight when it dies."""
+    d = daemon_factory("--set", "ssd.enabled=false")
+    engine = kvstored.shm.empty((4, 2, 16, 2, 8), "float16")
+    c = kvstored.Client(d.socket, timeout_s=10)
+    outcome: list[BaseException | None] = []
+    try:
+        buffers = c.register_buffers([engine.numpy()], 0, namespace=Namespace(model="unreg-gone", kv_dtype="float16"))
+        assert c.save_blocks(buffers, [0], np.arange(16)).stored == 1
+        d.proc.send_signal(signal.SIGSTOP)
+
+        def unregister() -> None:
+            try:
+                c.unregister_buffers(buffers)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=unregister)
+        t.start()
+        time.sleep(1.0)          # the call waits on the frozen daemon
+        d.stop(signal.SIGKILL)
+        t.join(15)
+        assert not t.is_alive()
+        assert outcome == [None], outcome
+        restart(d)   # a daemon again: the buffers stay unregistered, not registered anew on use
+        with pytest.raises(kvstored.NotFound, match="unregistered"):
+            c.save_blocks(buffers, [1], np.arange(16, 32))
+    finally:
+        c.close()
+        engine.close()

@@ -419,18 +419,11 @@ def settle(check: kvstored.Client, cond: Callable[[dict[str, Any]], bool], timeo
         time.sleep(0.1)
 
 
-# grpc's own report of a status it could not send because the call had ended meanwhile (a client
-# that went away as its Session stream finished): grpc's race, logged, harmless
-GRPC_NOISE = "ExecuteBatchError raised in core by servicer method"
-
-
 def daemon_trouble(d: Daemon) -> str:
-    """The first traceback, assertion or error the daemon logged (grpc's noise aside)."""
+    """The first traceback, assertion or error the daemon logged."""
     lines = d.log().splitlines()
     for i, line in enumerate(lines):
         if any(m in line for m in ("Traceback", "AssertionError", " ERROR ", "CRITICAL", "never retrieved")):
-            if GRPC_NOISE in line or (line.startswith("Traceback") and i and GRPC_NOISE in lines[i - 1]):
-                continue
             return "\n".join(lines[max(0, i - 5): i + 40])
     return ""
 
