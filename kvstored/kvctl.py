@@ -79,8 +79,8 @@ class _Commands(click.Group):
 
 @click.group(cls=_Commands)
 @click.option("--socket", envvar="KVSTORED_SOCKET", default=None,
-              help="daemon socket path, or host:port of its server.tcp listener (default: the daemon's "
-                   "default socket)")
+              help="daemon socket path, or host:port of its server.tcp listener (default: $KVSTORED_SOCKET, "
+                   "else the daemon's default socket, as the SDK finds it)")
 @click.pass_context
 def cli(ctx: click.Context, socket: str | None) -> None:
     """Administer the local kvstored daemon."""

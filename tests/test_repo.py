@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,3 +54,103 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "kvstored.service" not in out.stderr, out.stderr  # no warnings about our unit
+
+
+# -- README against the code ------------------------------------------------------------------
+README = (ROOT / "README.md").read_text()
+
+
+def _readme_section(title: str) -> str:
+    m = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README, re.S | re.M)
+    assert m is not None, f"README has no section {title!r}"
+    return m.group(1)
+
+
+def _expand(name: str) -> list[str]:
+    """``kvstored_tier_{capacity,used}_bytes`` -> the names it stands for."""
+    m = re.search(r"\{([^{}]*,[^{}]*)\}", name)
+    if m is None:
+        return [name]
+    return [n for alt in m.group(1).split(",") for n in _expand(name[:m.start()] + alt + name[m.end():])]
+
+
+def test_readme_metric_names_exist() -> None:
+    """Every ``kvstored_*`` metric the README names is one the daemon exposes."""
+    from prometheus_client.core import CounterMetricFamily
+
+    from kvstored.server import metrics
+
+    exposed = {"kvstored_rpc_duration_seconds"}
+    for kind, name, _doc, _attr in metrics._TIER_METRICS + metrics._STORE_METRICS + metrics._PEER_METRICS:
+        exposed.add(f"kvstored_{name}" + ("_total" if kind is CounterMetricFamily else ""))
+    named = set()
+    for span in re.findall(r"`(kvstored_[^`]*)`", README):
+        named.update(_expand(re.sub(r"\{\w+\}$", "", span)))   # a trailing {label} is not part of the name
+    assert len(named) > 10, named
+    assert named - exposed == set()
+
+
+def test_readme_names_every_kvctl_command_and_option() -> None:
+    import click
+
+    from kvstored.kvctl import cli
+
+    missing = [o for p in cli.params if isinstance(p, click.Option) for o in p.opts if o not in README]
+    for name, command in cli.commands.items():
+        if not re.search(rf"`(kvctl )?{name}\b", README):
+            missing.append(name)
+        missing += [f"{name} {o}" for p in command.params if isinstance(p, click.Option)
+                    for o in p.opts if o.startswith("--") and o != "--help" and o not in README]
+    assert missing == []
+
+
+def test_readme_names_every_sdk_error() -> None:
+    """README: "every failure is a `kvstored.KVStoreError` subclass (...)": all of them, by name."""
+    import kvstored
+
+    errors = [name for name in kvstored.__all__
+              if isinstance(obj := getattr(kvstored, name), type) and issubclass(obj, kvstored.KVStoreError)]
+    assert len(errors) > 5
+    assert [name for name in errors if not re.search(rf"`(kvstored\.)?{name}`", README)] == []
+
+
+def test_readme_daemon_flags_match_the_daemon(capsys: pytest.CaptureFixture[str]) -> None:
+    """The flags "Running the daemon" names are the daemon's, and it names all of them."""
+    from kvstored.server import app
+
+    with pytest.raises(SystemExit):
+        app.parse_args(["--help"])
+    flags = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", capsys.readouterr().out)) - {"--help"}
+    named = set(re.findall(r"`(--[a-z][\w-]*)", _readme_section("Running the daemon")))
+    assert (flags - named, named - flags) == (set(), set())
+
+
+def test_readme_sdk_snippets_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's first two SDK snippets run as written against a daemon on its embedded
+    defaults (a smaller arena) and do what their comments say; the two-node one at least compiles."""
+    pytest.importorskip("torch")
+    from conftest import start_daemon
+
+    blocks = re.findall(r"```python\n(.*?)```", _readme_section("Using the SDK"), re.S)
+    assert len(blocks) == 3
+    compile(blocks[2], "README prefill/decode snippet", "exec")
+    daemon = start_daemon(tmp_path, "--dram-capacity", "256MiB", "--set", "dram.page_bytes=32MiB")
+    monkeypatch.setenv("KVSTORED_SOCKET", daemon.socket)   # where the snippets' Client() looks first
+    ns: dict[str, Any] = {}
+    clients = []
+    try:
+        exec(compile(blocks[0], "README SDK snippet", "exec"), ns)
+        clients.append(client := ns["client"])
+        assert client.stats()["saved_blocks"] == 62
+        assert client.lookup(ns["tokens"]).tokens == 992
+        assert ns["res"].blocks == 62 and ns["res"].tokens == 992
+        exec(compile(blocks[1], "README engine snippet", "exec"), ns)
+        clients.append(engine := ns["client"])
+        assert engine.stats()["saved_blocks"] == 62 + 3
+        assert engine.load_blocks(ns["buffers"], block_ids=[5, 6, 7], tokens=ns["prompt"][:48]).blocks == 3
+    finally:
+        for c in clients:
+            c.close()
+        for tensor in ns.get("layers", []):
+            tensor.close()
+        assert daemon.stop() == 0, daemon.log()[-2000:]

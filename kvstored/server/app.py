@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--socket", help="Unix socket path (server.socket)")
     parser.add_argument("--tcp", help="additional TCP listener host:port (server.tcp)")
     parser.add_argument("--dram-capacity", help="DRAM arena size, e.g. 4GiB (dram.capacity)")
-    parser.add_argument("--ssd-path", help="directory of the SSD tier's LMDB files (ssd.path)")
+    parser.add_argument("--ssd-path", help="directory of the SSD tier: slot files and LMDB index (ssd.path)")
     parser.add_argument("--ssd-capacity", help="SSD tier size, e.g. 100GiB (ssd.capacity)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="log.level")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -295,6 +295,34 @@ def test_every_key_is_in_the_example_config() -> None:
     assert missing == []
 
 
+def test_example_config_sets_the_defaults_or_says_which() -> None:
+    """An operator reads systemd/kvstored.toml as the list of keys and their defaults: a key it
+    sets to a value other than the embedded default says so on its line, "(default: X)", and X is
+    the code's default (its 8GiB arena and 100GiB SSD tier read as the defaults, which are 1GiB
+    and 8GiB)."""
+    import re
+    import tomllib
+
+    text = (ROOT / "systemd" / "kvstored.toml").read_text()
+    defaults = config.Config()
+    section = ""
+    wrong = []
+    for line in text.splitlines():
+        if m := re.match(r"^\[(\w+)\]", line):
+            section = m.group(1)
+            continue
+        if not (m := re.match(r"^(\w+)\s*=\s*(.*?)\s*(#.*)?$", line)):
+            continue   # comments, commented-out keys (examples of what to set)
+        key, value, comment = m.group(1), tomllib.loads(f"v = {m.group(2)}")["v"], m.group(3) or ""
+        default = getattr(getattr(defaults, section), key)
+        if config._coerce(section, key, value, default) == default:
+            continue
+        said = re.search(r"\(default: ([^)]+)\)", comment)
+        if said is None or config._coerce(section, key, said.group(1), default) != default:
+            wrong.append(f"{section}.{key} = {m.group(2)} (code default {default!r}): {comment!r}")
+    assert wrong == []
+
+
 def test_any_loopback_address_may_carry_the_tcp_listener() -> None:
     """127.0.0.2 is loopback too: it was refused as 'not a loopback address'."""
     assert config.build({"server": {"tcp": "127.0.0.2:7070"}}).server.tcp == "127.0.0.2:7070"
