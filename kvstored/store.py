@@ -563,7 +563,7 @@ class BlockStore:
             self._bind_slot(block, offset)
             done: asyncio.Future[bool] = loop.create_future()
             self._promoting[block] = done
-            read: Future[None]
+            read: Future[int]
             try:
                 read = self._ssd.read_into(block.index.namespace_id, block.key,
                                            self._arena.view(offset, self._block_bytes(block)))
@@ -582,9 +582,9 @@ class BlockStore:
                 cut = min(cut, i)
         return cut
 
-    async def _finish_promotion(self, block: Block, read: object, done: asyncio.Future[bool]) -> None:
+    async def _finish_promotion(self, block: Block, read: Future[int], done: asyncio.Future[bool]) -> None:
         try:
-            await asyncio.wrap_future(read)  # type: ignore[arg-type]
+            check = await asyncio.wrap_future(read)
         except Corrupt as exc:
             log.warning("dropping block %s: %s", block.key.hex()[:16], exc)
             self._n.ssd_read_errors += 1
@@ -604,6 +604,7 @@ class BlockStore:
             done.set_result(False)
             return
         self._promoting.pop(block, None)
+        block.check = check   # verified against these bytes: a peer gets the block unhashed
         self._n.promotions += 1
         done.set_result(True)
 
@@ -1145,7 +1146,7 @@ class BlockStore:
             parent_key = block.parent.key if block.parent is not None else b""
             futures.append(asyncio.wrap_future(self._ssd.put(
                 block.index.namespace_id, block.key, parent_key, block.depth,
-                self._arena.view(block.offset, self._block_bytes(block)))))
+                self._arena.view(block.offset, self._block_bytes(block)), block.check)))
             self._ssd_used += self._block_bytes(block)  # reserved now; returned on failure
         # A task of its own: a cancelled caller (a flush past its deadline) must not leave the
         # blocks DEMOTING and pinned, nor their bytes reserved on SSD.
@@ -1165,7 +1166,7 @@ class BlockStore:
             memo[b] = acc
         return acc
 
-    async def _demoted(self, chosen: list[Block], futures: list[asyncio.Future[None]]) -> int:
+    async def _demoted(self, chosen: list[Block], futures: list[asyncio.Future[int]]) -> int:
         results = await asyncio.gather(*futures, return_exceptions=True)
         written = 0
         for block, result in zip(chosen, results):
@@ -1180,6 +1181,7 @@ class BlockStore:
                     self._ssd_backoff_until = self._clock() + 1.0
                 continue
             block.flags |= ON_SSD
+            block.check = result   # the bytes it has in DRAM too (pinned meanwhile): a peer gets it unhashed
             if block.in_dram:
                 self._set_clean(block)
             written += 1

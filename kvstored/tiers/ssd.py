@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -184,8 +185,9 @@ class _Op:
     key: bytes
     meta: bytes                     # "namespace": the spec; "put": filled in by the writer
     payload: np.ndarray | None      # "put": the block's bytes
-    done: Future[None]
-    record: BlockRecord | None = None
+    done: Future[Any]               # "put": its checksum; the others: None
+    record: BlockRecord | None = None   # "put": its checksum is the caller's (0: not known)
+    check: Future[int] | None = None    # "put": the checksum being computed on the hash thread
 
 
 class SSDTier:
@@ -231,6 +233,9 @@ class SSDTier:
         self._writer = threading.Thread(target=self._write_loop, name="kvstored-ssd-writer", daemon=True)
         self._writer.start()
         self._readers = ThreadPoolExecutor(max_workers=read_threads, thread_name_prefix="kvstored-ssd-read")
+        # Payload checksums are computed here while the writer writes (xxh3 releases the GIL):
+        # hashed in the writer's turn they cost ~15% of the write time
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstored-ssd-hash")
         self.write_errors = 0
         self.checksum_failures = 0
 
@@ -275,13 +280,21 @@ class SSDTier:
             return f
 
     # -- writes (one thread owns every write) ------------------------------------------------
-    def put(self, namespace_id: int, key: bytes, parent: bytes, depth: int, payload: np.ndarray) -> Future[None]:
-        """Queue a block write (checksummed on the writer thread); the future fails with SSDError.
-        ``payload`` must stay valid and unchanged until the future is done; a put cancelled before
-        the writer takes it is not written (once taken, it can no longer be cancelled)."""
-        fut: Future[None] = Future()
+    def put(self, namespace_id: int, key: bytes, parent: bytes, depth: int, payload: np.ndarray,
+            known_checksum: int | None = None) -> Future[int]:
+        """Queue a block write; the future gives the payload's xxh3-64 checksum (as stored) once
+        the block is on disk, or fails with SSDError. ``known_checksum``: the payload's checksum
+        when the caller has it, stored as given (a wrong one makes every read of the block fail
+        its check); otherwise it is computed while the batch is written. ``payload`` must stay
+        valid and unchanged until the future is done; a put cancelled before the writer takes it
+        is not written (once taken, it can no longer be cancelled)."""
+        fut: Future[int] = Future()
+        check: Future[int] | None = None
+        if known_checksum is not None:
+            check = Future()
+            check.set_result(known_checksum)
         rec = BlockRecord(namespace_id, key, parent, depth, int(payload.nbytes), 0)
-        self._ops.put(_Op("put", db_key(namespace_id, key), b"", payload, fut, rec))
+        self._ops.put(_Op("put", db_key(namespace_id, key), b"", payload, fut, rec, check))
         return fut
 
     def delete(self, namespace_id: int, key: bytes) -> Future[None]:
@@ -348,6 +361,9 @@ class SSDTier:
         written: dict[int, tuple[_SlotFile, int]] = {}   # id(put op) -> where its payload went
         failed: dict[int, Exception] = {}
         for op in batch:
+            if op.kind == "put" and op.check is None:
+                op.check = self._hasher.submit(checksum, op.payload)   # type: ignore[arg-type]
+        for op in batch:
             if op.kind != "put":
                 continue
             assert op.record is not None and op.payload is not None, "put without a record"
@@ -366,8 +382,9 @@ class SSDTier:
             written[id(op)] = (f, slot)   # first: an unforeseen error below gives the slot back
             rec = op.record
             try:
+                assert op.check is not None, "a put without its checksum"
                 op.meta = encode_meta(BlockRecord(rec.namespace_id, rec.key, rec.parent, rec.depth, rec.length,
-                                                  checksum(op.payload), slot))
+                                                  op.check.result(), slot))
             except BaseException:
                 self._give_back(written)
                 raise
@@ -406,7 +423,7 @@ class SSDTier:
         if failed:
             log.warning("SSD write of %d block(s) failed: %s", len(failed), next(iter(failed.values())))
         for op in batch:
-            _settle(op.done, failed.get(id(op)))
+            _settle(op.done, failed.get(id(op)), op.check.result() if id(op) in written and op.check else None)
 
     def _apply(self, batch: list[_Op], written: dict[int, tuple[_SlotFile, int]]) -> list[tuple[_SlotFile, int]]:
         """Commit the batch's index changes in the order they were queued (a put then a delete of
@@ -445,12 +462,13 @@ class SSDTier:
         self._give_back(written)
 
     # -- reads -------------------------------------------------------------------------------
-    def read_into(self, namespace_id: int, key: bytes, dst: np.ndarray) -> Future[None]:
+    def read_into(self, namespace_id: int, key: bytes, dst: np.ndarray) -> Future[int]:
         """Copy a block's payload into ``dst`` (uint8) on a read thread, verifying its length and
-        checksum against its meta record; the future fails with Corrupt on any mismatch."""
+        checksum against its meta record; the future gives that checksum, or fails with Corrupt on
+        any mismatch."""
         return self._readers.submit(self._read, db_key(namespace_id, key), dst)
 
-    def _read(self, key: bytes, dst: np.ndarray) -> None:
+    def _read(self, key: bytes, dst: np.ndarray) -> int:
         with self._env.begin() as txn:
             raw = txn.get(key, db=self._meta)
         if raw is None:
@@ -467,6 +485,7 @@ class SSDTier:
         if checksum(dst) != rec.checksum:
             self.checksum_failures += 1
             raise Corrupt("checksum mismatch")
+        return rec.checksum
 
     def scan(self) -> Iterator[BlockRecord | tuple[bytes, str]]:
         """Every block record, or (db key, reason) for a record that cannot be decoded."""
@@ -494,6 +513,7 @@ class SSDTier:
         try:
             self._ops.put(None)
             self._writer.join()
+            self._hasher.shutdown(wait=True)
             self._readers.shutdown(wait=True)
             self._env.close()
             for f in self._files.values():
@@ -503,14 +523,14 @@ class SSDTier:
                 os.close(self._lock_fd)
 
 
-def _settle(fut: Future[None], exc: Exception | None) -> None:
-    """Complete a caller's future (started when the writer took it) unless the caller gave up on
-    it before (cancelled)."""
+def _settle(fut: Future[Any], exc: Exception | None, result: int | None = None) -> None:
+    """Complete a caller's future (started when the writer took it) with ``exc`` or ``result``
+    unless the caller gave up on it before (cancelled)."""
     if fut.done():
         return
     if fut.running() or fut.set_running_or_notify_cancel():
         if exc is None:
-            fut.set_result(None)
+            fut.set_result(result)
         else:
             fut.set_exception(exc)
 

@@ -705,3 +705,48 @@ def test_evicting_the_ssd_tier_keeps_the_copy_of_a_parent_whose_child_stays_on_s
         assert ns_state.index.get(parent).on_ssd  # type: ignore[union-attr]
         store.checkin(ns, child)
         assert store.evict(tier=Tier.SSD) == 2      # once nothing holds the child, both copies go
+
+
+def test_a_block_written_to_ssd_or_read_from_it_is_served_to_peers_unhashed(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SSD tier computes (or verifies) each block's checksum anyway: the store keeps it, so a
+    peer is sent the block without the 2 MiB block being hashed once more on the event loop."""
+    import types
+
+    import xxhash
+
+    from kvstored import store as store_mod
+    from kvstored.index import Tier
+
+    hashed: list[int] = []
+    real = xxhash.xxh3_64_intdigest
+
+    def counting(data):  # type: ignore[no-untyped-def]
+        hashed.append(1)
+        return real(data)
+
+    with _store(tmp_path, ssd=True) as (store, _):
+        ns = store.open_namespace(Namespace(model="m", block_bytes=BLOCK)).namespace_id
+        keys = chain(3)
+        parent = b""
+        for i, key in enumerate(keys):
+            assert store.adopt(ns, parent, key, memoryview(bytes([i + 1]) * BLOCK))
+            parent = key
+        assert asyncio.run(store.flush()) == 3
+        # the store's own hashing only (the SSD tier's verification of a read is its job)
+        monkeypatch.setattr(store_mod, "xxhash", types.SimpleNamespace(xxh3_64_intdigest=counting))
+
+        async def serve(key: bytes) -> tuple[bytes, int | None]:
+            served = await store.checkout(ns, key)
+            assert served is not None
+            try:
+                return bytes(served[0]), served[1]
+            finally:
+                store.checkin(ns, key)
+
+        data, check = asyncio.run(serve(keys[2]))           # written back: its checksum is known
+        assert data == bytes([3]) * BLOCK and check == real(data)
+        assert store.evict(tier=Tier.DRAM) == 3              # SSD only now
+        data, check = asyncio.run(serve(keys[1]))           # read back (verified): known again
+        assert data == bytes([2]) * BLOCK and check == real(data)
+        assert hashed == [], "the store hashed a block the SSD tier had hashed"

@@ -7,6 +7,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 import pytest
+import xxhash
 
 from kvstored.tiers.ssd import BlockRecord, Corrupt, InUse, MapFull, SSDError, SSDTier
 
@@ -361,5 +362,36 @@ def test_a_put_cancelled_before_the_writer_took_it_is_not_written(tmp_path: Path
         assert [r.key for r in ssd.scan() if isinstance(r, BlockRecord)] == [b"h" * 32]
         with pytest.raises(Corrupt, match="missing"):
             ssd.read_into(1, b"k" * 32, np.empty(64 << 10, np.uint8)).result(10)
+    finally:
+        ssd.close()
+
+
+def test_a_put_gives_the_checksum_it_stored_and_a_read_gives_it_back(tmp_path: Path) -> None:
+    """Both ends of the tier report the block's xxh3 so that the store can keep it (a peer is
+    then sent the block without hashing it again)."""
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        data = [payload(i) for i in range(40)]   # several batches' worth, hashed beside the writes
+        futures = [ssd.put(1, bytes([i]) * 32, b"", 0, data[i]) for i in range(40)]
+        checks = [f.result(30) for f in futures]
+        assert checks == [xxhash.xxh3_64_intdigest(d) for d in data]
+        out = np.empty(64 << 10, dtype=np.uint8)
+        for i in (0, 17, 39):
+            assert ssd.read_into(1, bytes([i]) * 32, out).result(10) == checks[i]
+            assert np.array_equal(out, data[i])
+    finally:
+        ssd.close()
+
+
+def test_a_known_checksum_is_stored_as_given(tmp_path: Path) -> None:
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        right = xxhash.xxh3_64_intdigest(payload(1))
+        assert ssd.put(1, b"a" * 32, b"", 0, payload(1), right).result(10) == right
+        assert ssd.put(1, b"b" * 32, b"", 0, payload(2), right).result(10) == right   # not recomputed
+        out = np.empty(64 << 10, dtype=np.uint8)
+        assert ssd.read_into(1, b"a" * 32, out).result(10) == right
+        with pytest.raises(Corrupt, match="checksum"):   # a wrong one is never taken for the bytes'
+            ssd.read_into(1, b"b" * 32, out).result(10)
     finally:
         ssd.close()
