@@ -42,7 +42,7 @@ from kvstored.policy.admission import admit
 from kvstored.policy.interface import BlockPolicy
 from kvstored.policy.registry import make_policy
 from kvstored.tiers.dram import Arena, SlotAllocator, slot_size
-from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDError, SSDTier
+from kvstored.tiers.ssd import PROGRESS_EVERY, BlockRecord, Corrupt, MapFull, Progress, SSDError, SSDTier
 from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
@@ -1202,8 +1202,9 @@ class BlockStore:
             self._n.ssd_evictions += 1
         return self._ssd_used + nbytes <= cfg.high_watermark * cfg.capacity
 
-    def restore(self) -> RestoreReport:
-        """Rebuild namespaces and the index from the SSD tier (at start, before serving).
+    def restore(self, progress: Progress | None = None) -> RestoreReport:
+        """Rebuild namespaces and the index from the SSD tier (at start, before serving);
+        ``progress(what, done, total)`` is called every PROGRESS_EVERY records.
 
         Records that do not decode, whose namespace is unknown (or one this config refuses:
         blocks larger than ``dram.page_bytes``, a fast hash not allowed), whose parent is missing
@@ -1228,14 +1229,18 @@ class BlockStore:
                 self._add_namespace(namespace_id, spec)
         records: list[BlockRecord] = []
         dropped = 0
-        for item in self._ssd.scan():
+        for n, item in enumerate(self._ssd.scan(), 1):
+            if progress is not None and n % PROGRESS_EVERY == 0:
+                progress("restoring blocks from SSD: reading records", n, 0)
             if isinstance(item, BlockRecord):
                 records.append(item)
             else:
                 self._ssd.delete_raw(item[0])
                 dropped += 1
         restored: list[Block] = []
-        for rec in sorted(records, key=lambda r: r.depth):
+        for n, rec in enumerate(sorted(records, key=lambda r: r.depth), 1):
+            if progress is not None and n % PROGRESS_EVERY == 0:
+                progress("restoring blocks from SSD: indexing", n, len(records))
             state = self._namespaces.get(rec.namespace_id)
             parent = state.index.get(rec.parent) if state is not None and rec.depth else None
             if state is None or rec.length != state.spec.block_bytes or (rec.depth and parent is None) \

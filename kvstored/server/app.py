@@ -28,6 +28,7 @@ from kvstored.peers.transport import PeerConfigError
 from kvstored.server import logs, sdnotify
 from kvstored.server.metrics import RpcTimer, Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer
+from kvstored.server.startup import StartupProgress
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
 from kvstored.tiers.ssd import InUse, SSDTier
@@ -170,12 +171,13 @@ def _file_id(path: Path) -> tuple[int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
-def _pin_for_cuda(arena: Arena) -> bool:
+def _pin_for_cuda(arena: Arena, starting: StartupProgress) -> bool:
     """Page-lock the arena when cupy and a GPU are present; the daemon runs fine without either."""
     try:
         from kvstored import cuda
     except ImportError:
         return False
+    starting.step("pinning the DRAM arena for CUDA copies (when a GPU is present)", expect_s=arena.capacity / 1e9)
     return cuda.pin_host(arena)
 
 
@@ -230,7 +232,10 @@ async def serve(cfg: Config) -> int:
 
         if stale := sweep_stale_arenas(cfg.dram.shm_dir):
             log.info("removed %d arena file(s) left by daemons that died: %s", len(stale), ", ".join(stale))
-        log.info("opening DRAM tier: %d MiB arena in %s", cfg.dram.capacity >> 20, cfg.dram.shm_dir)
+        starting = StartupProgress()
+        # pre-faulting runs at several GB/s here: 1 GB/s leaves room for a slower host
+        starting.step(f"opening the DRAM tier: {cfg.dram.capacity >> 20} MiB arena in {cfg.dram.shm_dir}",
+                      expect_s=cfg.dram.capacity / 1e9 if cfg.dram.prefault else 0.0)
         try:
             arena = Arena(cfg.dram.shm_dir, cfg.dram.capacity, cfg.server.socket_mode, cfg.dram.prefault)
         except ArenaTooLarge as exc:
@@ -238,19 +243,19 @@ async def serve(cfg: Config) -> int:
         except OSError as exc:
             raise StartupError(f"cannot create the DRAM arena in {cfg.dram.shm_dir}: {exc}") from None
         if cfg.ssd.enabled:
-            log.info("opening SSD tier: %d MiB in %s", cfg.ssd.capacity >> 20, cfg.ssd_path)
+            starting.step(f"opening the SSD tier: {cfg.ssd.capacity >> 20} MiB in {cfg.ssd_path}")
             try:
                 ssd = SSDTier(cfg.ssd_path, int(cfg.ssd.capacity * cfg.ssd.map_slack), cfg.ssd.read_threads,
-                              cfg.ssd.sync)
+                              cfg.ssd.sync, progress=starting.report)
             except InUse as exc:
                 raise StartupError(str(exc)) from None
             except (OSError, lmdb.Error) as exc:
                 raise StartupError(f"cannot open the SSD tier in {cfg.ssd_path}: {exc}") from None
-        if _pin_for_cuda(arena):
+        if _pin_for_cuda(arena, starting):
             log.info("DRAM arena pinned for CUDA copies (cudaHostRegister)")
         copy = CopyEngine(arena)
         store = BlockStore(cfg, arena, copy, ssd)
-        report = store.restore()
+        report = store.restore(starting.report)
         if report.blocks or report.dropped:
             log.info("restored %d block(s) in %d namespace(s) from SSD; dropped %d unusable record(s)",
                      report.blocks, report.namespaces, report.dropped)

@@ -25,7 +25,7 @@ import queue
 import shutil
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,8 @@ log = logging.getLogger("kvstored.ssd")
 
 FORMAT_VERSION = 2
 ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the device's block
+PROGRESS_EVERY = 4096   # records between progress reports of a long scan
+Progress = Callable[[str, int, int], None]   # (what, done, total or 0 when not known)
 # version, namespace id, depth, length, checksum, slot, parent length, then the parent hash
 _META = struct.Struct(">HQIQQQB")
 
@@ -195,7 +197,9 @@ class SSDTier:
     return futures."""
 
     def __init__(self, path: str, map_size: int, read_threads: int = 2, sync: bool = True,
-                 group_commit_bytes: int = 64 << 20) -> None:
+                 group_commit_bytes: int = 64 << 20, progress: Progress | None = None) -> None:
+        """Open (or create) the tier in ``path``, reading its index for the slots in use;
+        ``progress(what, records read, 0)`` is called every PROGRESS_EVERY records."""
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_directory(self.path)
@@ -215,7 +219,9 @@ class SSDTier:
             self._meta = self._env.open_db(b"meta")
             self._namespaces = self._env.open_db(b"namespaces")
             used: dict[int, set[int]] = {}
-            for item in self.scan():
+            for n, item in enumerate(self.scan(), 1):
+                if progress is not None and n % PROGRESS_EVERY == 0:
+                    progress("reading the SSD index", n, 0)
                 if isinstance(item, BlockRecord):
                     used.setdefault(item.length, set()).add(item.slot)
             for length, slots in used.items():

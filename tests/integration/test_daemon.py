@@ -149,6 +149,50 @@ def test_sd_notify_ready_and_stopping(tmp_path: Path) -> None:
         sock.close()
 
 
+def test_start_up_steps_and_a_long_restore_are_told_to_systemd(tmp_path: Path) -> None:
+    """A restore of a large SSD tier can outlast TimeoutStartSec (90 s by default: systemd would
+    kill the daemon and restart it into the same restore): each step of the start and the
+    restore's advance are sent with STATUS= and EXTEND_TIMEOUT_USEC= before READY=1."""
+    from kvstored.tiers.ssd import PROGRESS_EVERY
+
+    ns = kvstored.Namespace(model="restore-progress", block_bytes=4096)
+    blocks = PROGRESS_EVERY + 200
+    d = start_daemon(tmp_path / "d", "--set", "log.level=info")
+    with kvstored.Client(d.socket) as c:
+        for start in range(0, blocks, 1024):
+            n = min(1024, blocks - start)
+            tokens = np.arange(start * 16, (start + n) * 16)   # a prompt of its own per 1024 blocks
+            assert c.save(tokens, np.full((n, 4096), start % 251, dtype=np.uint8), namespace=ns).stored == n
+        assert c.flush() == blocks
+    assert d.stop() == 0
+    notify_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(notify_path)
+    sock.settimeout(30)
+    try:
+        again = start_daemon(tmp_path / "d", "--set", "log.level=info", env={"NOTIFY_SOCKET": notify_path})
+        try:
+            messages: list[str] = []
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not any("READY=1" in m for m in messages):
+                messages.append(sock.recv(4096).decode())
+            ready = next(i for i, m in enumerate(messages) if "READY=1" in m)
+            starting = [m for m in messages[:ready] if m.startswith("STATUS=starting: ")]
+            assert all("\nEXTEND_TIMEOUT_USEC=" in m for m in starting), starting
+            said = "\n".join(starting)
+            for step in ("opening the DRAM tier", "opening the SSD tier",
+                         "reading the SSD index", "restoring blocks from SSD: indexing"):
+                assert f"STATUS=starting: {step}" in said, said
+            with kvstored.Client(again.socket) as c:
+                ssd = next(t for t in c.stats()["tiers"] if t["name"] == "ssd")
+                assert int(ssd["blocks"]) == blocks
+            assert "starting: restoring blocks from SSD" in again.log()
+        finally:
+            again.stop()
+    finally:
+        sock.close()
+
+
 def test_stale_socket_is_replaced_and_live_one_refused(tmp_path: Path) -> None:
     d = start_daemon(tmp_path / "a")
     try:
