@@ -342,7 +342,10 @@ async def serve(cfg: Config) -> int:
 
     await stop.wait()
     log.info("shutting down: finishing in-flight calls")
-    sdnotify.notify("STOPPING=1")
+    # in-flight calls, then the write-back, each up to server.shutdown_grace_s: a TimeoutStopSec=
+    # shorter than that would SIGKILL the write-back and lose blocks only DRAM held
+    sdnotify.notify("STOPPING=1\nSTATUS=stopping: finishing in-flight calls, then writing DRAM-only blocks to SSD\n"
+                    f"EXTEND_TIMEOUT_USEC={int((2 * cfg.server.shutdown_grace_s + 10) * 1e6)}")
     await health_servicer.enter_graceful_shutdown()
     if metrics_server is not None:   # its scrapes ask this loop, which is about to end
         await asyncio.to_thread(_stop_metrics, metrics_server)

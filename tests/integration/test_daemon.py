@@ -144,7 +144,9 @@ def test_sd_notify_ready_and_stopping(tmp_path: Path) -> None:
         assert d.stop() == 0
         while time.monotonic() < deadline and not any("STOPPING=1" in m for m in messages):
             messages.append(sock.recv(4096).decode())
-        assert any("STOPPING=1" in m for m in messages)
+        stopping = next(m for m in messages if "STOPPING=1" in m)
+        # the stop may take two grace periods (10 s each by default): systemd is asked for them
+        assert "EXTEND_TIMEOUT_USEC=30000000" in stopping, stopping
     finally:
         sock.close()
 
