@@ -1,6 +1,6 @@
 """Start-up progress: what the daemon is doing before it serves, told to systemd and to the log.
 
-Restoring a large SSD tier (15–25 µs a block here: over a minute for 4M blocks) or pre-faulting a
+Restoring a large SSD tier (15 to 25 µs a block here: over a minute for 4M blocks) or pre-faulting a
 large arena can outlast systemd's start timeout (TimeoutStartSec=, 90 s by default), which would
 kill the daemon and restart it into the same restore for ever. Each step and each advance within
 one sends ``EXTEND_TIMEOUT_USEC``: systemd waits as long as the start keeps moving, and still

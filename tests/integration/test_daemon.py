@@ -404,7 +404,7 @@ def test_any_failure_after_the_arena_is_created_removes_it(tmp_path: Path) -> No
     shm.mkdir()
     code = ("import sys\n"
             "from kvstored.store import BlockStore\n"
-            "def boom(self): raise RuntimeError('restore failed')\n"
+            "def boom(self, *args): raise RuntimeError('restore failed')\n"
             "BlockStore.restore = boom\n"
             "from kvstored.server.app import main\n"
             f"sys.exit(main(['--socket', {str(tmp_path / 'kv.sock')!r}, '--dram-capacity', '8MiB',\n"
