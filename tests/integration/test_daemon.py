@@ -160,13 +160,15 @@ def test_start_up_steps_and_a_long_restore_are_told_to_systemd(tmp_path: Path) -
     ns = kvstored.Namespace(model="restore-progress", block_bytes=4096)
     blocks = PROGRESS_EVERY + 200
     d = start_daemon(tmp_path / "d", "--set", "log.level=info")
-    with kvstored.Client(d.socket) as c:
-        for start in range(0, blocks, 1024):
-            n = min(1024, blocks - start)
-            tokens = np.arange(start * 16, (start + n) * 16)   # a prompt of its own per 1024 blocks
-            assert c.save(tokens, np.full((n, 4096), start % 251, dtype=np.uint8), namespace=ns).stored == n
-        assert c.flush() == blocks
-    assert d.stop() == 0
+    try:
+        with kvstored.Client(d.socket) as c:
+            for start in range(0, blocks, 1024):
+                n = min(1024, blocks - start)
+                tokens = np.arange(start * 16, (start + n) * 16)   # a prompt of its own per 1024 blocks
+                assert c.save(tokens, np.full((n, 4096), start % 251, dtype=np.uint8), namespace=ns).stored == n
+            assert c.flush() == blocks
+    finally:
+        assert d.stop() == 0
     notify_path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(notify_path)
