@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +18,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvstored.buffers import BlockIds, RegisteredBuffers, TensorMemory
+from kvstored.errors import DeadlineExceeded
 from kvstored.tiers.dram import Arena
 
 TensorDone = Callable[[int], None]
@@ -46,10 +48,13 @@ def _host_copy(arena: Arena, t: TensorMemory, block_ids: BlockIds, offsets: Sequ
 
 
 def _run(arena: Arena, buffers: RegisteredBuffers, block_ids: BlockIds, offsets: Sequence[int],
-         to_arena: bool, tensor_done: TensorDone | None) -> None:
+         to_arena: bool, tensor_done: TensorDone | None, not_after: float | None = None) -> None:
     device = buffers.cuda
     try:
         for index, t in enumerate(buffers.tensors):
+            if not_after is not None and time.monotonic() >= not_after:
+                raise DeadlineExceeded(f"the call's deadline passed before layer {index} of its blocks could be "
+                                       "copied into the engine's buffers")
             if device is None:
                 t.check_backing(index)
                 _host_copy(arena, t, block_ids, offsets, to_arena)
@@ -85,20 +90,29 @@ class CopyEngine:
         await self._submit(buffers, block_ids, offsets, True, None)
 
     async def from_arena(self, buffers: RegisteredBuffers, block_ids: BlockIds, offsets: Sequence[int],
-                         tensor_done: TensorDone | None = None) -> None:
+                         tensor_done: TensorDone | None = None, *, not_after: float | None = None) -> None:
         """Copy arena slots ``offsets`` into engine blocks ``block_ids``; ``tensor_done(i)`` is
-        called on the event loop once tensor ``i`` is complete for every block."""
+        called on the event loop once tensor ``i`` is complete for every block.
+
+        ``not_after`` (the event loop's time: the deadline of the engine's call) is checked on the
+        worker thread right before each tensor's copy: past it, DeadlineExceeded and the engine's
+        buffers are not written (any more). The engine, whose call failed at its deadline, may be
+        reusing those blocks already: a daemon frozen or starved past the deadline (a copy queued
+        behind others, the process stopped between queueing and running it) must not write them
+        then. A copy already running when the deadline passes still completes."""
         loop = asyncio.get_running_loop()
+        if not_after is not None:   # the worker thread reads time.monotonic(): the loop's clock may differ
+            not_after = time.monotonic() + (not_after - loop.time())
         notify: TensorDone | None = None
         if tensor_done is not None:
             callback = tensor_done
 
             def notify(index: int) -> None:
                 loop.call_soon_threadsafe(callback, index)
-        await self._submit(buffers, block_ids, offsets, False, notify)
+        await self._submit(buffers, block_ids, offsets, False, notify, not_after)
 
     async def _submit(self, buffers: RegisteredBuffers, block_ids: BlockIds, offsets: Sequence[int],
-                      to_arena: bool, notify: TensorDone | None) -> None:
+                      to_arena: bool, notify: TensorDone | None, not_after: float | None = None) -> None:
         if not len(block_ids):
             if notify is not None:
                 for i in range(len(buffers.tensors)):
@@ -109,7 +123,7 @@ class CopyEngine:
             fut = asyncio.get_running_loop().run_in_executor(
                 # Python ints: numpy's uint32 times a slot's stride would wrap past 4 GiB
                 self._pool, _run, self._arena, buffers, np.asarray(block_ids, dtype=np.int64).tolist(),
-                list(offsets), to_arena, notify)
+                list(offsets), to_arena, notify, not_after)
             try:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:

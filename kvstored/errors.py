@@ -30,3 +30,9 @@ class ResourceExhausted(KVError):
 
 class Unavailable(KVError):
     """The daemon is shutting down."""
+
+
+class DeadlineExceeded(KVError):
+    """The call's deadline passed before the work was done: its client has given up on it (a
+    daemon frozen, or starved, past it), so no more of it is done (no copy into the client's
+    engine buffers starts: the engine may be reusing those blocks)."""

@@ -35,9 +35,14 @@ class Handover:
     unpins it, after any copy in flight)."""
 
     def __init__(self, emit: Callable[[Arrival], None], copy: CopyEngine | None = None,
-                 buffers: RegisteredBuffers | None = None, block_ids: BlockIds = ()) -> None:
+                 buffers: RegisteredBuffers | None = None, block_ids: BlockIds = (),
+                 copy_until: float | None = None) -> None:
+        """``copy_until``: the event loop's time (the reader's deadline) after which no copy into
+        the engine's buffers starts (see ``CopyEngine.from_arena``): ``finish`` raises
+        DeadlineExceeded instead, and the blocks not copied are never reported."""
         assert (copy is None) == (buffers is None), "engine buffers need the copy engine"
         self._emit = emit
+        self._copy_until = copy_until
         self._copy = copy
         self._buffers = buffers
         self._block_ids = block_ids
@@ -82,7 +87,7 @@ class Handover:
             if self._copying:
                 inflight = asyncio.ensure_future(self._copy.from_arena(  # noqa: RUF006 - kept in _inflight
                     self._buffers, [self._block_ids[i] for i, _, _, _ in self._copying],
-                    [b.offset for _, b, _, _ in self._copying]))
+                    [b.offset for _, b, _, _ in self._copying], not_after=self._copy_until))
                 self._inflight = inflight
                 try:
                     await asyncio.shield(inflight)

@@ -1459,11 +1459,14 @@ class BlockStore:
     async def load_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
                           keys: KeyRequest, block_ids: BlockIds,
                           started: Callable[[list[Tier]], None] | None = None,
-                          tensor_done: Callable[[int], None] | None = None) -> list[Tier]:
+                          tensor_done: Callable[[int], None] | None = None,
+                          copy_until: float | None = None) -> list[Tier]:
         """Copy the longest cached prefix of a chain into engine buffers; returns its tiers.
 
         ``started`` learns the tiers of the blocks about to be copied, ``tensor_done(i)`` when
-        registered tensor ``i`` (a layer) is in place for all of them.
+        registered tensor ``i`` (a layer) is in place for all of them. ``copy_until``: the event
+        loop's time (the caller's deadline) after which no layer's copy starts (DeadlineExceeded;
+        see ``CopyEngine.from_arena``).
         """
         session = self._working_session(session_id)
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id)
@@ -1482,7 +1485,7 @@ class BlockStore:
             assert lease is not None, "a fresh lease vanished"
             try:
                 await self._copying(lease, self._copy.from_arena(
-                    buffers, block_ids[: result.blocks], result.offsets, tensor_done))
+                    buffers, block_ids[: result.blocks], result.offsets, tensor_done, not_after=copy_until))
             finally:
                 doomed = lease.lease_id in self._doomed
                 self._finish_doomed(lease)
@@ -1728,7 +1731,8 @@ class BlockStore:
 
     async def stream_blocks(self, session_id: str, namespace_id: int, keys: KeyRequest, buffers_id: int,
                             block_ids: BlockIds, emit: Callable[[Arrival], None] | None,
-                            fetcher: Fetcher | None, on_lease: Callable[[int], None] | None = None) -> StreamEnd:
+                            fetcher: Fetcher | None, on_lease: Callable[[int], None] | None = None,
+                            copy_until: float | None = None) -> StreamEnd:
         """Hand a chain's blocks over one by one, in order, as each is in place: the cached prefix
         first, then (with ``fetcher``) the rest as a peer sends it, each block stored here and
         made visible the moment its checksum passed.
@@ -1739,7 +1743,9 @@ class BlockStore:
         that may stop listening before the end). With ``emit`` None (a pull) nothing is handed over: the blocks are only
         brought here, and nothing stays leased. A transfer that stops short keeps the complete
         blocks and drops the partial one; the end says why it stopped. Raises the usual errors for
-        bad input.
+        bad input; with ``copy_until`` (the event loop's time: the caller's deadline),
+        DeadlineExceeded when a copy into the engine's buffers would start after it (none does:
+        the engine, told of the deadline, may be reusing those blocks).
         """
         session = self._working_session(session_id)
         buffers = self._owned_buffers(session_id, buffers_id, namespace_id) if buffers_id else None
@@ -1760,7 +1766,8 @@ class BlockStore:
             if emit is None:
                 emit = _ignore_arrival
                 buffers = None
-            handover = Handover(emit, self._copy, buffers, block_ids) if buffers is not None else Handover(emit)
+            handover = Handover(emit, self._copy, buffers, block_ids, copy_until) if buffers is not None \
+                else Handover(emit)
             if on_lease is not None and buffers is None and not pull:
                 on_lease(read.lease_id)
             try:

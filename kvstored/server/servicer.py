@@ -48,6 +48,14 @@ def _tiers_pb(tiers: list[Tier]) -> list[pb.Tier]:
     return [_TIER_PB[t] for t in tiers]
 
 
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline on the event loop's clock (None: it has none). The client's own
+    deadline passes a little before this one (the request's way over), or long before it when
+    the daemon read the request late (frozen, starved)."""
+    remaining = context.time_remaining()
+    return None if remaining is None else asyncio.get_running_loop().time() + remaining
+
+
 def _keys(msg: pb.BlockKeys) -> KeyRequest:
     return KeyRequest(list(msg.hashes), msg.token_ids, msg.cache_salt, msg.lora_name, msg.packed_hashes)
 
@@ -259,12 +267,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def LoadBlocks(self, request: pb.LoadBlocksRequest,
                          context: grpc.aio.ServicerContext) -> pb.LoadBlocksResponse:
         tiers = await self._store.load_blocks(request.session_id, request.namespace_id,
-                                              request.buffers_id, _keys(request.keys), _block_ids(request))
+                                              request.buffers_id, _keys(request.keys), _block_ids(request),
+                                              copy_until=_deadline(context))
         return pb.LoadBlocksResponse(loaded_blocks=len(tiers), tiers=_tiers_pb(tiers))
 
     async def LoadBlocksStream(self, request: pb.LoadBlocksRequest,
                                context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LoadEvent]:
         events: asyncio.Queue[pb.LoadEvent] = asyncio.Queue()
+        deadline = _deadline(context)
 
         def started(tiers: list[Tier]) -> None:
             events.put_nowait(pb.LoadEvent(started=pb.LoadBlocksResponse(
@@ -275,7 +285,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 await self._store.load_blocks(
                     request.session_id, request.namespace_id, request.buffers_id, _keys(request.keys),
                     _block_ids(request), started=started,
-                    tensor_done=lambda i: events.put_nowait(pb.LoadEvent(tensor_done=i)))
+                    tensor_done=lambda i: events.put_nowait(pb.LoadEvent(tensor_done=i)), copy_until=deadline)
             finally:
                 events.put_nowait(pb.LoadEvent(done=True))
 
@@ -300,6 +310,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def StreamBlocks(self, request: pb.StreamBlocksRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[pb.BlockEvent]:
         events: asyncio.Queue[Arrival | StreamEnd | Exception] = asyncio.Queue()
+        deadline = _deadline(context)
         lease_id = 0   # told to the client in the first event: it may leave before the end
 
         def on_lease(lease: int) -> None:
@@ -318,7 +329,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         fetcher = functools.partial(self._peers.fetch, until=until)
                 events.put_nowait(await self._store.stream_blocks(
                     request.session_id, request.namespace_id, _keys(request.keys), request.buffers_id,
-                    _block_ids(request), None if request.end_only else events.put_nowait, fetcher, on_lease))
+                    _block_ids(request), None if request.end_only else events.put_nowait, fetcher, on_lease,
+                    copy_until=deadline))
             except Exception as exc:   # handed to the response loop, which ends the call with it
                 events.put_nowait(exc)
 

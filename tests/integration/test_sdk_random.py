@@ -16,18 +16,16 @@ tests/integration/test_sdk_random.py FIRST COUNT`` runs seeds from the command l
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,8 +36,10 @@ import pytest
 if __name__ == "__main__":   # run as a script: find the tests' helpers as pytest does
     sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
+from random_model import content, daemon_trouble, fill_block, read_block, relaunch, settle
+
 import kvstored
-from conftest import ROOT, Daemon, start_daemon, wait_serving
+from conftest import Daemon, start_daemon
 from kvstored import Namespace
 
 TIMEOUT_S = 4.0                  # the clients' timeout_s: a daemon that stops answering costs this
@@ -52,18 +52,6 @@ BUF_BLOCK_BYTES = LAYERS * 2 * 16 * HEADS * DIM * 2
 MAX_BLOCKS = 10                  # blocks per prompt
 DAEMON_ARGS = ("--dram-capacity", "512KiB", "--set", "dram.page_bytes=64KiB", "--ssd-capacity", "1MiB",
                "--set", "log.level=info")
-
-_contents: dict[tuple[str, bytes, int], np.ndarray] = {}
-
-
-def content(tag: str, key: bytes, width: int) -> np.ndarray:
-    """The bytes of the block with ``key`` in namespace ``tag``: the model of every block."""
-    row = _contents.get((tag, key, width))
-    if row is None:
-        seed = int.from_bytes(hashlib.blake2b(tag.encode() + key, digest_size=8).digest(), "little")
-        row = _contents[(tag, key, width)] = np.random.default_rng(seed).integers(0, 256, width, np.uint8)
-    return row
-
 
 def make_prompts(rng: random.Random, n: int = 32) -> list[np.ndarray]:
     """Prompts in families sharing prefixes (so chains branch), each 1..MAX_BLOCKS whole blocks
@@ -127,19 +115,6 @@ class Run:
     def finding(self, what: str) -> None:
         with self.lock:
             self.findings.append(f"seed {self.seed}: {what}")
-
-
-def fill_block(run: Run, block: int, row: np.ndarray) -> None:
-    """Write a block's payload into the registered tensors (each tensor's block sub-array, in order)."""
-    half = row.size // LAYERS // 2
-    for i, t in enumerate(run.tensors):
-        for kv in range(2):   # t[kv, block] is contiguous (t[:, block] is not: reshape would copy)
-            at = (2 * i + kv) * half
-            t.numpy()[kv, block].view(np.uint8).reshape(-1)[:] = row[at: at + half]
-
-
-def read_block(run: Run, block: int) -> np.ndarray:
-    return np.concatenate([t.numpy()[kv, block].view(np.uint8).reshape(-1) for t in run.tensors for kv in range(2)])
 
 
 class Worker:
@@ -206,7 +181,7 @@ class Worker:
         ids = list(range(self.src, self.src + len(keys)))
         self.rng.shuffle(ids)
         for k, block in zip(keys, ids):
-            fill_block(self.run, block, content("bufs", k, BUF_BLOCK_BYTES))
+            fill_block(self.run.tensors, block, content("bufs", k, BUF_BLOCK_BYTES))
         r = c.save_blocks(b, ids, tokens)
         if r.present + r.stored > len(keys):
             self.run.finding(f"save_blocks: {r} for {len(keys)} blocks")
@@ -215,13 +190,13 @@ class Worker:
         ids = list(range(self.dst, self.dst + MAX_BLOCKS))
         self.rng.shuffle(ids)
         for block in range(self.dst, self.dst + MAX_BLOCKS):
-            fill_block(self.run, block, np.full(BUF_BLOCK_BYTES, 0xEE, np.uint8))
+            fill_block(self.run.tensors, block, np.full(BUF_BLOCK_BYTES, 0xEE, np.uint8))
         return ids[:n]
 
     def _check_dst(self, what: str, tokens: np.ndarray, ids: list[int], loaded: int) -> None:
-        self.check_rows(what, "bufs", tokens, 0, [read_block(self.run, b) for b in ids[:loaded]])
+        self.check_rows(what, "bufs", tokens, 0, [read_block(self.run.tensors, b) for b in ids[:loaded]])
         for b in ids[loaded:]:
-            if not (read_block(self.run, b) == 0xEE).all():
+            if not (read_block(self.run.tensors, b) == 0xEE).all():
                 self.run.finding(f"{what}: engine block {b} written though only {loaded} blocks were loaded")
                 return
 
@@ -371,17 +346,6 @@ class Worker:
                 self.run.expected[kind] += 1
 
 
-def relaunch(d: Daemon, sig: int) -> None:
-    """Stop ``d`` with ``sig`` and start the same daemon again (same socket, same SSD directory)."""
-    d.stop(sig)
-    with open(d.log_path, "ab") as log:
-        log.write(f"\n==== test: stopped with {signal.Signals(sig).name}, restarting ====\n".encode())
-        log.flush()
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "KVSTORED_SOCKET")}
-        d.proc = subprocess.Popen(d.args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    wait_serving(d.socket, d.proc)
-
-
 def controller(run: Run, stop: threading.Event, rng: random.Random, restarts: int) -> None:
     try:
         restart_at_random(run, stop, rng, restarts)
@@ -408,24 +372,6 @@ def restart_at_random(run: Run, stop: threading.Event, rng: random.Random, resta
             assert run.down_since is not None
             run.restarts.append((run.down_since, time.monotonic()))
             run.down_since = None
-
-
-def settle(check: kvstored.Client, cond: Callable[[dict[str, Any]], bool], timeout: float = 15.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = check.stats()
-        if cond(stats) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
-
-
-def daemon_trouble(d: Daemon) -> str:
-    """The first traceback, assertion or error the daemon logged."""
-    lines = d.log().splitlines()
-    for i, line in enumerate(lines):
-        if any(m in line for m in ("Traceback", "AssertionError", " ERROR ", "CRITICAL", "never retrieved")):
-            return "\n".join(lines[max(0, i - 5): i + 40])
-    return ""
 
 
 def verify_served(run: Run) -> None:
@@ -478,7 +424,7 @@ def run_seed(seed: int, tmp: Path) -> Run:
             return run
         with kvstored.Client(daemon.socket, timeout_s=30) as check:
             # (the checking client opens no session: stats needs none)
-            stats = run.final_stats = settle(check, lambda s: s["active_leases"] == 0 and s["clients"] == 0)
+            stats = run.final_stats = settle(check.stats, lambda s: s["active_leases"] == 0 and s["clients"] == 0)
             if stats["active_leases"] or stats["clients"]:
                 run.finding(f"quiet daemon, all clients closed: {stats['active_leases']} active leases, "
                             f"{stats['clients']} clients")

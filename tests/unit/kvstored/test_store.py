@@ -448,12 +448,12 @@ def _gated_copy(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def
     seen: list[list[int]] = []
     real_run = copy_mod._run
 
-    def gated_run(arena, buffers, block_ids, offsets, to_arena, notify):  # type: ignore[no-untyped-def]
+    def gated_run(arena, buffers, block_ids, offsets, to_arena, notify, not_after=None):  # type: ignore[no-untyped-def]
         seen.append(list(offsets))
         started.set()
         gate.wait(10)
         try:
-            real_run(arena, buffers, block_ids, offsets, to_arena, notify)
+            real_run(arena, buffers, block_ids, offsets, to_arena, notify, not_after)
         finally:
             finished.set()
 

@@ -1031,3 +1031,52 @@ def test_a_call_that_starts_after_shutdown_quiesced_is_refused_not_cut_off(env: 
         asyncio.run(main())
     finally:
         engine.close()
+
+
+def test_no_copy_into_engine_buffers_starts_after_the_callers_deadline(env: tuple[BlockStore, Clock]) -> None:
+    """Found by tests/integration/test_cluster_random.py. Was: a daemon frozen (SIGSTOP) or
+    starved past a stream's deadline went on copying the blocks it had fetched into the engine's
+    buffers once it ran again, after the engine's call had failed with DeadlineExceeded and the
+    engine could be reusing those blocks for another request (its KV silently overwritten). Now
+    the caller's deadline (``copy_until``) is checked right before each copy starts: a stream
+    ends with DeadlineExceeded and the late block is not written; a load_blocks past it writes
+    nothing; nothing stays leased."""
+    from kvstored.errors import DeadlineExceeded
+
+    store, _ = env
+    s = store.open_session("decode", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    engine, buffers = _engine_buffers(store, s, ns)
+    keys = chain(2)
+    arrivals: list[int] = []
+
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        for i in range(len(want)):
+            view = await into(i, BLOCK)
+            view[:] = bytes([i + 1]) * BLOCK
+            if i == 1:
+                await asyncio.sleep(0.3)   # the daemon stops running here, past the caller's deadline
+            await landed(i, "peer-a")
+        return Fetched(len(want), "complete")
+
+    async def stream() -> None:
+        until = asyncio.get_running_loop().time() + 0.15
+        await store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [2, 3],
+                                  lambda a: arrivals.append(a.index), fetcher, copy_until=until)
+
+    async def load() -> None:   # both blocks are cached here now
+        until = asyncio.get_running_loop().time() - 0.01
+        await store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1], copy_until=until)
+
+    try:
+        with pytest.raises(DeadlineExceeded):
+            asyncio.run(stream())
+        assert arrivals == [0] and (engine.numpy()[2] == 1).all()   # copied in time
+        assert not engine.numpy()[3].any(), "block 1 was copied into the engine's buffers after the deadline"
+        with pytest.raises(DeadlineExceeded):
+            asyncio.run(load())
+        assert not engine.numpy()[:2].any(), "load_blocks wrote the engine's buffers after the deadline"
+        assert store.stats().active_leases == 0 and not store._busy
+        assert buffers.busy == 0
+    finally:
+        engine.close()

@@ -31,6 +31,9 @@ class Context:
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code, details)
 
+    def time_remaining(self) -> float | None:
+        return None   # no deadline
+
 
 class FailingStore:
     """``stream_blocks`` places two blocks, then fails with ``error``."""
@@ -40,7 +43,7 @@ class FailingStore:
 
     async def stream_blocks(self, session_id: str, namespace_id: int, keys: Any, buffers_id: int,
                             block_ids: Any, emit: Callable[[Arrival], None], fetcher: Any,
-                            on_lease: Callable[[int], None] | None = None) -> Any:
+                            on_lease: Callable[[int], None] | None = None, copy_until: float | None = None) -> Any:
         emit(Arrival(0, Tier.DRAM))
         emit(Arrival(1, Tier.DRAM))
         await asyncio.sleep(0)
@@ -249,3 +252,67 @@ def test_a_progress_stream_cancelled_as_its_step_ends_leaves_no_unretrieved_erro
     asyncio.run(main())
     gc.collect()
     assert not [ctx for ctx in logged if "never retrieved" in ctx.get("message", "")], logged
+
+
+def test_load_blocks_writes_no_engine_block_once_the_callers_deadline_has_passed(tmp_path: Any) -> None:
+    """Found by tests/integration/test_cluster_random.py. Was: a daemon frozen (SIGSTOP) or starved
+    between a LoadBlocks' lookup and its copy (here: a lookup that takes 0.3 s of a 0.1 s deadline)
+    copied the blocks into the engine's buffers after the engine's call had failed with
+    DeadlineExceeded and the engine could be reusing them. Now the copy does not start past the
+    call's deadline: DEADLINE_EXCEEDED, the buffers untouched, nothing leased."""
+    from kvstored import config
+    from kvstored.buffers import TensorSource
+    from kvstored.copy import CopyEngine
+    from kvstored.store import BlockStore, KeyRequest
+    from kvstored.tiers.dram import Arena
+    from kvstored_client import shm
+    from kvstored_client.hashing import block_hashes
+    from kvstored_client.layout import TensorLayout
+    from kvstored_client.namespace import Namespace
+
+    block = 4096
+
+    class DeadlineContext(Context):
+        def time_remaining(self) -> float:
+            return 0.1
+
+    cfg = config.build({"dram": {"capacity": 8 * block, "page_bytes": 4 * block, "prefault": False}})
+    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
+    copy = CopyEngine(arena)
+    store = BlockStore(cfg, arena, copy)
+    engine = shm.empty((4, block), "uint8")
+    try:
+        session = store.open_session("engine", 1).session_id
+        ns = store.open_namespace(Namespace(model="m", block_bytes=block)).namespace_id
+        buffers = store.register_buffers(session, ns, [TensorSource(
+            engine.name, 0, TensorLayout((4, block), (block, 1), "uint8", 0))])
+        keys = block_hashes(list(range(32)))
+        lookup = store._lookup_chain
+
+        async def slow_lookup(*args: Any, **kwargs: Any) -> Any:
+            await asyncio.sleep(0.3)   # the daemon does not run meanwhile; the caller gives up
+            return await lookup(*args, **kwargs)
+
+        async def main() -> BaseException | None:
+            engine.numpy()[:2] = 7
+            await store.save_blocks(session, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1])
+            engine.numpy()[:] = 0   # the engine's blocks, reused once the load failed
+            store._lookup_chain = slow_lookup   # type: ignore[method-assign]
+            request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns, buffers_id=buffers.buffers_id,
+                                           block_ids=[2, 3])
+            request.keys.hashes.extend(keys)
+            servicer = KVStoreServicer(store, arena, 30.0, 64, asyncio.Event())
+            try:
+                await servicer.LoadBlocks(request, DeadlineContext())  # type: ignore[arg-type]
+            except Aborted as exc:
+                return exc
+            return None
+
+        exc = asyncio.run(main())
+        assert not engine.numpy().any(), "the engine's blocks were written after the call's deadline"
+        assert isinstance(exc, Aborted) and exc.code == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+        assert store.stats().active_leases == 0
+    finally:
+        engine.close()
+        copy.close()
+        arena.close()
