@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -135,6 +136,21 @@ def settle(stats: Callable[[], dict[str, Any]], cond: Callable[[dict[str, Any]],
         if cond(got) or time.monotonic() > deadline:
             return got
         time.sleep(0.1)
+
+
+def make_prompts(rng: random.Random, n: int, families: int, max_blocks: int) -> list[np.ndarray]:
+    """``n`` prompts in ``families`` sharing prefixes (so chains branch), each 1..``max_blocks``
+    whole 16-token blocks and sometimes a partial tail."""
+    bases = [np.arange(16 * max_blocks) + 1_000_000 * (f + 1) for f in range(families)]
+    prompts = []
+    for i in range(n):
+        base = bases[rng.randrange(len(bases))]
+        shared = rng.randrange(0, max_blocks)
+        total = rng.randrange(max(1, shared), max_blocks + 1)
+        own = np.arange(16 * (total - shared)) + 50_000_000 + 1000 * 16 * i
+        tail = np.arange(rng.choice([0, 0, 5])) + 7
+        prompts.append(np.concatenate([base[: 16 * shared], own, tail]))
+    return prompts
 
 
 def daemon_trouble(d: Daemon) -> str:

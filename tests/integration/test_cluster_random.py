@@ -51,7 +51,7 @@ if __name__ == "__main__":   # run as a script: find the tests' helpers as pytes
     sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
 from loopback import free_ports
-from random_model import content, daemon_trouble, fill_block, read_block, relaunch, settle
+from random_model import content, daemon_trouble, fill_block, make_prompts, read_block, relaunch, settle
 
 import kvstored
 from conftest import ROOT, Daemon, start_daemon, wait_serving
@@ -78,21 +78,6 @@ COMMON_ARGS = ("--set", "log.level=info", "--set", "dram.page_bytes=64KiB", "--s
                "--set", f"peers.deadline_s={PEER_DEADLINE_S}")
 ROOMY_ARGS = ("--dram-capacity", "8MiB", "--ssd-capacity", "32MiB")
 SMALL_ARGS = ("--dram-capacity", "512KiB", "--ssd-capacity", "1MiB")   # blocks sink to SSD and fall out
-
-
-def make_prompts(rng: random.Random, n: int = 24) -> list[np.ndarray]:
-    """Prompts in families sharing prefixes (so chains branch), each 1..MAX_BLOCKS whole blocks
-    and sometimes a partial tail."""
-    bases = [np.arange(16 * MAX_BLOCKS) + 1_000_000 * (f + 1) for f in range(3)]
-    prompts = []
-    for i in range(n):
-        base = bases[rng.randrange(len(bases))]
-        shared = rng.randrange(0, MAX_BLOCKS)
-        total = rng.randrange(max(1, shared), MAX_BLOCKS + 1)
-        own = np.arange(16 * (total - shared)) + 50_000_000 + 1000 * 16 * i
-        tail = np.arange(rng.choice([0, 0, 5])) + 7
-        prompts.append(np.concatenate([base[: 16 * shared], own, tail]))
-    return prompts
 
 
 @dataclass
@@ -730,7 +715,7 @@ def run_seed(seed: int, tmp: Path) -> Run:
     nodes = start_cluster(tmp, rng)
     threads = rng.randint(2, 4)
     tensors = [kvstored.shm.empty((2, threads * 2 * MAX_BLOCKS, 16, HEADS, DIM), "float16") for _ in range(LAYERS)]
-    run = Run(seed, nodes, make_prompts(rng), threads, tensors)
+    run = Run(seed, nodes, make_prompts(rng, 24, 3, MAX_BLOCKS), threads, tensors)
     began = time.monotonic()
     try:
         for n in nodes:

@@ -36,7 +36,7 @@ import pytest
 if __name__ == "__main__":   # run as a script: find the tests' helpers as pytest does
     sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
-from random_model import content, daemon_trouble, fill_block, read_block, relaunch, settle
+from random_model import content, daemon_trouble, fill_block, make_prompts, read_block, relaunch, settle
 
 import kvstored
 from conftest import Daemon, start_daemon
@@ -52,21 +52,6 @@ BUF_BLOCK_BYTES = LAYERS * 2 * 16 * HEADS * DIM * 2
 MAX_BLOCKS = 10                  # blocks per prompt
 DAEMON_ARGS = ("--dram-capacity", "512KiB", "--set", "dram.page_bytes=64KiB", "--ssd-capacity", "1MiB",
                "--set", "log.level=info")
-
-def make_prompts(rng: random.Random, n: int = 32) -> list[np.ndarray]:
-    """Prompts in families sharing prefixes (so chains branch), each 1..MAX_BLOCKS whole blocks
-    and sometimes a partial tail."""
-    bases = [np.arange(16 * MAX_BLOCKS) + 1_000_000 * (f + 1) for f in range(4)]
-    prompts = []
-    for i in range(n):
-        base = bases[rng.randrange(len(bases))]
-        shared = rng.randrange(0, MAX_BLOCKS)
-        total = rng.randrange(max(1, shared), MAX_BLOCKS + 1)
-        own = np.arange(16 * (total - shared)) + 50_000_000 + 1000 * 16 * i
-        tail = np.arange(rng.choice([0, 0, 5])) + 7
-        prompts.append(np.concatenate([base[: 16 * shared], own, tail]))
-    return prompts
-
 
 @dataclass
 class Run:
@@ -394,7 +379,7 @@ def run_seed(seed: int, tmp: Path) -> Run:
     daemon = start_daemon(tmp, *DAEMON_ARGS)
     tensors = [kvstored.shm.empty((2, n_threads * 2 * MAX_BLOCKS, 16, HEADS, DIM), "float16")
                for _ in range(LAYERS)]
-    run = Run(daemon, seed, make_prompts(rng), tensors, n_threads)
+    run = Run(daemon, seed, make_prompts(rng, 32, 4, MAX_BLOCKS), tensors, n_threads)
     try:
         run.clients = [run.new_client() for _ in range(n_clients)]
         workers = [Worker(run, i, rng.randint(100, 200)) for i in range(n_threads)]
