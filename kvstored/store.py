@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import mmap
 import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Sequence
@@ -585,28 +586,32 @@ class BlockStore:
     async def _finish_promotion(self, block: Block, read: Future[int], done: asyncio.Future[bool]) -> None:
         try:
             check = await asyncio.wrap_future(read)
-        except Corrupt as exc:
-            log.warning("dropping block %s: %s", block.key.hex()[:16], exc)
-            self._n.ssd_read_errors += 1
-            self._release_slot(block)
-            self._drop_ssd_copy(block)
-            self._n.dropped += 1
-            self._promoting.pop(block, None)
-            done.set_result(False)
-            self._remove_if_hollow(block)
-            return
         except Exception as exc:
-            log.warning("SSD read of %s failed: %s", block.key.hex()[:16], exc)
-            self._n.ssd_read_errors += 1
             self._release_slot(block)
-            self._ssd_policy.inserted([block])
             self._promoting.pop(block, None)
+            self._ssd_read_failed(block, exc)
             done.set_result(False)
+            if isinstance(exc, Corrupt):
+                self._remove_if_hollow(block)
             return
         self._promoting.pop(block, None)
         block.check = check   # verified against these bytes: a peer gets the block unhashed
         self._n.promotions += 1
         done.set_result(True)
+
+    def _ssd_read_failed(self, block: Block, exc: Exception) -> None:
+        """Count a failed read of a block's SSD copy (slotless: its DRAM slot, if it had one for
+        the read, is already released). A corrupt copy is dropped; after any other error (the
+        disk, the pool shutting down) the copy stays and goes back to the SSD policy."""
+        self._n.ssd_read_errors += 1
+        if isinstance(exc, Corrupt):
+            log.warning("dropping block %s: %s", block.key.hex()[:16], exc)
+            self._drop_ssd_copy(block)
+            self._n.dropped += 1
+        else:
+            log.warning("SSD read of %s failed: %s", block.key.hex()[:16], exc)
+            if block not in self._ssd_policy:
+                self._ssd_policy.inserted([block])
 
     async def _track_promoted(self, started: list[tuple[Block, asyncio.Future[bool]]]) -> None:
         """Hand a batch of promoted blocks to their DRAM policy once all have landed, parent first:
@@ -1566,7 +1571,8 @@ class BlockStore:
 
     async def checkout(self, namespace_id: int, key: bytes, *,
                        served: bool = True) -> tuple[memoryview, int | None] | None:
-        """Pin a block for a peer to read, bringing it to DRAM first; its bytes and their xxh3-64
+        """Pin a block for a peer to read, bringing it to DRAM first (or, when DRAM has no slot for
+        it, reading its SSD copy into a buffer of its own); its bytes and their xxh3-64
         checksum (computed once per block: a hot prefix served to many peers is hashed once), or
         None when this node does not hold it (or its SSD copy failed its checksum). Each view
         needs one :meth:`checkin`. ``served`` False: this node pushes the block (not a peer
@@ -1579,23 +1585,43 @@ class BlockStore:
             return None
         block.pins += 1
         try:
-            ready = await self._ensure_dram([block])
+            if await self._ensure_dram([block]) == 1:
+                view: memoryview | None = self._arena.view(block.offset, self._block_bytes(block)).data
+            else:
+                view = await self._read_unslotted(block)
         except BaseException:   # cancelled while it was being read (the peer gave up): no pin left behind
             block.pins -= 1
             # a read that already failed its checksum kept the block for our pin: a hollow leaf goes
             self._remove_if_hollow(block)
             raise
-        if ready < 1:
+        if view is None:
             block.pins -= 1
             self._remove_if_hollow(block)
             return None
         if served:
             self._hit([block])
             self._n.peer_served += 1
-        view = self._arena.view(block.offset, self._block_bytes(block)).data
         if block.check is None and served:
             block.check = xxhash.xxh3_64_intdigest(view)
         return view, block.check
+
+    async def _read_unslotted(self, block: Block) -> memoryview | None:
+        """A (pinned) block that only SSD holds, read into a buffer of its own: DRAM had no slot
+        for it (every slot pinned, or being written). Without this a peer was told "missing" for a
+        block this node's lookup reports, and its pull or stream ended there. None when the block
+        is not such a block, or the read failed (a corrupt copy is dropped, as on promotion).
+        The buffer lives as long as the view the caller holds."""
+        if self._ssd is None or not block.readable or block.in_dram or not block.on_ssd:
+            return None
+        # page aligned (mmap), so that the SSD tier reads it with O_DIRECT as it reads into the arena
+        dst = np.frombuffer(mmap.mmap(-1, self._block_bytes(block)), dtype=np.uint8)
+        try:
+            read = self._ssd.read_into(block.index.namespace_id, block.key, dst)
+            block.check = await asyncio.wrap_future(read)
+        except Exception as exc:
+            self._ssd_read_failed(block, exc)
+            return None
+        return dst.data
 
     def checkin(self, namespace_id: int, key: bytes) -> None:
         """A peer is done reading a block :meth:`checkout` returned."""

@@ -750,3 +750,108 @@ def test_a_block_written_to_ssd_or_read_from_it_is_served_to_peers_unhashed(tmp_
         data, check = asyncio.run(serve(keys[1]))           # read back (verified): known again
         assert data == bytes([2]) * BLOCK and check == real(data)
         assert hashed == [], "the store hashed a block the SSD tier had hashed"
+
+
+def _ssd_only_under_full_dram(store: BlockStore, ns: int, cold: list[bytes]) -> list[bytes]:
+    """``cold`` adopted with bytes of their own and left on SSD only, then every DRAM slot filled
+    with other blocks and checked out (pinned, as peers reading them): the hot keys."""
+    from kvstored.index import Tier
+    parent = b""
+    for i, key in enumerate(cold):
+        assert store.adopt(ns, parent, key, memoryview(bytes([0xA0 + i]) * BLOCK))
+        parent = key
+    assert asyncio.run(store.flush()) == len(cold)
+    assert store.evict(tier=Tier.DRAM) == len(cold)
+    hot = chain(8, start=500)
+    parent = b""
+    for i, key in enumerate(hot):
+        assert store.adopt(ns, parent, key, memoryview(bytes([i]) * BLOCK))
+        parent = key
+    for key in hot:
+        assert asyncio.run(store.checkout(ns, key, served=False)) is not None
+    return hot
+
+
+def test_a_block_only_ssd_holds_is_served_to_a_peer_when_dram_has_no_slot_for_it(tmp_path: Path) -> None:
+    """(a README known limit, fixed) A peer fetching a block that this node holds on SSD only,
+    while every DRAM slot was pinned, was answered "missing" (checkout gave None) although this
+    node's lookup reported the block: the peer's pull or stream stopped there. The block is read
+    from SSD into a buffer of its own and served; DRAM keeps its blocks."""
+    import xxhash
+    with _ssd_store(tmp_path) as (store, _):
+        ns_state = store.open_namespace(Namespace(model="m", block_bytes=BLOCK))
+        ns = ns_state.namespace_id
+        cold = chain(2, start=900)
+        hot = _ssd_only_under_full_dram(store, ns, cold)
+
+        async def serve(key: bytes) -> tuple[bytes, int | None]:
+            served = await store.checkout(ns, key)
+            assert served is not None, "a block this node holds on SSD was reported missing"
+            try:
+                return bytes(served[0]), served[1]
+            finally:
+                store.checkin(ns, key)
+
+        for i, key in enumerate(cold):
+            data, check = asyncio.run(serve(key))
+            assert data == bytes([0xA0 + i]) * BLOCK and check == xxhash.xxh3_64_intdigest(data)
+            block = ns_state.index.get(key)
+            assert block is not None and not block.in_dram and block.on_ssd and block.pins == 0
+        assert all(ns_state.index.get(key).in_dram for key in hot)  # type: ignore[union-attr]
+        assert store.stats().peer_served_blocks == len(cold)
+        for key in hot:
+            store.checkin(ns, key)
+        assert store.evict() == len(cold) + len(hot), "a pin outlived its checkout"
+
+
+def test_a_corrupt_block_only_ssd_holds_is_dropped_not_served_when_dram_is_full(tmp_path: Path) -> None:
+    """The same slotless read, of a copy that fails its checksum: never served, dropped and counted
+    (as a promotion does), and the hollow leaf leaves the index."""
+    with _ssd_store(tmp_path) as (store, _):
+        ns_state = store.open_namespace(Namespace(model="m", block_bytes=BLOCK))
+        ns = ns_state.namespace_id
+        cold = chain(1, start=900)
+        hot = _ssd_only_under_full_dram(store, ns, cold)
+        _corrupt_on_disk(store, ns, cold[0])
+        assert asyncio.run(store.checkout(ns, cold[0])) is None
+        st = store.stats()
+        assert st.tiers[1].read_errors == 1 and st.tiers[1].used_bytes == 0
+        assert ns_state.index.get(cold[0]) is None, "the corrupt block is still in the index"
+        for key in hot:
+            store.checkin(ns, key)
+
+
+def test_a_checkout_cancelled_during_its_slotless_read_leaves_no_pin(tmp_path: Path) -> None:
+    """A peer that gives up while the block it asked for is read from SSD into a buffer of its own
+    (DRAM full): the checkout's pin goes with it, so the block can still be evicted (a first
+    version of the slotless read leaked the pin; found by test_store_random seed 47)."""
+    from concurrent.futures import Future
+
+    with _ssd_store(tmp_path) as (store, _):
+        ns_state = store.open_namespace(Namespace(model="m", block_bytes=BLOCK))
+        ns = ns_state.namespace_id
+        cold = chain(1, start=900)
+        hot = _ssd_only_under_full_dram(store, ns, cold)
+        assert store._ssd is not None
+        reads: list[Future[int]] = []
+
+        def never_done(*args: object) -> Future[int]:
+            reads.append(Future())
+            return reads[-1]
+
+        store._ssd.read_into = never_done  # type: ignore[method-assign]
+
+        async def give_up() -> None:
+            task = asyncio.ensure_future(store.checkout(ns, cold[0]))
+            while not reads:
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(give_up())
+        block = ns_state.index.get(cold[0])
+        assert block is not None and block.pins == 0, "the cancelled checkout left its pin"
+        for key in hot:
+            store.checkin(ns, key)
+        assert store.evict() == 1 + len(hot)
