@@ -152,6 +152,7 @@ class Fetched:
 # fetcher(namespace_id, keys, into, landed): fetch ``keys`` in order from some peer; receive block i
 # into ``into(i, length)``, then await ``landed(i, peer)``. Never raises for a peer's failure.
 Into = Callable[[int, int], Awaitable[memoryview]]
+Served = tuple[memoryview, int | None] | None   # a block checked out for a peer: bytes, xxh3-64 (None: unknown)
 Landed = Callable[[int, str], Awaitable[None]]
 Fetcher = Callable[[int, list[bytes], Into, Landed], Awaitable[Fetched]]
 
@@ -1569,8 +1570,20 @@ class BlockStore:
         state = self._namespaces.get(namespace_id)
         return len(state.index.match(keys)) if state is not None else 0
 
-    async def checkout(self, namespace_id: int, key: bytes, *,
-                       served: bool = True) -> tuple[memoryview, int | None] | None:
+    def serve(self, namespace_id: int, key: bytes) -> Served | Awaitable[Served]:
+        """:meth:`checkout` for a peer fetching the block: the result itself when the block is in
+        DRAM (no task per block on the peer channel's send path), else checkout's awaitable."""
+        state = self._namespaces.get(namespace_id)
+        block = state.index.get(key) if state is not None else None
+        if block is None or not block.readable:
+            return None
+        if block.in_dram and block not in self._promoting:
+            block.pins += 1
+            self._tick += 1   # as _ensure_dram counts a request that reads DRAM
+            return self._checked_out(block, self._arena.view(block.offset, self._block_bytes(block)).data, True)
+        return self.checkout(namespace_id, key)
+
+    async def checkout(self, namespace_id: int, key: bytes, *, served: bool = True) -> Served:
         """Pin a block for a peer to read, bringing it to DRAM first (or, when DRAM has no slot for
         it, reading its SSD copy into a buffer of its own); its bytes and their xxh3-64
         checksum (computed once per block: a hot prefix served to many peers is hashed once), or
@@ -1598,6 +1611,10 @@ class BlockStore:
             block.pins -= 1
             self._remove_if_hollow(block)
             return None
+        return self._checked_out(block, view, served)
+
+    def _checked_out(self, block: Block, view: memoryview, served: bool) -> Served:
+        """A pinned block's bytes go to a peer: counted (when ``served``) and hashed once."""
         if served:
             self._hit([block])
             self._n.peer_served += 1

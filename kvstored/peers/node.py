@@ -140,7 +140,7 @@ class PeerNode:
         if self._cfg.listen:
             host, port = parse_address(self._cfg.listen)
             store = self._store
-            self._server = BlockServer(host, port, self._auth, store.checkout, release_block=store.checkin,
+            self._server = BlockServer(host, port, self._auth, store.serve, release_block=store.checkin,
                                        store_block=store.adopt, land_block=store.land, count_blocks=store.held,
                                        open_namespace=store.learn_namespace, why_refused=store.refusal,
                                        limits=Limits(transfer_timeout_s=self._cfg.deadline_s,

@@ -48,7 +48,7 @@ import ssl
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol, TypeAlias, cast
 
 import xxhash
 
@@ -86,7 +86,9 @@ _SPILL_BYTES = 256 << 10   # received ahead of the reader before reading pauses
 _LINGER_S = 5.0            # how long a refused push is drained, waiting for the pusher to close
 _HASH_SLICE_BYTES = 256 << 10   # a checksummed read lands this much at a time (stays in cache)
 
-ServeBlock = Callable[[int, bytes], Awaitable["memoryview | tuple[memoryview, int | None] | None"]]
+Served: TypeAlias = memoryview | tuple[memoryview, int | None] | None
+# may answer at once (a block in memory) or with an awaitable (one that must be read first)
+ServeBlock = Callable[[int, bytes], "Served | Awaitable[Served]"]
 ReleaseBlock = Callable[[int, bytes], None]
 StoreBlock = Callable[[int, bytes, bytes, memoryview], "bool | Awaitable[bool]"]
 
@@ -486,11 +488,16 @@ class _Stream(asyncio.BufferedProtocol):
                 and self.transport is not None and not self.transport.is_closing():
             self._resume_reading()
 
-    def write(self, data: bytes | memoryview) -> None:
+    def write(self, *data: bytes | memoryview) -> None:
+        """Queue ``data`` (several pieces go out in one system call, not one segment each)."""
         if self.transport is None or self.transport.is_closing():
             self._raise_closed("writing")
         assert self.transport is not None
-        self.transport.write(data)
+        if len(data) > 1 and type(self.transport).writelines is not asyncio.WriteTransport.writelines:
+            self.transport.writelines(data)   # uvloop's: one writev, nothing joined
+        else:
+            for piece in data:   # the default writelines would copy the pieces into one
+                self.transport.write(piece)
 
     async def drain(self) -> None:
         """Wait until the transport holds nothing (every byte written is in the kernel)."""
@@ -568,7 +575,8 @@ class BlockServer:
     """Serves blocks by key to authenticated peers, and optionally stores pushed blocks.
 
     ``serve_block(namespace_id, key)`` returns the block's bytes (or the bytes and their xxh3-64
-    checksum, when the caller knows it: it is sent as is), or None if this node does not have it.
+    checksum, when the caller knows it: it is sent as is), or None if this node does not have it;
+    either at once or through an awaitable (a block that must be read from a slower tier first).
     The view must stay valid and unchanged until ``release_block(namespace_id, key)`` is called
     for it: exactly once per non-None view, once its bytes are in the kernel or the transfer was
     abandoned. While block ``i`` is being written, ``serve_block`` for ``i + 1`` already runs,
@@ -797,9 +805,9 @@ class BlockServer:
 
     async def _send_blocks(self, stream: _Stream, namespace_id: int, keys: list[bytes]) -> bool:
         """Stream ``keys`` in order; True if the connection can take another request."""
-        upcoming: tuple[bytes, asyncio.Future[memoryview | tuple[memoryview, int | None] | None]] | None = None
+        upcoming: tuple[bytes, asyncio.Future[Served]] | None = None
         if keys:
-            upcoming = (keys[0], asyncio.ensure_future(self._serve_block(namespace_id, keys[0])))
+            upcoming = (keys[0], self._serve_ahead(namespace_id, keys[0]))
         try:
             for i, key in enumerate(keys):
                 assert upcoming is not None
@@ -820,11 +828,10 @@ class BlockServer:
                     return True
                 try:
                     if i + 1 < len(keys):
-                        upcoming = (keys[i + 1], asyncio.ensure_future(self._serve_block(namespace_id, keys[i + 1])))
+                        upcoming = (keys[i + 1], self._serve_ahead(namespace_id, keys[i + 1]))
                     known = raw[1] if isinstance(raw, tuple) else None
                     view = _as_bytes_view(raw[0] if isinstance(raw, tuple) else raw)
-                    stream.write(_frame(BLOCK, key, i, view.nbytes, checksum(view) if known is None else known))
-                    stream.write(view)
+                    stream.write(_frame(BLOCK, key, i, view.nbytes, checksum(view) if known is None else known), view)
                     await stream.drain()
                 finally:
                     self._release(namespace_id, key)
@@ -835,8 +842,21 @@ class BlockServer:
             if upcoming is not None:
                 await self._abandon(namespace_id, *upcoming)
 
-    async def _abandon(self, namespace_id: int, key: bytes,
-                       fut: asyncio.Future[memoryview | tuple[memoryview, int | None] | None]) -> None:
+    def _serve_ahead(self, namespace_id: int, key: bytes) -> asyncio.Future[Served]:
+        """The block's checkout, started now (sent once the block before it is): a future, done
+        already when the store answered at once."""
+        fut: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
+        try:
+            served = self._serve_block(namespace_id, key)
+        except Exception as exc:   # reported when its turn comes, as a failed awaitable would be
+            fut.set_exception(exc)
+            return fut
+        if inspect.isawaitable(served):
+            return asyncio.ensure_future(served)
+        fut.set_result(served)
+        return fut
+
+    async def _abandon(self, namespace_id: int, key: bytes, fut: asyncio.Future[Served]) -> None:
         """A block served ahead but never sent: cancel it, or release it if it already came back."""
         if not fut.done():
             fut.cancel()
@@ -1181,8 +1201,7 @@ class PeerConnection:
                 for i, (key, payload) in enumerate(blocks):
                     view = _as_bytes_view(memoryview(payload))
                     known = None if checksums is None else checksums[i]
-                    s.write(_frame(BLOCK, key, i, view.nbytes, checksum(view) if known is None else known))
-                    s.write(view)
+                    s.write(_frame(BLOCK, key, i, view.nbytes, checksum(view) if known is None else known), view)
                     await s.drain()
                     sent = i + 1
                 s.write(_frame(END))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import math
 import random
 import threading
@@ -750,6 +751,40 @@ def test_a_block_written_to_ssd_or_read_from_it_is_served_to_peers_unhashed(tmp_
         data, check = asyncio.run(serve(keys[1]))           # read back (verified): known again
         assert data == bytes([2]) * BLOCK and check == real(data)
         assert hashed == [], "the store hashed a block the SSD tier had hashed"
+
+
+def test_serving_a_peer_answers_at_once_from_dram_and_later_from_ssd(tmp_path: Path) -> None:
+    """``serve`` (what the peer channel calls for each block it sends) answers a block in DRAM
+    at once, pinned and hashed like a checkout, and one only SSD holds through checkout's
+    awaitable; each is counted as served and released by one checkin."""
+    import xxhash
+
+    from kvstored.index import Tier
+    with _store(tmp_path, ssd=True) as (store, _):
+        ns = store.open_namespace(Namespace(model="m", block_bytes=BLOCK)).namespace_id
+        keys = chain(2)
+        assert store.adopt(ns, b"", keys[0], memoryview(b"\x01" * BLOCK))
+        assert store.adopt(ns, keys[0], keys[1], memoryview(b"\x02" * BLOCK))
+        assert store.serve(ns, chain(1, start=900)[0]) is None   # not held: None at once
+
+        async def main() -> None:
+            now = store.serve(ns, keys[1])
+            assert not inspect.isawaitable(now), "a block in DRAM waited for the event loop"
+            assert now is not None and bytes(now[0]) == b"\x02" * BLOCK and now[1] == xxhash.xxh3_64_intdigest(now[0])
+            block = store._namespaces[ns].index.get(keys[1])
+            assert block is not None and block.pins == 1 and not block.evictable
+            store.checkin(ns, keys[1])
+            assert await store.flush() == 2
+            assert store.evict(tier=Tier.DRAM) == 2   # SSD only now
+            later = store.serve(ns, keys[0])
+            assert inspect.isawaitable(later)
+            got = await later
+            assert got is not None and bytes(got[0]) == b"\x01" * BLOCK
+            store.checkin(ns, keys[0])
+
+        asyncio.run(main())
+        assert store.stats().peer_served_blocks == 2
+        assert store.evict() == 2, "a pin outlived its serve"
 
 
 def _ssd_only_under_full_dram(store: BlockStore, ns: int, cold: list[bytes]) -> list[bytes]:

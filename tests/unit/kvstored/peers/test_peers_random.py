@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import os
 import random
 import sys
@@ -46,7 +47,7 @@ from kvstored.errors import KVError
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, Block, Tier
 from kvstored.peers.node import IDLE_CONNECTIONS, PeerNode
 from kvstored.policy.registry import POLICIES
-from kvstored.store import BlockStore, KeyRequest, PeerLanding
+from kvstored.store import BlockStore, KeyRequest, PeerLanding, Served
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, SSDTier
 from kvstored_client import shm
@@ -175,11 +176,9 @@ class Fuzz:
     def wrap_store(self, node: Node) -> None:
         """Blocks a corrupting node hands out (to serve or push) are damaged copies that keep the
         original's checksum: what a bit flipped on the wire looks like to the receiver."""
-        checkout = node.store.checkout
+        checkout, serve = node.store.checkout, node.store.serve
 
-        async def damaged_checkout(namespace_id: int, key: bytes, *,
-                                   served: bool = True) -> tuple[memoryview, int | None] | None:
-            got = await checkout(namespace_id, key, served=served)
+        def damaged(got: Served) -> Served:
             if got is None or not node.corrupting or self.faults.random() < 0.5:
                 return got
             view, check = got
@@ -187,7 +186,15 @@ class Fuzz:
             bad[self.faults.randrange(len(bad))] ^= 0x40
             return memoryview(bad), xxhash.xxh3_64_intdigest(view) if check is None else check
 
+        async def damaged_checkout(namespace_id: int, key: bytes, *, served: bool = True) -> Served:
+            return damaged(await checkout(namespace_id, key, served=served))
+
+        def damaged_serve(namespace_id: int, key: bytes) -> Served | Awaitable[Served]:
+            got = serve(namespace_id, key)   # an awaitable is the (damaged) checkout's
+            return got if inspect.isawaitable(got) else damaged(got)
+
         node.store.checkout = damaged_checkout   # type: ignore[method-assign]
+        node.store.serve = damaged_serve   # type: ignore[method-assign]
 
     def wrap_server(self, node: Node) -> None:
         """A node whose gate is closed stops answering (its listener reads requests, then waits);
@@ -200,7 +207,8 @@ class Fuzz:
 
         async def gated_serve(namespace_id: int, key: bytes) -> Any:
             await node.gate.wait()
-            return await serve(namespace_id, key)
+            served = serve(namespace_id, key)
+            return await served if inspect.isawaitable(served) else served
 
         async def gated_count(namespace_id: int, keys: list[bytes]) -> int:
             await node.gate.wait()

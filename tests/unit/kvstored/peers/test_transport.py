@@ -203,6 +203,40 @@ def test_blocks_arrive_in_order_and_intact(use_uvloop: bool) -> None:
     run(main(), use_uvloop)
 
 
+@pytest.mark.parametrize("use_uvloop", [False, True], ids=["asyncio", "uvloop"])
+def test_a_store_may_answer_at_once_or_later_and_fail_either_way(use_uvloop: bool) -> None:
+    # The daemon's store answers at once for a block in DRAM and through an awaitable for one
+    # it must read from SSD first; both kinds, mixed in one chain, arrive in order and intact.
+    keys, data = chain(8)
+    released: list[bytes] = []
+
+    def serve(namespace_id: int, k: bytes) -> Any:
+        i = keys.index(k)
+        if i == 6:
+            raise OSError("bad sector")   # at once, not through an awaitable
+        if i % 3 == 1:
+            async def later() -> memoryview:
+                await asyncio.sleep(0.005)
+                return memoryview(data[k])
+            return later()
+        return memoryview(data[k])
+
+    async def main() -> None:
+        async with BlockServer("127.0.0.1", 0, PeerAuth(), serve, release_block=lambda ns, k: released.append(k)) \
+                as srv:
+            conn = await PeerConnection.open(srv.address, PeerAuth())
+            got = Collector()
+            res = await conn.fetch(NS, keys, got, 10)
+            assert (res.delivered, res.stop) == (6, Stop.PEER_ERROR) and "bad sector" in res.detail
+            assert [i for i, _ in got.got] == list(range(6))
+            assert all(bytes(view) == data[keys[i]] for i, view in got.got)
+            assert conn.usable and (await conn.fetch(NS, keys[:6], got, 10)).complete   # still in step
+            conn.close()
+        assert sorted(released) == sorted(keys[:6] * 2)   # every view served released once
+
+    run(main(), use_uvloop)
+
+
 def test_missing_block_stops_the_chain_and_connection_stays_usable() -> None:
     keys, data = chain(6)
     del data[keys[3]]
