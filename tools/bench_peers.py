@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import mmap
 import os
 import select
 import socket
@@ -138,22 +139,29 @@ def stop_sender(proc: subprocess.Popen[str]) -> None:
 
 # -- receivers (this process) -----------------------------------------------------------------------
 class RawReceiver:
-    def __init__(self, port: int, size: int) -> None:
+    """Receives the raw sender's stream: into one reused buffer (``slots`` 1), or block ``i`` into
+    slot ``i % slots`` of a pre-touched region, as a store receives blocks into arena slots."""
+
+    def __init__(self, port: int, size: int, slots: int = 1) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
-        self.buf = bytearray(size)
+        self.buf = mmap.mmap(-1, size * slots)
+        for off in range(0, size * slots, mmap.PAGESIZE):   # touched before timing, as the arena is
+            self.buf[off] = 0
+        self.slots = slots
 
     def run(self, nblocks: int, size: int) -> float:
-        view = memoryview(self.buf)
+        region = memoryview(self.buf)
         self.sock.sendall(nblocks.to_bytes(8, "big"))
-        total = nblocks * size
         t0 = time.perf_counter()
-        got = 0
-        while got < total:
-            n = self.sock.recv_into(view[: min(size, total - got)])
-            if n == 0:
-                raise RuntimeError("raw sender closed early")
-            got += n
-        return total / (time.perf_counter() - t0)
+        for i in range(nblocks):
+            view = region[(i % self.slots) * size:(i % self.slots + 1) * size]
+            got = 0
+            while got < size:
+                n = self.sock.recv_into(view[got:])
+                if n == 0:
+                    raise RuntimeError("raw sender closed early")
+                got += n
+        return nblocks * size / (time.perf_counter() - t0)
 
     def close(self) -> None:
         self.sock.close()

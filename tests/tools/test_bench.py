@@ -67,3 +67,23 @@ def test_quick_run_without_peers_writes_the_table(tmp_path: Path) -> None:
     assert left_files == [], f"shared-memory files left behind: {left_files}"
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert left.stdout.strip() == "", "processes left behind"
+
+
+def test_the_raw_tcp_limit_lands_each_block_in_a_slot_of_its_own() -> None:
+    """bench_cluster's limit moves what kvstored moves: as many distinct blocks as the run, each
+    received into its own slot (as B lands blocks in its arena), not one buffer over and over."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT))
+    from tools.bench_peers import RawReceiver, start_sender, stop_sender
+
+    size, count = 64 << 10, 6
+    proc, port = start_sender("raw", argparse.Namespace(blocks=count, block_bytes=size))
+    receiver = RawReceiver(port, size, slots=count)
+    try:
+        assert receiver.run(count, size) > 0
+        # the sender stamps block i's first 8 bytes with i
+        assert [int.from_bytes(receiver.buf[i * size:i * size + 8], "big") for i in range(count)] == list(range(count))
+    finally:
+        receiver.close()
+        stop_sender(proc)
