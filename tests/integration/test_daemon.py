@@ -151,6 +151,25 @@ def test_sd_notify_ready_and_stopping(tmp_path: Path) -> None:
         sock.close()
 
 
+def test_a_notify_listener_that_stops_reading_does_not_stall_the_daemon(tmp_path: Path) -> None:
+    """(found as a flaky test_sd_notify_ready_and_stopping) A datagram socket queues about ten
+    messages; with watchdog pings every 10 ms and a listener that does not read, a blocking
+    send had the daemon's event loop stuck within a tenth of a second: no call was answered."""
+    notify_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(notify_path)
+    try:
+        d = start_daemon(tmp_path / "d", env={"NOTIFY_SOCKET": notify_path, "WATCHDOG_USEC": "20000"})
+        try:
+            time.sleep(1.0)   # a hundred pings, none read
+            with kvstored.Client(d.socket, timeout_s=5) as c:
+                assert c.stats()["version"]
+        finally:
+            assert d.stop() == 0
+    finally:
+        sock.close()
+
+
 def test_start_up_steps_and_a_long_restore_are_told_to_systemd(tmp_path: Path) -> None:
     """A restore of a large SSD tier can outlast TimeoutStartSec (90 s by default: systemd would
     kill the daemon and restart it into the same restore): each step of the start and the
