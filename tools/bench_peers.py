@@ -165,6 +165,7 @@ class RawReceiver:
 
     def close(self) -> None:
         self.sock.close()
+        self.buf.close()
 
 
 class MooncakeError(RuntimeError):
