@@ -100,6 +100,13 @@ class CopyEngine:
         reusing those blocks already: a daemon frozen or starved past the deadline (a copy queued
         behind others, the process stopped between queueing and running it) must not write them
         then. A copy already running when the deadline passes still completes."""
+        if not len(block_ids):
+            # nothing to copy: report at once, before the caller goes on (say, to end the call);
+            # through the worker's thread-safe path the reports would come after that
+            if tensor_done is not None:
+                for i in range(len(buffers.tensors)):
+                    tensor_done(i)
+            return
         loop = asyncio.get_running_loop()
         if not_after is not None:   # the worker thread reads time.monotonic(): the loop's clock may differ
             not_after = time.monotonic() + (not_after - loop.time())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import mmap
@@ -218,6 +219,39 @@ def _check_distinct(ids: np.ndarray, first: int = 0) -> None:
         a, b = sorted((int(order[repeats[0]]), int(order[repeats[0] + 1])))
         raise InvalidArgument(f"block_ids[{first + a}] and block_ids[{first + b}] are both engine block "
                               f"{int(ids[a])}; each block needs its own")
+
+
+PrefixUp = Callable[[list[Block], list[Tier], int], None]
+
+
+class _EarlyCopy:
+    """A load's copy of the blocks that come up from SSD during its lookup (``prefix_up``, given to
+    ``_lookup_chain``), through a :class:`Handover` made at the first of them; ``finish`` waits
+    for those and copies the rest, reporting tensors done only then; ``close`` always."""
+
+    def __init__(self, copy: CopyEngine, buffers: RegisteredBuffers, block_ids: BlockIds,
+                 copy_until: float | None) -> None:
+        self._copy, self._buffers, self._block_ids, self._copy_until = copy, buffers, block_ids, copy_until
+        self._handover: Handover | None = None
+        self._given = 0
+
+    def prefix_up(self, hits: list[Block], tiers: list[Tier], k: int) -> None:
+        if self._handover is None:
+            self._handover = Handover(_ignore_arrival, self._copy, self._buffers, self._block_ids, self._copy_until)
+        self._handover.give(self._given, hits[self._given:k], tiers[self._given:k])
+        self._given = k
+
+    async def finish(self, offsets: Sequence[int], tensor_done: Callable[[int], None] | None) -> None:
+        """Copy the prefix whose slots are ``offsets`` (raises DeadlineExceeded like the copy)."""
+        if self._handover is not None:
+            await self._handover.finish()
+        assert self._given <= len(offsets), f"{self._given} blocks copied early of a {len(offsets)}-block prefix"
+        await self._copy.from_arena(self._buffers, self._block_ids[self._given:len(offsets)],
+                                    offsets[self._given:], tensor_done, not_after=self._copy_until)
+
+    async def close(self) -> None:
+        if self._handover is not None:
+            await self._handover.close()
 
 
 def _ignore_arrival(arrival: Arrival) -> None:
@@ -453,8 +487,12 @@ class BlockStore:
         state, chain = self.resolve_keys(namespace_id, keys)
         return await self._lookup_chain(state, chain, session)
 
-    async def _lookup_chain(self, state: NamespaceState, chain: list[bytes], session: Session | None) -> LookupResult:
-        """:meth:`lookup` of a resolved chain (``session``: lease the hits for it)."""
+    async def _lookup_chain(self, state: NamespaceState, chain: list[bytes], session: Session | None,
+                            prefix_up: PrefixUp | None = None) -> LookupResult:
+        """:meth:`lookup` of a resolved chain (``session``: lease the hits for it). With a session,
+        ``prefix_up(hits, tiers, k)`` learns, while SSD reads are still running, that the first ``k``
+        hits (found in ``tiers``) are in DRAM and leased (the result names no fewer, unless the
+        lease was reaped meanwhile)."""
         namespace_id = state.namespace_id
         hits = state.index.match(chain)
         for block in hits:
@@ -470,7 +508,8 @@ class BlockStore:
             # or leased lookup at SIGTERM finishes before its session ends and takes the lease
             self._lookups_in_flight += 1
             try:
-                n = await self._ensure_dram(hits)
+                up = None if prefix_up is None else functools.partial(prefix_up, hits, tiers)
+                n = await self._ensure_dram(hits, up)
             except BaseException:   # cancelled while blocks came up from SSD: the lease goes too
                 if self._leases.get(held.lease_id) is held:
                     self._end(held, session, aborted=True)
@@ -536,11 +575,13 @@ class BlockStore:
         task.add_done_callback(self._background.discard)
         return task
 
-    async def _ensure_dram(self, blocks: list[Block]) -> int:
+    async def _ensure_dram(self, blocks: list[Block], ready: Callable[[int], None] | None = None) -> int:
         """Give every block of a (pinned) prefix a valid DRAM slot, reading SSD copies as needed.
 
         Returns how many leading blocks are now readable in DRAM: fewer when the arena cannot
-        make room or a copy is corrupt (that block becomes hollow and is dropped).
+        make room or a copy is corrupt (that block becomes hollow and is dropped). ``ready(k)``
+        is called each time that leading run grows while reads are outstanding (never past the
+        count returned), so that a caller can use the first blocks before the last have landed.
         """
         waits: list[tuple[int, asyncio.Future[bool]]] = []
         started: list[tuple[Block, asyncio.Future[bool]]] = []
@@ -577,11 +618,15 @@ class BlockStore:
             started.append((block, done))
         if started:
             self._spawn(self._track_promoted(started))
-        for i, fut in waits:
+        if ready is not None and waits and min(waits[0][0], cut) > 0:
+            ready(min(waits[0][0], cut))
+        for j, (i, fut) in enumerate(waits):
             # shielded: the promotion is shared (other readers, _finish_promotion, _track_promoted);
             # a caller that is cancelled (a client gone, a transfer timed out) must not cancel it
             if not await asyncio.shield(fut):
                 cut = min(cut, i)
+            elif ready is not None and i < cut:
+                ready(min(waits[j + 1][0] if j + 1 < len(waits) else cut, cut))
         return cut
 
     async def _finish_promotion(self, block: Block, read: Future[int], done: asyncio.Future[bool]) -> None:
@@ -1479,25 +1524,30 @@ class BlockStore:
         state, chain = self.resolve_keys(namespace_id, keys)
         self._check_block_ids(buffers, chain, block_ids)
         with buffers.in_use():   # unregistering waits for the lookup too, not only the copy
-            result = await self._lookup_chain(state, chain, session)
-            if started is not None:
-                started(result.tiers)
-            if not result.blocks:
-                if tensor_done is not None:
-                    for i in range(len(buffers.tensors)):
-                        tensor_done(i)
-                return []
-            lease = self._leases.get(result.lease_id)
-            assert lease is not None, "a fresh lease vanished"
+            # Blocks coming up from SSD are copied out as they land, while later ones are still
+            # read; each is pinned by the handover until its copy is done.
+            early = _EarlyCopy(self._copy, buffers, block_ids, copy_until)
             try:
-                await self._copying(lease, self._copy.from_arena(
-                    buffers, block_ids[: result.blocks], result.offsets, tensor_done, not_after=copy_until))
+                result = await self._lookup_chain(state, chain, session, early.prefix_up)
+                if started is not None:
+                    started(result.tiers)
+                if not result.blocks:
+                    if tensor_done is not None:
+                        for i in range(len(buffers.tensors)):
+                            tensor_done(i)
+                    return []
+                lease = self._leases.get(result.lease_id)
+                assert lease is not None, "a fresh lease vanished"
+                try:
+                    await self._copying(lease, early.finish(result.offsets, tensor_done))
+                finally:
+                    doomed = lease.lease_id in self._doomed
+                    self._finish_doomed(lease)
+                    if not doomed and self._leases.get(lease.lease_id) is not None:
+                        self._end(lease, session, aborted=True)
+                return result.tiers
             finally:
-                doomed = lease.lease_id in self._doomed
-                self._finish_doomed(lease)
-                if not doomed and self._leases.get(lease.lease_id) is not None:
-                    self._end(lease, session, aborted=True)
-            return result.tiers
+                await early.close()
 
     async def _copying(self, lease: Lease, copy: object) -> None:
         self._busy.add(lease.lease_id)

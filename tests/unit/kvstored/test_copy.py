@@ -113,3 +113,26 @@ def test_a_failed_device_copy_waits_for_the_copies_already_queued(tmp_path: Path
     finally:
         engine.close()
         arena.close()
+
+
+def test_a_copy_of_no_blocks_reports_every_tensor_before_it_returns(tmp_path: Path) -> None:
+    """A load whose blocks were all copied out while they came up from SSD ends with a copy of no
+    blocks. Its tensor reports went through the worker's thread-safe path and ran after the
+    servicer had already sent "done": the client's wait_layer(i) raised "the load ended early"."""
+    arena = Arena(str(tmp_path), 8 * BLOCK, prefault=False)
+    engine = CopyEngine(arena)
+    region = TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0).region()
+    layers = [np.zeros(4 * BLOCK, np.uint8) for _ in range(2)]
+    buffers = SimpleNamespace(tensors=[TensorMemory(region, 0, layers[0], 0),
+                                       TensorMemory(region, BLOCK, layers[1], 0)], cuda=None, busy=0)
+    reported: list[int] = []
+
+    async def main() -> list[int]:
+        await engine.from_arena(buffers, [], [], reported.append)  # type: ignore[arg-type]
+        return list(reported)   # no other callback has run since the await returned
+
+    try:
+        assert asyncio.run(main()) == [0, 1]
+    finally:
+        engine.close()
+        arena.close()

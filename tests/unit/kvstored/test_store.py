@@ -890,3 +890,139 @@ def test_a_checkout_cancelled_during_its_slotless_read_leaves_no_pin(tmp_path: P
         for key in hot:
             store.checkin(ns, key)
         assert store.evict() == 1 + len(hot)
+
+
+# -- a load copies blocks out as they come up from SSD ----------------------------------------
+def _ssd_blocks_and_engine(store: BlockStore, n: int):  # type: ignore[no-untyped-def]
+    """Save ``n`` blocks of distinct bytes (block i all i + 1) through engine buffers, leave them
+    on SSD only, and zero the buffers; (session id, namespace id, keys, engine, buffers)."""
+    from kvstored.index import Tier
+
+    s = store.open_session("engine", 1).session_id
+    ns = store.open_namespace(Namespace()).namespace_id
+    engine, buffers = _engine_buffers(store, s, ns, fill=0)
+    for i in range(n):
+        engine.numpy()[i] = i + 1
+    keys = chain(n)
+
+    async def save() -> None:
+        assert await store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), list(range(n))) == (0, n)
+        await store.flush()
+    asyncio.run(save())
+    assert store.evict(tier=Tier.DRAM) == n
+    engine.numpy()[...] = 0
+    return s, ns, keys, engine, buffers
+
+
+def _gate_ssd_read(store: BlockStore, key: bytes) -> threading.Event:
+    """Hold the SSD read of ``key`` until the returned event is set; other reads run as usual."""
+    from concurrent.futures import Future
+
+    assert store._ssd is not None
+    real, gate = store._ssd.read_into, threading.Event()
+
+    def gated(namespace_id: int, k: bytes, dst):  # type: ignore[no-untyped-def]
+        if k != key:
+            return real(namespace_id, k, dst)
+        out: Future[int] = Future()
+
+        def later() -> None:
+            gate.wait(10)
+            try:
+                out.set_result(real(namespace_id, k, dst).result(10))
+            except Exception as exc:
+                out.set_exception(exc)
+        threading.Thread(target=later, daemon=True).start()
+        return out
+
+    store._ssd.read_into = gated  # type: ignore[method-assign]
+    return gate
+
+
+def test_a_load_copies_blocks_out_while_later_ones_are_still_read_from_ssd(tmp_path: Path) -> None:
+    """LoadBlocks of a prompt on SSD: the first blocks are in the engine's buffers while the last
+    is still being read (disk and copy overlap); the layers are reported done only once every
+    block is in place, and every block holds its own bytes."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
+        gate = _gate_ssd_read(store, keys[2])
+        rows = engine.numpy()
+        layers_done: list[bool] = []   # per report: were all blocks in place?
+
+        async def main() -> tuple[bool, list[int]]:
+            task = asyncio.ensure_future(store.load_blocks(
+                s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1, 2],
+                tensor_done=lambda i: layers_done.append(bool((rows[2] == 3).all()))))
+            for _ in range(2000):   # bounded: 2 s
+                if (rows[0] == 1).all() and (rows[1] == 2).all():
+                    break
+                await asyncio.sleep(0.001)
+            early = bool((rows[0] == 1).all() and (rows[1] == 2).all()) and not task.done()
+            gate.set()
+            tiers = [t.name for t in await task]
+            # reported before the call returns: the servicer ends the call right after
+            assert layers_done == [True], f"layer reports when the load returned: {layers_done}"
+            return early, tiers
+
+        try:
+            early, tiers = asyncio.run(main())
+            assert early, "blocks 0-1 were not copied out while block 2 was still being read"
+            assert tiers == ["SSD"] * 3
+            assert [int(rows[i][0]) for i in range(3)] == [1, 2, 3]
+            assert all((rows[i] == i + 1).all() for i in range(3))
+        finally:
+            gate.set()
+            engine.close()
+
+
+def test_a_load_that_meets_a_corrupt_block_on_ssd_copies_only_the_prefix_before_it(tmp_path: Path) -> None:
+    """Blocks after a corrupt one land (the reads run side by side) but the load reports only
+    the prefix before it and writes no engine block past that prefix."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 4)
+        _corrupt_on_disk(store, ns, keys[1])
+        gate = _gate_ssd_read(store, keys[1])   # the blocks after it land first
+        threading.Timer(0.2, gate.set).start()
+        try:
+            tiers = asyncio.run(store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1, 2, 3]))
+            rows = engine.numpy()
+            assert len(tiers) == 1
+            assert (rows[0] == 1).all()
+            assert not rows[1:].any(), "the load wrote engine blocks past the prefix it reported"
+        finally:
+            gate.set()
+            engine.close()
+
+
+def test_a_load_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing_pinned(tmp_path: Path) -> None:
+    """The client goes away while block 2 is still read from SSD, after blocks 0-1 were copied
+    out early: no pin, lease or copy is left behind, and every block can be evicted again."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
+        gate = _gate_ssd_read(store, keys[2])
+        rows = engine.numpy()
+
+        async def main() -> None:
+            task = asyncio.ensure_future(
+                store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1, 2]))
+            for _ in range(2000):   # bounded: 2 s
+                if (rows[1] == 2).all():
+                    break
+                await asyncio.sleep(0.001)
+            assert (rows[1] == 2).all(), "block 1 was not copied out early"
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            gate.set()
+            await store.drain()
+
+        try:
+            asyncio.run(main())
+            ns_index = store._namespaces[ns].index
+            pins = [b.pins for key in keys if (b := ns_index.get(key)) is not None]
+            assert pins == [0, 0, 0], f"pins left: {pins}"
+            assert store.stats().active_leases == 0
+            assert store.evict() == 3
+        finally:
+            gate.set()
+            engine.close()
