@@ -15,8 +15,14 @@
   at depth 2 both pay them.
 - the same SSD-tier figures again after writing 3x the tier's capacity in churn (deletes +
   puts), where LMDB's reuse of freed pages for large values decides the speed.
+- the product path (``--daemon-blocks``, 0 to skip): a daemon in a subprocess, ``Client.load_blocks``
+  of a prompt whose blocks are on its SSD tier only (saved, flushed, evicted from DRAM, the tier's
+  files dropped from the page cache) into the engine's registered buffers, against raw O_DIRECT
+  reads of as many blocks, each into a slot of its own, through two threads, in the same run;
+  the same load again once the blocks are back in DRAM (what the load costs above the disk); and
+  ``Client.stream`` of the prompt from SSD again: its first block's latency against one raw read.
 
-    python tools/bench_ssd.py [--dir DIR] [--blocks 256] [--runs 5]
+    python tools/bench_ssd.py [--dir DIR] [--blocks 256] [--runs 5] [--daemon-blocks 64]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import argparse
 import mmap
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -36,7 +43,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import kvstored
+from kvstored import Namespace
 from kvstored.tiers.ssd import SSDTier
+from tools.local_daemon import local_daemon
 
 BLOCK = 2 << 20
 
@@ -48,7 +58,7 @@ def aligned(n: int) -> mmap.mmap:
 
 
 def drop_cache(path: Path) -> None:
-    for f in path.glob("*"):
+    for f in path.rglob("*"):
         if f.is_file():
             fd = os.open(f, os.O_RDONLY)
             try:
@@ -145,11 +155,113 @@ def paired_reads_depth2(raw_path: Path, raw_blocks: int, ssd: SSDTier, keys: lis
     return n / raw_s / 1e9, n / tier_s / 1e9
 
 
+def raw_reads_into_slots(raw_path: Path, raw_blocks: int, n: int, dst: mmap.mmap, seed: int) -> float:
+    """``n`` random O_DIRECT block reads of ``raw_path``, block i into slot i of ``dst``, two at a
+    time on two threads (as the daemon's read pool reads a prompt); GB/s."""
+    order = [random.Random(seed + i).randrange(raw_blocks) for i in range(n)]
+    view = memoryview(dst)
+    fd = os.open(raw_path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            t = time.perf_counter()
+            for f in [pool.submit(os.preadv, fd, [view[i * BLOCK:(i + 1) * BLOCK]], r * BLOCK)
+                      for i, r in enumerate(order)]:
+                f.result(60)
+            return n * BLOCK / (time.perf_counter() - t) / 1e9
+    finally:
+        view.release()
+        os.close(fd)
+
+
+def raw_read_ms(raw_path: Path, raw_blocks: int, dst: mmap.mmap, seed: int) -> float:
+    """Milliseconds of one random O_DIRECT block read in the caller's thread."""
+    fd = os.open(raw_path, os.O_RDONLY | os.O_DIRECT)
+    view = memoryview(dst)
+    try:
+        t = time.perf_counter()
+        os.preadv(fd, [view[:BLOCK]], random.Random(seed).randrange(raw_blocks) * BLOCK)
+        return (time.perf_counter() - t) * 1e3
+    finally:
+        view.release()
+        os.close(fd)
+
+
+def daemon_loads(base: Path, raw_blocks: int, n: int, runs: int) -> dict[str, list[float]]:
+    """Per run, in GB/s: raw O_DIRECT reads of ``n`` blocks into slots of their own; a daemon's
+    ``load_blocks`` of an ``n``-block prompt found on its SSD tier only, into registered buffers;
+    the same load again from DRAM; a ``stream`` of the prompt from SSD only again. In ms: one raw
+    block read, and the stream's first block. Every load and stream is checked against the bytes
+    saved."""
+    rows: dict[str, list[float]] = {"raw read of the load's blocks, depth 2": [],
+                                    "daemon load_blocks from SSD": [], "daemon load_blocks from DRAM": [],
+                                    "daemon stream from SSD": [], "raw read of one block, ms": [],
+                                    "daemon stream from SSD, first block, ms": []}
+    ssd_path = base / "daemon-ssd"
+    ns = Namespace(model="bench-ssd", block_bytes=BLOCK)
+    raw_dst = mmap.mmap(-1, n * BLOCK)
+    engine = kvstored.shm.empty((n, BLOCK), "uint8")
+    rng = np.random.default_rng(3)
+    try:
+        with local_daemon("--dram-capacity", str(max(2 * n * BLOCK, 64 << 20)), "--set", "dram.page_bytes=32MiB",
+                          "--set", f"ssd.capacity={4 * n * BLOCK}", "--log-level", "warning",
+                          ssd_path=ssd_path) as client:
+            buffers = client.register_buffers([engine.numpy()], 0, namespace=ns)
+            ids = list(range(n))
+            for run in range(runs + 1):   # the first run warms up
+                rows_now = rng.integers(0, 255, size=(n, BLOCK), dtype=np.uint8)
+                engine.numpy()[:] = rows_now
+                chain = [rng.bytes(32) for _ in range(n)]
+                saved = client.save_blocks(buffers, ids, hashes=chain)
+                assert saved.stored == n, f"the daemon stored {saved.stored} of {n} blocks"
+                written = client.flush(ns.model)
+                assert written == n, f"flush wrote {written} of {n} blocks"
+                dropped = client.evict(ns.model, tier="dram")
+                assert dropped == n, f"evict dropped {dropped} of {n} DRAM copies"
+                drop_cache(ssd_path)
+                engine.numpy()[:] = 0
+                raw = raw_reads_into_slots(base / "raw", raw_blocks, n, raw_dst, seed=run * n)
+                t = time.perf_counter()
+                got = client.load_blocks(buffers, ids, hashes=chain)
+                from_ssd = n * BLOCK / (time.perf_counter() - t) / 1e9
+                assert got.blocks == n and got.per_tier.get("ssd") == n, f"load found {got}"
+                assert np.array_equal(engine.numpy(), rows_now), "the load from SSD gave other bytes"
+                engine.numpy()[:] = 0
+                t = time.perf_counter()
+                got = client.load_blocks(buffers, ids, hashes=chain)
+                from_dram = n * BLOCK / (time.perf_counter() - t) / 1e9
+                assert got.blocks == n and got.per_tier.get("dram") == n, f"load found {got}"
+                assert np.array_equal(engine.numpy(), rows_now), "the load from DRAM gave other bytes"
+                assert client.evict(ns.model, tier="dram") == n
+                drop_cache(ssd_path)
+                engine.numpy()[:] = 0
+                one = raw_read_ms(base / "raw", raw_blocks, raw_dst, seed=run)
+                t = time.perf_counter()
+                stream = client.stream(hashes=chain, buffers=buffers, block_ids=ids)
+                first = 0.0
+                for arrival in stream:
+                    if arrival.index == 0:
+                        first = (time.perf_counter() - t) * 1e3
+                streamed = n * BLOCK / (time.perf_counter() - t) / 1e9
+                assert stream.outcome is not None and stream.outcome.complete, stream.outcome
+                assert np.array_equal(engine.numpy(), rows_now), "the stream from SSD gave other bytes"
+                client.evict(ns.model)
+                if run:
+                    for name, value in zip(rows, (raw, from_ssd, from_dram, streamed, one, first)):
+                        rows[name].append(value)
+            client.unregister_buffers(buffers)
+    finally:
+        engine.close()
+        raw_dst.close()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--daemon-blocks", type=int, default=64,
+                        help="blocks per load in the daemon section (0: skip it)")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(dir=args.dir))
     src = aligned(BLOCK)
@@ -165,51 +277,55 @@ def main() -> int:
                                                       "tier write after churn", "raw read after churn",
                                                       "tier read after churn")}
     try:
-        raw_write(base / "raw", args.blocks, src)   # allocate the raw file once, outside the runs
-        for run in range(args.runs):
-            rows["raw write"].append(raw_write(base / "raw", args.blocks, src))
-            drop_cache(base)
-            first = run * args.blocks * 10
-            rows["tier write"].append(tier_write(ssd, args.blocks, payload, first))
-            ssd = cold(ssd, base, capacity)
-            drop_cache(base)
-            raw_rate, tier_rate = paired_reads(base / "raw", args.blocks, ssd, list(range(first, first + args.blocks)),
-                                               dst, out)
-            rows["raw read"].append(raw_rate)
-            rows["tier read"].append(tier_rate)
-            ssd = cold(ssd, base, capacity)
-            drop_cache(base)
-            raw_rate, tier_rate = paired_reads_depth2(base / "raw", args.blocks, ssd,
-                                                      list(range(first, first + args.blocks)), dst2, out2)
-            rows["raw read, depth 2"].append(raw_rate)
-            rows["tier read, depth 2"].append(tier_rate)
-            for i in range(first, first + args.blocks):
-                ssd.delete(1, i.to_bytes(32, "big"))
-        # churn: 3x capacity of deletes and puts through the same map
-        live: list[int] = []
-        key = 10**9
-        for _ in range(3):
-            for _ in range(args.blocks):
-                if len(live) >= args.blocks * 0.9:
-                    ssd.delete(1, live.pop(0).to_bytes(32, "big"))
-                ssd.put(1, key.to_bytes(32, "big"), b"", 0, payload).result(120)
-                live.append(key)
-                key += 1
-        for _ in range(args.runs):
-            while len(live) > args.blocks * 0.5:
-                ssd.delete(1, live.pop(0).to_bytes(32, "big")).result(60)
-            fresh = list(range(key, key + args.blocks // 4))
-            key += len(fresh)
-            rows["tier write after churn"].append(tier_write(ssd, len(fresh), payload, fresh[0]))
-            live.extend(fresh)
-            ssd = cold(ssd, base, capacity)
-            drop_cache(base)
-            raw_rate, tier_rate = paired_reads(base / "raw", args.blocks, ssd, fresh, dst, out)
-            rows["raw read after churn"].append(raw_rate)
-            rows["tier read after churn"].append(tier_rate)
-        size = sum(f.stat().st_blocks * 512 for f in (base / "lmdb").iterdir() if f.is_file())
+        try:
+            raw_write(base / "raw", args.blocks, src)   # allocate the raw file once, outside the runs
+            for run in range(args.runs):
+                rows["raw write"].append(raw_write(base / "raw", args.blocks, src))
+                drop_cache(base)
+                first = run * args.blocks * 10
+                rows["tier write"].append(tier_write(ssd, args.blocks, payload, first))
+                ssd = cold(ssd, base, capacity)
+                drop_cache(base)
+                raw_rate, tier_rate = paired_reads(base / "raw", args.blocks, ssd,
+                                                   list(range(first, first + args.blocks)), dst, out)
+                rows["raw read"].append(raw_rate)
+                rows["tier read"].append(tier_rate)
+                ssd = cold(ssd, base, capacity)
+                drop_cache(base)
+                raw_rate, tier_rate = paired_reads_depth2(base / "raw", args.blocks, ssd,
+                                                          list(range(first, first + args.blocks)), dst2, out2)
+                rows["raw read, depth 2"].append(raw_rate)
+                rows["tier read, depth 2"].append(tier_rate)
+                for i in range(first, first + args.blocks):
+                    ssd.delete(1, i.to_bytes(32, "big"))
+            # churn: 3x capacity of deletes and puts through the same map
+            live: list[int] = []
+            key = 10**9
+            for _ in range(3):
+                for _ in range(args.blocks):
+                    if len(live) >= args.blocks * 0.9:
+                        ssd.delete(1, live.pop(0).to_bytes(32, "big"))
+                    ssd.put(1, key.to_bytes(32, "big"), b"", 0, payload).result(120)
+                    live.append(key)
+                    key += 1
+            for _ in range(args.runs):
+                while len(live) > args.blocks * 0.5:
+                    ssd.delete(1, live.pop(0).to_bytes(32, "big")).result(60)
+                fresh = list(range(key, key + args.blocks // 4))
+                key += len(fresh)
+                rows["tier write after churn"].append(tier_write(ssd, len(fresh), payload, fresh[0]))
+                live.extend(fresh)
+                ssd = cold(ssd, base, capacity)
+                drop_cache(base)
+                raw_rate, tier_rate = paired_reads(base / "raw", args.blocks, ssd, fresh, dst, out)
+                rows["raw read after churn"].append(raw_rate)
+                rows["tier read after churn"].append(tier_rate)
+            size = sum(f.stat().st_blocks * 512 for f in (base / "lmdb").iterdir() if f.is_file())
+        finally:
+            ssd.close()
+        daemon = daemon_loads(base, args.blocks, args.daemon_blocks, args.runs) if args.daemon_blocks else {}
     finally:
-        ssd.close()
+        shutil.rmtree(base, ignore_errors=True)   # the raw file and the tiers: a GiB a run
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"\nSSD tier vs raw disk, {BLOCK >> 20} MiB blocks, {args.blocks} blocks per run, medians of {args.runs}\n")
     print("| operation | GB/s median | min | max | vs raw |")
@@ -221,6 +337,23 @@ def main() -> int:
               f"{med[name] / raw:.2f} |")
     print(f"\nSSD tier files after churn: {size / 2**20:.0f} MiB on disk for {capacity / 2**20:.0f} MiB "
           f"of capacity")
+    if daemon:
+        dmed = {k: statistics.median(v) for k, v in daemon.items()}
+        raw = dmed["raw read of the load's blocks, depth 2"]
+        print(f"\nThe product path: a daemon's load_blocks of a {args.daemon_blocks}-block prompt "
+              f"({args.daemon_blocks * BLOCK >> 20} MiB), medians of {args.runs}\n")
+        print("| operation | GB/s median | min | max | vs raw |")
+        print("|---|---|---|---|---|")
+        for name, values in daemon.items():
+            if name.endswith(", ms"):
+                continue
+            print(f"| {name} | {dmed[name]:.2f} | {min(values):.2f} | {max(values):.2f} | {dmed[name] / raw:.2f} |")
+        print("\n| latency | ms median | min | max | vs raw |")
+        print("|---|---|---|---|---|")
+        one = dmed["raw read of one block, ms"]
+        for name in ("raw read of one block, ms", "daemon stream from SSD, first block, ms"):
+            lo, hi = min(daemon[name]), max(daemon[name])
+            print(f"| {name[:-4]} | {dmed[name]:.2f} | {lo:.2f} | {hi:.2f} | {dmed[name] / one:.2f} |")
     return 0
 
 

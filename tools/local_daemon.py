@@ -1,8 +1,9 @@
 """A kvstored daemon in a subprocess for the benchmark scripts: started on a socket in a temp
-directory, connected to, and stopped (SIGTERM) when the block ends."""
+directory, connected to, and stopped (SIGTERM) when the block ends, its directory removed."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,12 +18,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @contextmanager
-def local_daemon(*args: str, timeout_s: float = 60.0) -> Iterator[kvstored.Client]:
-    """Start ``kvstored --socket <tmp> *args`` and yield a connected client."""
+def local_daemon(*args: str, timeout_s: float = 60.0, ssd_path: Path | None = None) -> Iterator[kvstored.Client]:
+    """Start ``kvstored --socket <tmp> *args`` and yield a connected client; its SSD tier lives in
+    ``ssd_path`` (default: ``ssd`` in the temp directory)."""
     tmp = tempfile.mkdtemp(prefix="kvstored-bench-")
     sock = str(Path(tmp) / "kv.sock")
     daemon = subprocess.Popen([sys.executable, "-m", "kvstored", "--no-config", "--socket", sock, "--ssd-path",
-                               str(Path(tmp) / "ssd"), *args], cwd=ROOT)
+                               str(ssd_path or Path(tmp) / "ssd"), *args], cwd=ROOT)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -40,3 +42,4 @@ def local_daemon(*args: str, timeout_s: float = 60.0) -> Iterator[kvstored.Clien
     finally:
         daemon.terminate()
         daemon.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -87,3 +87,21 @@ def test_the_raw_tcp_limit_lands_each_block_in_a_slot_of_its_own() -> None:
     finally:
         receiver.close()
         stop_sender(proc)
+
+
+def test_the_ssd_benchmark_runs_the_tier_and_the_daemon_path_and_prints_both_tables(tmp_path: Path) -> None:
+    """``tools/bench_ssd.py`` in a tiny run: every tier row against raw, and the daemon's load and
+    stream of a prompt found on SSD only (the run itself checks the bytes each returns)."""
+    proc = subprocess.run([sys.executable, "tools/bench_ssd.py", "--dir", str(tmp_path), "--blocks", "8",
+                           "--runs", "1", "--daemon-blocks", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    for name in ("raw write", "tier write", "raw read", "tier read", "tier read, depth 2", "tier read after churn",
+                 "raw read of the load's blocks, depth 2", "daemon load_blocks from SSD",
+                 "daemon load_blocks from DRAM", "daemon stream from SSD", "raw read of one block",
+                 "daemon stream from SSD, first block"):
+        assert name in rows, f"row {name!r} missing:\n{proc.stdout}"
+        figures = [float(x) for x in rows[name].split("|")[2:6]]
+        assert all(f > 0 for f in figures), rows[name]
+    assert not list(tmp_path.iterdir()), f"the run left files behind: {list(tmp_path.iterdir())}"
