@@ -36,3 +36,7 @@ class DeadlineExceeded(KVError):
     """The call's deadline passed before the work was done: its client has given up on it (a
     daemon frozen, or starved, past it), so no more of it is done (no copy into the client's
     engine buffers starts: the engine may be reusing those blocks)."""
+
+
+class Cancelled(KVError):
+    """The client ended the call's work (EndStream) before it was done."""

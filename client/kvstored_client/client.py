@@ -212,6 +212,7 @@ class Client:
         self._releases_lock = threading.Lock()
         self._pending_releases: list[grpc.Future] = []
         self._hashers: dict[tuple[int, str, str], ChainHasher] = {}
+        self._stream_ids = itertools.count(1)   # next() is atomic under the GIL: threads may share it
         self.namespace = namespace or Namespace()
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -482,6 +483,13 @@ class Client:
                 fut.result(timeout=self._timeout)
             except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
                 pass   # the lease expires by itself; nothing the caller can do about it
+
+    def _end_stream(self, session_id: str, stream_id: int) -> None:
+        """Return once the daemon's stream ``stream_id`` is over: no copy into the engine's
+        buffers runs then or starts later. Quietly when the daemon or the session is gone (its
+        streams ended with it)."""
+        with contextlib.suppress(KVStoreError):
+            self._call(self._stub.EndStream, pb.EndStreamRequest(session_id=session_id, stream_id=stream_id))
 
     def _release_later(self, session_id: str, lease_id: int) -> None:
         """Send the release of a lease of session ``session_id`` without waiting for it. Never
@@ -825,9 +833,10 @@ class Client:
         # the arena before the call starts, and with the session: offsets go with this mapping
         session, arena = self._session_arena(buffers is None)
         ns_id, spec = self._ns(ns)
+        # Into buffers: an id for EndStream, so that leaving early waits until no copy runs
         request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id,
                                          buffers_id=0 if buffers is None else self._buffers_id(buffers, session),
-                                         peers=peers)
+                                         peers=peers, stream_id=0 if buffers is None else next(self._stream_ids))
         n_blocks = self._keys(request.keys, spec, tokens, hashes, cache_salt)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
@@ -839,7 +848,7 @@ class Client:
             self._check_open()
             raise
         return BlockStream(self, session, call, arena, spec.block_size, spec.block_bytes, started,
-                           lambda: self._ns(ns)[1].block_bytes)
+                           lambda: self._ns(ns)[1].block_bytes, request.stream_id)
 
     def pull(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
              namespace: Namespace | None = None, cache_salt: str | None = None) -> StreamOutcome:
@@ -1102,10 +1111,13 @@ class LoadHandle:
 
 class BlockStream:
     """A streamed load (``Client.stream``): iterate for :class:`BlockArrival` in token order;
-    ``outcome`` afterwards. Leaving the loop early (or ``close``) cancels the rest."""
+    ``outcome`` afterwards. Leaving the loop early (or ``close``) cancels the rest; into engine
+    buffers it returns once the daemon has stopped (no copy into them runs or starts after), so
+    the engine may reuse the blocks that did not arrive at once."""
 
     def __init__(self, client: Client, session_id: str, call: Any, arena: np.ndarray | None, block_size: int,
-                 block_bytes: int, started: float, learn_block_bytes: Callable[[], int] | None = None) -> None:
+                 block_bytes: int, started: float, learn_block_bytes: Callable[[], int] | None = None,
+                 stream_id: int = 0) -> None:
         self._client = client
         self._started = started   # monotonic, before the call: the lease's clock starts later
         self._session_id = session_id
@@ -1117,6 +1129,7 @@ class BlockStream:
         # first save, or a peer's push, fixed it since): asked again when a block arrives
         self._learn_block_bytes = learn_block_bytes
         self._keep_data = True
+        self._stream_id = stream_id   # into buffers: EndStream's id
         self._cancelled = False   # by close()
         self.outcome: StreamOutcome | None = None
 
@@ -1167,6 +1180,8 @@ class BlockStream:
         finally:
             if self.outcome is None:
                 self._call.cancel()   # left early: the daemon drops the rest
+                if self._stream_id:
+                    self._client._end_stream(self._session_id, self._stream_id)
             if lease_id and (self.outcome is None or self._arena is None or not self._keep_data
                              or time.monotonic() - self._started < ttl_s / 2):
                 # Also when left early: the daemon may have finished and handed the lease to an
@@ -1187,9 +1202,12 @@ class BlockStream:
     def close(self) -> None:
         """Stop the stream before its end; its lease (if the loop saw it) is released when the
         loop exits. Without a loop, the daemon drops the lease when the call is cancelled or,
-        at the latest, when it expires."""
+        at the latest, when it expires. Into engine buffers, returns once the daemon copies into
+        them no more."""
         self._cancelled = True
         self._call.cancel()
+        if self._stream_id and self.outcome is None:
+            self._client._end_stream(self._session_id, self._stream_id)
 
     def wait(self) -> StreamOutcome:
         """Consume the stream without keeping the arrivals (nor copying their bytes); the outcome."""

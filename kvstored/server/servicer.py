@@ -13,10 +13,11 @@ import grpc
 import numpy as np
 
 from kvstored.buffers import BlockIds, TensorSource
-from kvstored.errors import FailedPrecondition, InvalidArgument, KVError
+from kvstored.errors import Cancelled, FailedPrecondition, InvalidArgument, KVError
 from kvstored.index import Tier
 from kvstored.peers.node import MigrateProgress, PeerNode
 from kvstored.server.status import code_for, mapped
+from kvstored.server.streams import RunningStreams
 from kvstored.store import Arrival, BlockStore, Fetcher, FlushProgress, KeyRequest, StreamEnd
 from kvstored.tiers.dram import Arena
 from kvstored_client._proto import kvstored_pb2 as pb
@@ -136,6 +137,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self._lease_ttl_ms = int(lease_ttl_s * 1000)
         self._max_batch = max_batch_blocks
         self._shutting_down = shutting_down
+        self._streams = RunningStreams()
 
     @mapped
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
@@ -173,6 +175,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 if task is not None:
                     task.cancel()
             self._store.close_session(session.session_id)
+            self._streams.forget(session.session_id)
             log.info("session %s closed", session.session_id[:8])
 
     @mapped
@@ -333,8 +336,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     copy_until=deadline))
             except Exception as exc:   # handed to the response loop, which ends the call with it
                 events.put_nowait(exc)
+            except asyncio.CancelledError:   # EndStream (or the call's end): the loop must not wait on
+                events.put_nowait(Cancelled("the stream was ended (EndStream)"))
+                raise
 
         task = asyncio.ensure_future(run())
+        if request.stream_id and not self._streams.start(request.session_id, request.stream_id, task):
+            refused = Cancelled("the stream was ended before it started (EndStream), or its stream_id is in use")
+            await context.abort(code_for(refused), str(refused))
         loop = asyncio.get_running_loop()
         started = loop.time()
         first = first_message = True
@@ -370,9 +379,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     return
         finally:
             if not task.done():
-                task.cancel()
+                if not task.cancelling():   # EndStream may have cancelled it: once is enough
+                    task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    @mapped
+    async def EndStream(self, request: pb.EndStreamRequest, context: grpc.aio.ServicerContext) -> pb.EndStreamResponse:
+        await self._streams.end(request.session_id, request.stream_id)
+        return pb.EndStreamResponse()
 
     @mapped
     async def Peers(self, request: pb.PeersRequest, context: grpc.aio.ServicerContext) -> pb.PeersResponse:

@@ -20,6 +20,7 @@ STATUS: dict[type[errors.KVError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Cancelled: grpc.StatusCode.CANCELLED,
 }
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])

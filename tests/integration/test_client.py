@@ -339,3 +339,39 @@ def test_keys_go_packed_to_a_daemon_that_takes_them_and_repeated_to_one_that_doe
                 ids = request.packed_block_ids if packed else request.block_ids  # type: ignore[attr-defined]
                 assert len(ids) == (12 if packed else 3), request
         dst.numpy()[...] = 0
+
+
+def test_leaving_a_stream_into_buffers_early_returns_once_the_daemon_copies_no_more(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """An engine that stops reading a stream (the request was aborted) reuses the blocks that did
+    not arrive. Cancelling the call alone let the daemon go on copying further blocks into them
+    for a while; leaving the loop now returns only once the daemon has stopped (EndStream)."""
+    d = daemon_factory("--dram-capacity", "512MiB", "--set", "dram.page_bytes=32MiB")
+    n, width = 256, 512 * 1024   # 256 blocks of 1 MiB (float16)
+    ns = Namespace(model="leave-early", kv_dtype="float16")
+    with kvstored.Client(d.socket) as c:
+        src = kvstored.shm.empty((n, width), "float16")
+        dst = kvstored.shm.empty((n, width), "float16")
+        try:
+            src.numpy()[...] = np.arange(1, n + 1, dtype=np.float16)[:, None]
+            b_src = c.register_buffers([src.numpy()], 0, namespace=ns)
+            b_dst = c.register_buffers([dst.numpy()], 0, namespace=ns)
+            tokens = np.arange(n * ns.block_size)
+            assert c.save_blocks(b_src, list(range(n)), tokens).stored == n
+
+            def copied() -> int:
+                return sum(bool(dst.numpy()[i, 0] == i + 1) for i in range(n))
+
+            for arrival in c.stream(tokens, buffers=b_dst, block_ids=list(range(n)), peers=False):
+                assert arrival.index == 0
+                break
+            at_exit = copied()
+            time.sleep(0.3)
+            assert copied() == at_exit, (f"{copied() - at_exit} more blocks were copied into the engine's "
+                                         f"buffers after it left the stream ({at_exit} at the exit)")
+            assert at_exit < n, "the daemon copied the whole prompt before the first arrival"
+            # the client and daemon go on as usual
+            assert c.load_blocks(b_dst, list(range(n)), tokens).blocks == n
+            assert copied() == n
+        finally:
+            src.close()
+            dst.close()

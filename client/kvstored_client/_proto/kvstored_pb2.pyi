@@ -373,7 +373,7 @@ class LoadEvent(_message.Message):
     def __init__(self, started: _Optional[_Union[LoadBlocksResponse, _Mapping]] = ..., tensor_done: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class StreamBlocksRequest(_message.Message):
-    __slots__ = ("session_id", "namespace_id", "keys", "buffers_id", "block_ids", "peers", "end_only", "packed_block_ids")
+    __slots__ = ("session_id", "namespace_id", "keys", "buffers_id", "block_ids", "peers", "end_only", "packed_block_ids", "stream_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +382,7 @@ class StreamBlocksRequest(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     END_ONLY_FIELD_NUMBER: _ClassVar[int]
     PACKED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     namespace_id: int
     keys: BlockKeys
@@ -390,7 +391,20 @@ class StreamBlocksRequest(_message.Message):
     peers: bool
     end_only: bool
     packed_block_ids: bytes
-    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., buffers_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[bool] = ..., end_only: _Optional[bool] = ..., packed_block_ids: _Optional[bytes] = ...) -> None: ...
+    stream_id: int
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., buffers_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., peers: _Optional[bool] = ..., end_only: _Optional[bool] = ..., packed_block_ids: _Optional[bytes] = ..., stream_id: _Optional[int] = ...) -> None: ...
+
+class EndStreamRequest(_message.Message):
+    __slots__ = ("session_id", "stream_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    stream_id: int
+    def __init__(self, session_id: _Optional[str] = ..., stream_id: _Optional[int] = ...) -> None: ...
+
+class EndStreamResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class BlockReady(_message.Message):
     __slots__ = ("index", "tier", "peer", "offset")

@@ -124,6 +124,11 @@ class KVStoreStub:
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.StreamBlocksRequest.SerializeToString,
                 response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.BlockEvent.FromString,
                 _registered_method=True)
+        self.EndStream = channel.unary_unary(
+                '/kvstored.v1.KVStore/EndStream',
+                request_serializer=kvstored_dot_v1_dot_kvstored__pb2.EndStreamRequest.SerializeToString,
+                response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.EndStreamResponse.FromString,
+                _registered_method=True)
         self.Peers = channel.unary_unary(
                 '/kvstored.v1.KVStore/Peers',
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.PeersRequest.SerializeToString,
@@ -262,6 +267,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndStream(self, request, context):
+        """Stop the session's stream stream_id (StreamBlocksRequest.stream_id) and return once it is
+        over: no copy into its engine buffers is running then, and none starts after. A stream that
+        has not started yet ends as soon as it starts; one already over is answered at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Peers(self, request, context):
         """The cluster as this daemon sees it: itself and its peers.
         """
@@ -369,6 +383,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.StreamBlocks,
                     request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.StreamBlocksRequest.FromString,
                     response_serializer=kvstored_dot_v1_dot_kvstored__pb2.BlockEvent.SerializeToString,
+            ),
+            'EndStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndStream,
+                    request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.EndStreamRequest.FromString,
+                    response_serializer=kvstored_dot_v1_dot_kvstored__pb2.EndStreamResponse.SerializeToString,
             ),
             'Peers': grpc.unary_unary_rpc_method_handler(
                     servicer.Peers,
@@ -867,6 +886,33 @@ class KVStore:
             '/kvstored.v1.KVStore/StreamBlocks',
             kvstored_dot_v1_dot_kvstored__pb2.StreamBlocksRequest.SerializeToString,
             kvstored_dot_v1_dot_kvstored__pb2.BlockEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstored.v1.KVStore/EndStream',
+            kvstored_dot_v1_dot_kvstored__pb2.EndStreamRequest.SerializeToString,
+            kvstored_dot_v1_dot_kvstored__pb2.EndStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
