@@ -1,9 +1,10 @@
 """Handing a streamed chain's blocks to their reader, in order, each as soon as it is in place.
 
 Arena readers get each block at once (it stays leased in the arena). For engine buffers a
-copier task copies the blocks that have landed since its last copy in one batch, then reports
-them, so the network keeps receiving while earlier blocks are copied; each block is pinned from
-the moment it is handed over until its copy is done.
+copier task copies the blocks that have landed since its last copy in one batch (at most as many
+as it has copied so far, so a prefix given at once still goes out first block first), then
+reports them, so the network or the disk keeps delivering while earlier blocks are copied; each
+block is pinned from the moment it is handed over until its copy is done.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Handover:
         self._settled.set()
         self._ending = False
         self._inflight: asyncio.Future[None] | None = None
+        self._copied = 0
         self._task = asyncio.ensure_future(self._copier()) if buffers is not None else None
 
     def give(self, first: int, blocks: Sequence[Block], tiers: Sequence[Tier], peer: str = "") -> None:
@@ -83,7 +85,12 @@ class Handover:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            self._copying, self._queue = self._queue, []
+            # Batches grow geometrically (1, 1, 2, 4, ... blocks): the first block is out after
+            # one block's copy, not the whole prefix's, for a few more copy calls in all.
+            batch = max(1, self._copied)
+            self._copying, self._queue = self._queue[:batch], self._queue[batch:]
+            if self._queue:
+                self._wake.set()
             if self._copying:
                 inflight = asyncio.ensure_future(self._copy.from_arena(  # noqa: RUF006 - kept in _inflight
                     self._buffers, [self._block_ids[i] for i, _, _, _ in self._copying],
@@ -95,6 +102,7 @@ class Handover:
                     if inflight.done():   # else close() unpins once the copy is out of the slots
                         self._unpin(self._copying)
                         done, self._copying = self._copying, []
+                self._copied += len(done)
                 for i, _, tier, peer in done:
                     self._emit(Arrival(i, tier, peer, 0))
             if not self._queue:

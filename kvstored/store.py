@@ -1847,7 +1847,26 @@ class BlockStore:
             self._check_block_ids(buffers, chain, block_ids)
         ttl = self._config.leases.ttl_s
         with buffers.in_use() if buffers is not None else contextlib.nullcontext():
-            local = await self._lookup_chain(state, chain, session)
+            pull = emit is None
+            if emit is None:
+                emit = _ignore_arrival
+                buffers = None
+            handover = Handover(emit, self._copy, buffers, block_ids, copy_until) if buffers is not None \
+                else Handover(emit)
+            given = 0   # blocks of the local prefix handed over while the rest came up from SSD
+
+            def prefix_up(hits: list[Block], tiers: list[Tier], k: int) -> None:
+                nonlocal given
+                handover.give(given, hits[given:k], tiers[given:k])
+                given = k
+            try:
+                # Into engine buffers the first blocks go out while later ones are read from SSD
+                # (each pinned by the handover until copied); an arena reader must learn its
+                # lease before the first block, so it gets the local prefix once it is all up.
+                local = await self._lookup_chain(state, chain, session, prefix_up if buffers is not None else None)
+            except BaseException:
+                await handover.close()
+                raise
             read = self._leases.get(local.lease_id) if local.lease_id else None
             if read is None:
                 read = self._pin(session, LeaseKind.READ, namespace_id, [], ttl)
@@ -1855,17 +1874,13 @@ class BlockStore:
             self._busy.add(read.lease_id)
             stop, detail = "complete", ""
             handed_lease = 0
-            pull = emit is None
-            if emit is None:
-                emit = _ignore_arrival
-                buffers = None
-            handover = Handover(emit, self._copy, buffers, block_ids, copy_until) if buffers is not None \
-                else Handover(emit)
             if on_lease is not None and buffers is None and not pull:
                 on_lease(read.lease_id)
             try:
-                handover.give(0, read.pinned, local.tiers)   # the leased local prefix
-                delivered = local.blocks
+                # the leased local prefix (none if the lease was reaped meanwhile: those handed
+                # over early are in the engine's buffers all the same)
+                handover.give(given, read.pinned[given:], local.tiers[given:])
+                delivered = max(local.blocks, given)
                 if delivered < len(chain) and fetcher is None:
                     stop, detail = "missing", f"block {delivered} is not cached on this node"
                 elif delivered < len(chain) and fetcher is not None:

@@ -994,7 +994,41 @@ def test_a_load_that_meets_a_corrupt_block_on_ssd_copies_only_the_prefix_before_
             engine.close()
 
 
-def test_a_load_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing_pinned(tmp_path: Path) -> None:
+def test_a_stream_into_engine_buffers_hands_over_blocks_while_later_ones_are_read_from_ssd(
+        tmp_path: Path) -> None:
+    """Stream of a prompt on SSD into engine buffers: blocks 0-1 arrive (in place, in order)
+    while block 2 is still being read, so decoding can start on the first block."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
+        gate = _gate_ssd_read(store, keys[2])
+        rows = engine.numpy()
+        arrived: list[tuple[int, bool]] = []   # (index, its bytes in place when reported)
+
+        async def main() -> tuple[list[int], object]:
+            task = asyncio.ensure_future(store.stream_blocks(
+                s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [0, 1, 2],
+                lambda a: arrived.append((a.index, bool((rows[a.index] == a.index + 1).all()))), None))
+            for _ in range(2000):   # bounded: 2 s
+                if len(arrived) >= 2:
+                    break
+                await asyncio.sleep(0.001)
+            before = [i for i, _ in arrived] if not task.done() else []
+            gate.set()
+            return before, await task
+
+        try:
+            before, end = asyncio.run(main())
+            assert before == [0, 1], f"arrivals while block 2 was still being read: {before}"
+            assert arrived == [(0, True), (1, True), (2, True)]
+            assert end.blocks == 3 and end.stop == "complete", end   # type: ignore[attr-defined]
+        finally:
+            gate.set()
+            engine.close()
+
+
+@pytest.mark.parametrize("call", ["load_blocks", "stream_blocks"])
+def test_a_read_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing_pinned(
+        tmp_path: Path, call: str) -> None:
     """The client goes away while block 2 is still read from SSD, after blocks 0-1 were copied
     out early: no pin, lease or copy is left behind, and every block can be evicted again."""
     with _ssd_store(tmp_path) as (store, _):
@@ -1003,8 +1037,12 @@ def test_a_load_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing
         rows = engine.numpy()
 
         async def main() -> None:
-            task = asyncio.ensure_future(
-                store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1, 2]))
+            if call == "load_blocks":
+                coro = store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1, 2])
+            else:
+                coro = store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [0, 1, 2],
+                                           lambda a: None, None)
+            task = asyncio.ensure_future(coro)
             for _ in range(2000):   # bounded: 2 s
                 if (rows[1] == 2).all():
                     break
