@@ -20,7 +20,8 @@
   files dropped from the page cache) into the engine's registered buffers, against raw O_DIRECT
   reads of as many blocks, each into a slot of its own, through two threads, in the same run;
   the same load again once the blocks are back in DRAM (what the load costs above the disk); and
-  ``Client.stream`` of the prompt from SSD again: its first block's latency against one raw read.
+  ``Client.stream`` of the prompt from DRAM and from SSD again: the first block's latency against
+  one raw read.
 
     python tools/bench_ssd.py [--dir DIR] [--blocks 256] [--runs 5] [--daemon-blocks 64]
 """
@@ -38,6 +39,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -186,16 +188,38 @@ def raw_read_ms(raw_path: Path, raw_blocks: int, dst: mmap.mmap, seed: int) -> f
         os.close(fd)
 
 
+def timed_stream(client: kvstored.Client, buffers: Any, engine: np.ndarray, chain: list[bytes],
+                 expected: np.ndarray, where: str) -> tuple[float, float]:
+    """``Client.stream`` of ``chain``, found in tier ``where`` ("dram" or "ssd"), into
+    ``buffers`` (whose memory ``engine`` is zeroed first), checked against ``expected``:
+    (ms to its first block, GB/s over the whole prompt)."""
+    engine[:] = 0
+    t = time.perf_counter()
+    stream = client.stream(hashes=chain, buffers=buffers, block_ids=list(range(len(chain))))
+    first = 0.0
+    tiers = set()
+    for arrival in stream:
+        if arrival.index == 0:
+            first = (time.perf_counter() - t) * 1e3
+        tiers.add(arrival.tier)
+    rate = len(chain) * BLOCK / (time.perf_counter() - t) / 1e9
+    assert stream.outcome is not None and stream.outcome.complete, stream.outcome
+    assert tiers == {where}, f"the stream found blocks in {tiers}, not only in {where}"
+    assert np.array_equal(engine, expected), f"the stream from {where} gave other bytes"
+    return first, rate
+
+
 def daemon_loads(base: Path, raw_blocks: int, n: int, runs: int) -> dict[str, list[float]]:
     """Per run, in GB/s: raw O_DIRECT reads of ``n`` blocks into slots of their own; a daemon's
     ``load_blocks`` of an ``n``-block prompt found on its SSD tier only, into registered buffers;
     the same load again from DRAM; a ``stream`` of the prompt from SSD only again. In ms: one raw
-    block read, and the stream's first block. Every load and stream is checked against the bytes
-    saved."""
+    block read, and the first block of a stream from SSD and of one from DRAM. Every load and
+    stream is checked against the bytes saved."""
     rows: dict[str, list[float]] = {"raw read of the load's blocks, depth 2": [],
                                     "daemon load_blocks from SSD": [], "daemon load_blocks from DRAM": [],
                                     "daemon stream from SSD": [], "raw read of one block, ms": [],
-                                    "daemon stream from SSD, first block, ms": []}
+                                    "daemon stream from SSD, first block, ms": [],
+                                    "daemon stream from DRAM, first block, ms": []}
     ssd_path = base / "daemon-ssd"
     ns = Namespace(model="bench-ssd", block_bytes=BLOCK)
     raw_dst = mmap.mmap(-1, n * BLOCK)
@@ -231,22 +255,14 @@ def daemon_loads(base: Path, raw_blocks: int, n: int, runs: int) -> dict[str, li
                 from_dram = n * BLOCK / (time.perf_counter() - t) / 1e9
                 assert got.blocks == n and got.per_tier.get("dram") == n, f"load found {got}"
                 assert np.array_equal(engine.numpy(), rows_now), "the load from DRAM gave other bytes"
+                first_dram, _ = timed_stream(client, buffers, engine.numpy(), chain, rows_now, "dram")
                 assert client.evict(ns.model, tier="dram") == n
                 drop_cache(ssd_path)
-                engine.numpy()[:] = 0
                 one = raw_read_ms(base / "raw", raw_blocks, raw_dst, seed=run)
-                t = time.perf_counter()
-                stream = client.stream(hashes=chain, buffers=buffers, block_ids=ids)
-                first = 0.0
-                for arrival in stream:
-                    if arrival.index == 0:
-                        first = (time.perf_counter() - t) * 1e3
-                streamed = n * BLOCK / (time.perf_counter() - t) / 1e9
-                assert stream.outcome is not None and stream.outcome.complete, stream.outcome
-                assert np.array_equal(engine.numpy(), rows_now), "the stream from SSD gave other bytes"
+                first, streamed = timed_stream(client, buffers, engine.numpy(), chain, rows_now, "ssd")
                 client.evict(ns.model)
                 if run:
-                    for name, value in zip(rows, (raw, from_ssd, from_dram, streamed, one, first)):
+                    for name, value in zip(rows, (raw, from_ssd, from_dram, streamed, one, first, first_dram)):
                         rows[name].append(value)
             client.unregister_buffers(buffers)
     finally:
@@ -351,7 +367,8 @@ def main() -> int:
         print("\n| latency | ms median | min | max | vs raw |")
         print("|---|---|---|---|---|")
         one = dmed["raw read of one block, ms"]
-        for name in ("raw read of one block, ms", "daemon stream from SSD, first block, ms"):
+        for name in ("raw read of one block, ms", "daemon stream from SSD, first block, ms",
+                     "daemon stream from DRAM, first block, ms"):
             lo, hi = min(daemon[name]), max(daemon[name])
             print(f"| {name[:-4]} | {dmed[name]:.2f} | {lo:.2f} | {hi:.2f} | {dmed[name] / one:.2f} |")
     return 0

@@ -100,7 +100,7 @@ def test_the_ssd_benchmark_runs_the_tier_and_the_daemon_path_and_prints_both_tab
     for name in ("raw write", "tier write", "raw read", "tier read", "tier read, depth 2", "tier read after churn",
                  "raw read of the load's blocks, depth 2", "daemon load_blocks from SSD",
                  "daemon load_blocks from DRAM", "daemon stream from SSD", "raw read of one block",
-                 "daemon stream from SSD, first block"):
+                 "daemon stream from SSD, first block", "daemon stream from DRAM, first block"):
         assert name in rows, f"row {name!r} missing:\n{proc.stdout}"
         figures = [float(x) for x in rows[name].split("|")[2:6]]
         assert all(f > 0 for f in figures), rows[name]
