@@ -188,6 +188,19 @@ def raw_read_ms(raw_path: Path, raw_blocks: int, dst: mmap.mmap, seed: int) -> f
         os.close(fd)
 
 
+def timed_load(client: kvstored.Client, buffers: Any, engine: np.ndarray, chain: list[bytes],
+               expected: np.ndarray, where: str) -> float:
+    """``Client.load_blocks`` of ``chain``, all found in tier ``where``, into ``buffers`` (whose
+    memory ``engine`` is zeroed first), checked against ``expected``; GB/s."""
+    engine[:] = 0
+    t = time.perf_counter()
+    got = client.load_blocks(buffers, list(range(len(chain))), hashes=chain)
+    rate = len(chain) * BLOCK / (time.perf_counter() - t) / 1e9
+    assert got.blocks == len(chain) and got.per_tier.get(where) == len(chain), f"the load found {got}"
+    assert np.array_equal(engine, expected), f"the load from {where} gave other bytes"
+    return rate
+
+
 def timed_stream(client: kvstored.Client, buffers: Any, engine: np.ndarray, chain: list[bytes],
                  expected: np.ndarray, where: str) -> tuple[float, float]:
     """``Client.stream`` of ``chain``, found in tier ``where`` ("dram" or "ssd"), into
@@ -242,19 +255,9 @@ def daemon_loads(base: Path, raw_blocks: int, n: int, runs: int) -> dict[str, li
                 dropped = client.evict(ns.model, tier="dram")
                 assert dropped == n, f"evict dropped {dropped} of {n} DRAM copies"
                 drop_cache(ssd_path)
-                engine.numpy()[:] = 0
                 raw = raw_reads_into_slots(base / "raw", raw_blocks, n, raw_dst, seed=run * n)
-                t = time.perf_counter()
-                got = client.load_blocks(buffers, ids, hashes=chain)
-                from_ssd = n * BLOCK / (time.perf_counter() - t) / 1e9
-                assert got.blocks == n and got.per_tier.get("ssd") == n, f"load found {got}"
-                assert np.array_equal(engine.numpy(), rows_now), "the load from SSD gave other bytes"
-                engine.numpy()[:] = 0
-                t = time.perf_counter()
-                got = client.load_blocks(buffers, ids, hashes=chain)
-                from_dram = n * BLOCK / (time.perf_counter() - t) / 1e9
-                assert got.blocks == n and got.per_tier.get("dram") == n, f"load found {got}"
-                assert np.array_equal(engine.numpy(), rows_now), "the load from DRAM gave other bytes"
+                from_ssd = timed_load(client, buffers, engine.numpy(), chain, rows_now, "ssd")
+                from_dram = timed_load(client, buffers, engine.numpy(), chain, rows_now, "dram")
                 first_dram, _ = timed_stream(client, buffers, engine.numpy(), chain, rows_now, "dram")
                 assert client.evict(ns.model, tier="dram") == n
                 drop_cache(ssd_path)
