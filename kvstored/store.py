@@ -508,7 +508,7 @@ class BlockStore:
             # or leased lookup at SIGTERM finishes before its session ends and takes the lease
             self._lookups_in_flight += 1
             try:
-                up = None if prefix_up is None else functools.partial(prefix_up, hits, tiers)
+                up = None if prefix_up is None else functools.partial(self._prefix_up, held, prefix_up, hits, tiers)
                 n = await self._ensure_dram(hits, up)
             except BaseException:   # cancelled while blocks came up from SSD: the lease goes too
                 if self._leases.get(held.lease_id) is held:
@@ -542,6 +542,12 @@ class BlockStore:
         self._n.hit_tokens += len(hits) * state.spec.block_size
         return LookupResult(len(hits), tiers, [b.offset for b in hits] if session is not None else [],
                             lease_id, ttl, state.spec.block_bytes, state.spec.block_size)
+
+    def _prefix_up(self, held: Lease, prefix_up: PrefixUp, hits: list[Block], tiers: list[Tier], k: int) -> None:
+        # Only while the lookup's lease holds: once it ended (reaped, its session closed) the hits
+        # are unpinned, and one in DRAM may lose its slot to another block before it is copied.
+        if self._leases.get(held.lease_id) is held:
+            prefix_up(hits, tiers, k)
 
     def prefetch(self, namespace_id: int, keys: KeyRequest) -> tuple[int, int]:
         """Start promoting the cached prefix's slower-tier blocks; returns (hit, promoting)."""
@@ -1532,6 +1538,9 @@ class BlockStore:
                 if started is not None:
                     started(result.tiers)
                 if not result.blocks:
+                    # its lease ended during the SSD reads: blocks copied before that are not
+                    # reported, and no layer is reported done while such a copy still runs
+                    await early.close()
                     if tensor_done is not None:
                         for i in range(len(buffers.tensors)):
                             tensor_done(i)

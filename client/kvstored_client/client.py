@@ -200,6 +200,7 @@ class Client:
         # whether the daemon takes packed keys: renewed with each session (a restart may bring
         # another version), see _open_session
         self._packed_keys = self._hello.packed_keys
+        self._takes_end_stream = self._hello.end_stream   # renewed with each session, as packed keys
         self._lock = threading.Lock()
         self._closed = False
         self._session_id: str | None = None
@@ -366,6 +367,7 @@ class Client:
                 self._arena_map = None
                 self._namespace_ids.clear()
             self._packed_keys = opened.packed_keys
+            self._takes_end_stream = opened.end_stream
             self._session_id = opened.session_id
 
     def _watch_session(self, call: Any, done: threading.Event, first: queue.Queue[Any]) -> None:
@@ -836,7 +838,8 @@ class Client:
         # Into buffers: an id for EndStream, so that leaving early waits until no copy runs
         request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id,
                                          buffers_id=0 if buffers is None else self._buffers_id(buffers, session),
-                                         peers=peers, stream_id=0 if buffers is None else next(self._stream_ids))
+                                         peers=peers, stream_id=next(self._stream_ids)
+                                         if buffers is not None and self._takes_end_stream else 0)
         n_blocks = self._keys(request.keys, spec, tokens, hashes, cache_salt)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")

@@ -143,7 +143,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
         return pb.HelloResponse(version=__version__, arena_path=str(self._arena.path),
                                 arena_bytes=self._arena.capacity, lease_ttl_ms=self._lease_ttl_ms,
-                                max_batch_blocks=self._max_batch, packed_keys=True)
+                                max_batch_blocks=self._max_batch, packed_keys=True, end_stream=True)
 
     async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
@@ -155,7 +155,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         reader: asyncio.Future[object] | None = None
         try:
             await context.write(pb.SessionEvent(session_id=session.session_id, arena_path=str(self._arena.path),
-                                                arena_bytes=self._arena.capacity, packed_keys=True))
+                                                arena_bytes=self._arena.capacity, packed_keys=True,
+                                                end_stream=True))
             while True:
                 reader = asyncio.ensure_future(context.read())
                 done, _ = await asyncio.wait({reader, closing}, return_when=asyncio.FIRST_COMPLETED)
@@ -341,8 +342,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 raise
 
         task = asyncio.ensure_future(run())
-        if request.stream_id and not self._streams.start(request.session_id, request.stream_id, task):
-            refused = Cancelled("the stream was ended before it started (EndStream), or its stream_id is in use")
+        try:
+            if request.stream_id and not self._streams.start(request.session_id, request.stream_id, task):
+                raise Cancelled("the stream was ended before it started (EndStream)")
+        except KVError as refused:
             await context.abort(code_for(refused), str(refused))
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -381,8 +384,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if not task.done():
                 if not task.cancelling():   # EndStream may have cancelled it: once is enough
                     task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                # not ``await task``: this handler cancelled once more would cancel the task again,
+                # cutting short its wait for a copy in flight (EndStream waits on the task itself)
+                await asyncio.wait([task])
 
     @mapped
     async def EndStream(self, request: pb.EndStreamRequest, context: grpc.aio.ServicerContext) -> pb.EndStreamResponse:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
+from kvstored.errors import InvalidArgument
+
 StreamKey = tuple[str, int]
 
 
@@ -26,10 +28,14 @@ class RunningStreams:
 
     def start(self, session_id: str, stream_id: int, task: asyncio.Task[None]) -> bool:
         """Track ``task`` until it is done. False, with ``task`` cancelled, when the stream was
-        ended already or another running stream of the session has the same id."""
+        ended already; InvalidArgument, with ``task`` cancelled, when another running stream of
+        the session has the same id."""
         key = (session_id, stream_id)
-        if key in self._ended or key in self._running:
-            self._ended.pop(key, None)
+        if key in self._running:
+            task.cancel()
+            raise InvalidArgument(f"stream_id {stream_id} is in use by another stream of this session")
+        if key in self._ended:
+            del self._ended[key]
             task.cancel()
             return False
         self._running[key] = task

@@ -375,3 +375,34 @@ def test_leaving_a_stream_into_buffers_early_returns_once_the_daemon_copies_no_m
         finally:
             src.close()
             dst.close()
+
+
+def test_end_stream_is_used_only_with_a_daemon_that_takes_it(client) -> None:  # type: ignore[no-untyped-def]
+    """A daemon from before EndStream ignores stream_id: the SDK names streams (and calls
+    EndStream when it leaves one early) only when Hello says the daemon takes it."""
+    assert client._hello.end_stream and client._takes_end_stream
+    sent: list[object] = []
+    for name in ("StreamBlocks", "EndStream"):
+        real = getattr(client._stub, name)
+
+        def record(request, *args, _real=real, _name=name, **kwargs):  # type: ignore[no-untyped-def]
+            sent.append((_name, request))
+            return _real(request, *args, **kwargs)
+        setattr(client._stub, name, record)
+    engine = kvstored.shm.empty((4, 2, 16, 2, 8), "float16")
+    ns = Namespace(model="end-stream", kv_dtype="float16")
+    try:
+        b = client.register_buffers([engine.numpy()], 0, namespace=ns)
+        tokens = np.arange(64)
+        assert client.save_blocks(b, [0, 1, 2, 3], tokens).stored == 4
+        for takes in (True, False):
+            client._takes_end_stream = takes
+            sent.clear()
+            for _ in client.stream(tokens, buffers=b, block_ids=[0, 1, 2, 3], peers=False):
+                break
+            names = [n for n, _ in sent]
+            stream_id = sent[0][1].stream_id  # type: ignore[attr-defined]
+            assert (names, stream_id != 0) == ((["StreamBlocks", "EndStream"], True) if takes
+                                               else (["StreamBlocks"], False)), (takes, names, stream_id)
+    finally:
+        engine.close()

@@ -61,20 +61,22 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "packed_keys")
+    __slots__ = ("version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "packed_keys", "end_stream")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    END_STREAM_FIELD_NUMBER: _ClassVar[int]
     version: str
     arena_path: str
     arena_bytes: int
     lease_ttl_ms: int
     max_batch_blocks: int
     packed_keys: bool
-    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., packed_keys: _Optional[bool] = ...) -> None: ...
+    end_stream: bool
+    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., packed_keys: _Optional[bool] = ..., end_stream: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("client_name", "pid")
@@ -85,18 +87,20 @@ class SessionRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "closing", "arena_path", "arena_bytes", "packed_keys")
+    __slots__ = ("session_id", "closing", "arena_path", "arena_bytes", "packed_keys", "end_stream")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CLOSING_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    END_STREAM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     closing: bool
     arena_path: str
     arena_bytes: int
     packed_keys: bool
-    def __init__(self, session_id: _Optional[str] = ..., closing: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., packed_keys: _Optional[bool] = ...) -> None: ...
+    end_stream: bool
+    def __init__(self, session_id: _Optional[str] = ..., closing: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., packed_keys: _Optional[bool] = ..., end_stream: _Optional[bool] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("spec",)

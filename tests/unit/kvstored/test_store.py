@@ -1064,3 +1064,36 @@ def test_a_read_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing
         finally:
             gate.set()
             engine.close()
+
+
+@pytest.mark.parametrize("call", ["load_blocks", "stream_blocks"])
+def test_a_read_whose_lease_ends_during_its_ssd_reads_copies_nothing_more(tmp_path: Path, call: str) -> None:
+    """The client's session closes (or the lease is reaped) while block 0 is still read from SSD:
+    the hits are unpinned then, and one already in DRAM may lose its slot to another block. The
+    blocks that land afterwards must not be copied into the engine's buffers (review: they were,
+    and a stream counted them as delivered)."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
+        gate = _gate_ssd_read(store, keys[0])
+        rows = engine.numpy()
+
+        async def main() -> object:
+            if call == "load_blocks":
+                coro = store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1, 2])
+            else:
+                coro = store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [0, 1, 2],
+                                           lambda a: None, None)
+            task = asyncio.ensure_future(coro)
+            await asyncio.sleep(0.05)   # blocks 1-2 have landed; block 0 is held
+            store.close_session(s)      # the client is gone: its lease ends
+            gate.set()
+            with contextlib.suppress(Exception):
+                return await task
+            return None
+
+        try:
+            asyncio.run(main())
+            assert not rows.any(), "blocks were copied into the buffers after the read's lease ended"
+        finally:
+            gate.set()
+            engine.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from kvstored.errors import InvalidArgument
 from kvstored.server.streams import RunningStreams
 
 
@@ -50,7 +51,7 @@ def test_ending_a_stream_already_being_cancelled_does_not_cut_its_cleanup_short(
 
 
 def test_a_stream_ended_before_it_started_is_cancelled_as_it_starts_and_ids_are_not_shared() -> None:
-    async def main() -> tuple[bool, bool, bool, bool]:
+    async def main() -> tuple[bool, bool, str, bool]:
         streams, cleanup = RunningStreams(), []
         await streams.end("s", 7)   # the call is still on its way
         early = asyncio.ensure_future(_stream(cleanup, 0))
@@ -58,7 +59,12 @@ def test_a_stream_ended_before_it_started_is_cancelled_as_it_starts_and_ids_are_
         first = asyncio.ensure_future(_stream(cleanup, 0))
         second = asyncio.ensure_future(_stream(cleanup, 0))
         started_first = streams.start("s", 8, first)
-        started_second = streams.start("s", 8, second)   # same id, still running
+        try:
+            streams.start("s", 8, second)   # same id, still running
+            started_second = "started"
+        except InvalidArgument:
+            started_second = "refused"
+        assert second.cancelled() or second.cancelling()
         await asyncio.wait([early, second])
         other_session = asyncio.ensure_future(_stream(cleanup, 0))
         started_other = streams.start("t", 8, other_session)
@@ -67,7 +73,7 @@ def test_a_stream_ended_before_it_started_is_cancelled_as_it_starts_and_ids_are_
         await asyncio.wait([first, other_session])
         return started_early, started_first, started_second, started_other
 
-    assert asyncio.run(main()) == (False, True, False, True)
+    assert asyncio.run(main()) == (False, True, "refused", True)
 
 
 def test_a_closed_session_forgets_its_ended_ids_and_memory_is_bounded() -> None:
