@@ -127,48 +127,75 @@ def engine_buffers(client: kvstored.Client) -> None:
 def two_nodes() -> Iterator[tuple[kvstored.Client, kvstored.Client]]:
     """A prefill node and a decode node: daemons with peer channels on loopback ports."""
     with tempfile.TemporaryDirectory(prefix="kvstored-demo-") as tmp:
-        ports = []
-        for _ in range(2):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
-        static = f"prefill=127.0.0.1:{ports[0]},decode=127.0.0.1:{ports[1]}"
-        procs, clients = [], []
+        procs: list[subprocess.Popen[bytes]] = []
+        clients: list[kvstored.Client] = []
         try:
-            for name, port in zip(("prefill", "decode"), ports):
-                sock = str(Path(tmp) / f"{name}.sock")
-                log = Path(tmp) / f"{name}.log"
-                with open(log, "wb") as err:
-                    procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "kvstored", "--no-config", "--socket", sock, "--dram-capacity",
-                         "256MiB", "--set", "ssd.enabled=false", "--set", f"peers.listen=127.0.0.1:{port}",
-                         "--set", f"peers.node_id={name}", "--set", f"peers.static={static}",
-                         "--set", "peers.token=demo-token", "--log-level", "warning"],
-                        stdout=subprocess.DEVNULL, stderr=err))
-                deadline = time.monotonic() + 30
-                while True:
-                    try:
-                        clients.append(kvstored.Client(sock, client_name=f"demo-{name}"))
-                        break
-                    except kvstored.DaemonNotRunning:
-                        if procs[-1].poll() is not None:   # its log goes with the temp directory: show it
-                            raise SystemExit(f"the {name} daemon exited ({procs[-1].returncode}) before serving:\n"
-                                             + log.read_text(errors="replace")) from None
-                        if time.monotonic() > deadline:
-                            raise
-                        time.sleep(0.1)
+            for attempt in range(3):   # a port picked free may be taken before the daemon binds it
+                if _start_nodes(Path(tmp), procs, clients, last_try=attempt == 2):
+                    break
+                _stop_nodes(procs, clients)
             yield clients[0], clients[1]
         finally:
-            for c in clients:
-                c.close()
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
+            _stop_nodes(procs, clients)
+
+
+def pick_ports(n: int) -> list[int]:
+    """``n`` loopback ports free now (another process may take one before a daemon binds it)."""
+    ports = []
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    return ports
+
+
+def _start_nodes(tmp: Path, procs: list[subprocess.Popen[bytes]], clients: list[kvstored.Client],
+                 last_try: bool) -> bool:
+    """Start the two daemons on fresh loopback ports and connect to them (appending to ``procs``
+    and ``clients``); False when a daemon found its port taken meanwhile (unless ``last_try``)."""
+    ports = pick_ports(2)
+    static = f"prefill=127.0.0.1:{ports[0]},decode=127.0.0.1:{ports[1]}"
+    for name, port in zip(("prefill", "decode"), ports):
+        sock = str(tmp / f"{name}.sock")
+        log = tmp / f"{name}.log"
+        with open(log, "wb") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "kvstored", "--no-config", "--socket", sock, "--dram-capacity",
+                 "256MiB", "--set", "ssd.enabled=false", "--set", f"peers.listen=127.0.0.1:{port}",
+                 "--set", f"peers.node_id={name}", "--set", f"peers.static={static}",
+                 "--set", "peers.token=demo-token", "--log-level", "warning"],
+                stdout=subprocess.DEVNULL, stderr=err))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                clients.append(kvstored.Client(sock, client_name=f"demo-{name}"))
+                break
+            except kvstored.DaemonNotRunning:
+                if procs[-1].poll() is not None:   # its log goes with the temp directory: show it
+                    text = log.read_text(errors="replace")
+                    if "address already in use" in text and not last_try:
+                        return False
+                    raise SystemExit(f"the {name} daemon exited ({procs[-1].returncode}) before serving:\n"
+                                     + text) from None
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    return True
+
+
+def _stop_nodes(procs: list[subprocess.Popen[bytes]], clients: list[kvstored.Client]) -> None:
+    for c in clients:
+        c.close()
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+    procs.clear()
+    clients.clear()
 
 
 def disaggregated() -> None:

@@ -108,3 +108,30 @@ def test_a_daemon_that_cannot_start_fails_the_demo_with_its_reason(tmp_path: Pat
     assert proc.returncode != 0
     assert "does not fit" in proc.stderr, proc.stderr[-3000:]
     assert_nothing_left(proc, tmp)
+
+
+def test_the_demo_starts_its_two_nodes_again_when_a_port_is_taken_before_a_daemon_binds_it(
+        monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The demo picks free loopback ports, then starts daemons on them; another process may take
+    one in between (a CI run failed so: "address already in use"). It tries fresh ports."""
+    import socket
+
+    from tools import demo
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks: list[list[int]] = []
+    real = demo.pick_ports
+
+    def first_taken(n: int) -> list[int]:
+        picks.append([taken.getsockname()[1]] * n if not picks else real(n))
+        return picks[-1]
+
+    monkeypatch.setattr(demo, "pick_ports", first_taken)
+    try:
+        with demo.two_nodes() as (prefill, decode):
+            assert prefill.stats()["version"] and decode.stats()["version"]
+        assert len(picks) == 2, picks
+    finally:
+        taken.close()
