@@ -1026,6 +1026,14 @@ def test_a_stream_into_engine_buffers_hands_over_blocks_while_later_ones_are_rea
             engine.close()
 
 
+def _read_into_buffers(store: BlockStore, call: str, s: str, ns: int, keys: list[bytes], buffers):  # type: ignore[no-untyped-def]
+    """``load_blocks`` or ``stream_blocks`` of ``keys`` into engine blocks 0, 1, ... (a coroutine)."""
+    ids = list(range(len(keys)))
+    if call == "load_blocks":
+        return store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), ids)
+    return store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, ids, lambda a: None, None)
+
+
 @pytest.mark.parametrize("call", ["load_blocks", "stream_blocks"])
 def test_a_read_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing_pinned(
         tmp_path: Path, call: str) -> None:
@@ -1037,12 +1045,7 @@ def test_a_read_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing
         rows = engine.numpy()
 
         async def main() -> None:
-            if call == "load_blocks":
-                coro = store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1, 2])
-            else:
-                coro = store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [0, 1, 2],
-                                           lambda a: None, None)
-            task = asyncio.ensure_future(coro)
+            task = asyncio.ensure_future(_read_into_buffers(store, call, s, ns, keys, buffers))
             for _ in range(2000):   # bounded: 2 s
                 if (rows[1] == 2).all():
                     break
@@ -1078,12 +1081,7 @@ def test_a_read_whose_lease_ends_during_its_ssd_reads_copies_nothing_more(tmp_pa
         rows = engine.numpy()
 
         async def main() -> object:
-            if call == "load_blocks":
-                coro = store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1, 2])
-            else:
-                coro = store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [0, 1, 2],
-                                           lambda a: None, None)
-            task = asyncio.ensure_future(coro)
+            task = asyncio.ensure_future(_read_into_buffers(store, call, s, ns, keys, buffers))
             await asyncio.sleep(0.05)   # blocks 1-2 have landed; block 0 is held
             store.close_session(s)      # the client is gone: its lease ends
             gate.set()
