@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import lmdb
@@ -393,5 +394,103 @@ def test_a_known_checksum_is_stored_as_given(tmp_path: Path) -> None:
         assert ssd.read_into(1, b"a" * 32, out).result(10) == right
         with pytest.raises(Corrupt, match="checksum"):   # a wrong one is never taken for the bytes'
             ssd.read_into(1, b"b" * 32, out).result(10)
+    finally:
+        ssd.close()
+
+
+def test_reads_queued_before_close_are_served_and_a_read_after_close_is_refused(tmp_path: Path) -> None:
+    """close() lets the reads already asked for finish (a promotion waits on each); a read asked
+    for after it raises at once rather than queueing one no thread will ever serve."""
+    ssd = SSDTier(str(tmp_path), 64 << 20, read_threads=2)
+    for i in range(8):
+        ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
+    outs = [np.zeros(64 << 10, dtype=np.uint8) for _ in range(8)]
+    futures = [ssd.read_into(1, bytes([i]) * 32, outs[i]) for i in range(8)]
+    ssd.close()
+    assert [f.done() for f in futures] == [True] * 8
+    for i, (f, out) in enumerate(zip(futures, outs)):
+        assert f.result(0) == xxhash.xxh3_64_intdigest(payload(i))
+        assert np.array_equal(out, payload(i))
+    with pytest.raises(RuntimeError, match="closed"):
+        ssd.read_into(1, bytes([0]) * 32, outs[0])
+
+
+def test_a_read_that_breaks_fails_its_future_and_the_read_threads_go_on(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    ssd = SSDTier(str(tmp_path), 64 << 20, read_threads=1)
+    try:
+        for i in range(3):
+            ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
+        real_payload, real_env = ssd._read_payload, ssd._env
+
+        def read_payload(rec: BlockRecord, dst: np.ndarray) -> int:
+            if rec.key == bytes([1]) * 32:
+                raise ValueError("unforeseen")
+            return real_payload(rec, dst)
+        monkeypatch.setattr(ssd, "_read_payload", read_payload)
+        out = np.zeros(64 << 10, dtype=np.uint8)
+        with pytest.raises(ValueError, match="unforeseen"):
+            ssd.read_into(1, bytes([1]) * 32, out).result(10)
+
+        class BrokenIndex:
+            def begin(self) -> None:
+                raise lmdb.Error("index unreadable")
+        monkeypatch.setattr(ssd, "_env", BrokenIndex())
+        with pytest.raises(lmdb.Error, match="unreadable"):
+            ssd.read_into(1, bytes([0]) * 32, out).result(10)
+        monkeypatch.setattr(ssd, "_env", real_env)
+        for i in (0, 2):   # the one read thread is still there
+            ssd.read_into(1, bytes([i]) * 32, out).result(10)
+            assert np.array_equal(out, payload(i))
+    finally:
+        ssd.close()
+
+
+def test_reads_of_consecutive_slots_queued_together_are_merged_and_each_is_verified(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small blocks queued together come up in one preadv per run of consecutive slots (up to
+    MERGE_BYTES); every block is still checked on its own: a corrupt one in a merged read fails
+    alone, and one whose merged read came up short is read again by itself."""
+    ssd = SSDTier(str(tmp_path), 64 << 20, read_threads=1)
+    try:
+        n = 12
+        for i in range(n):
+            ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
+        f = ssd._file(64 << 10)
+        with open(tmp_path / f"payload-{64 << 10}.dat", "r+b") as fh:   # block 5's slot, behind the tier's back
+            fh.seek(5 * f.stride + 100)
+            byte = fh.read(1)
+            fh.seek(5 * f.stride + 100)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        calls: list[int] = []
+        real_run, real_jobs = f.read_run, ssd._read_jobs
+
+        def read_run(slot: int, dsts: list[np.ndarray]) -> int:
+            calls.append(len(dsts))
+            got = real_run(slot, dsts)
+            if len(dsts) > 1 and max(calls[:-1], default=1) == 1:   # the first merged read comes up short
+                dsts[-1][-1:] = 0
+                return got - 1
+            return got
+        gate = threading.Event()
+
+        def read_jobs(jobs: list) -> None:  # type: ignore[type-arg]
+            assert gate.wait(10)   # the first read holds the thread until all are queued
+            real_jobs(jobs)
+        monkeypatch.setattr(f, "read_run", read_run)
+        monkeypatch.setattr(ssd, "_read_jobs", read_jobs)
+        outs = [np.zeros(64 << 10, dtype=np.uint8) for _ in range(n)]
+        futures = [ssd.read_into(1, bytes([i]) * 32, outs[i]) for i in range(n)]
+        gate.set()
+        for i, fut in enumerate(futures):
+            if i == 5:
+                with pytest.raises(Corrupt, match="checksum"):
+                    fut.result(10)
+            else:
+                assert fut.result(10) == xxhash.xxh3_64_intdigest(payload(i))
+                assert np.array_equal(outs[i], payload(i))
+        assert max(calls) > 1, f"no read was merged: {calls}"
+        assert len(calls) <= 3 and calls[-1] == 1, f"reads for {n} blocks queued together: {calls}"
+        assert ssd.checksum_failures == 1
     finally:
         ssd.close()
