@@ -641,7 +641,7 @@ def test_ssd_ancestors_held_by_another_chain_do_not_make_a_round_empty_the_tier(
 
 
 def test_a_promotion_whose_read_cannot_start_frees_its_slot_and_its_waiters(tmp_path: Path) -> None:
-    """SSDTier.read_into raises at once when its read pool is shut down (the daemon stopping):
+    """SSDTier.read_into raises at once once its reads are stopped (the daemon stopping):
     _ensure_dram had already given the block a slot and registered the promotion, so the block
     stayed 'promoting' for ever with the slot: the next reader waited on it for ever, and the
     block could never be evicted again. The read counts as failed: the slot goes back, the block
@@ -652,7 +652,7 @@ def test_a_promotion_whose_read_cannot_start_frees_its_slot_and_its_waiters(tmp_
         keys = chain(2, 555_000)
         _to_ssd_only(store, s, ns, keys)
         assert store._ssd is not None
-        store._ssd._readers.shutdown(wait=True)
+        store._ssd.stop_reads()
 
         async def run() -> None:
             r = await asyncio.wait_for(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s), 30)
@@ -667,6 +667,83 @@ def test_a_promotion_whose_read_cannot_start_frees_its_slot_and_its_waiters(tmp_
         assert all(b is not None and b.pins == 0 and not b.in_dram and b.on_ssd for b in blocks)
         assert store.stats().tiers[0].used_bytes == 0, "a slot was kept by a promotion that never started"
         assert store.stats().tiers[1].blocks == 2 and store.evict(tier=Tier.SSD) == 2
+
+
+LONG = 100   # blocks of a prompt whose promotions take several steps to set up (32 a step)
+
+
+@contextlib.contextmanager
+def long_prompt_on_ssd(tmp_path: Path) -> Iterator[tuple[BlockStore, str, int, list[bytes], list[bytes]]]:
+    """A store holding a LONG-block prompt on SSD only; the reads its SSD tier is asked for are
+    listed (by key) as they are queued: (store, session, namespace, the prompt's keys, reads)."""
+    values: dict[str, dict[str, object]] = {
+        "dram": {"capacity": 2 * LONG * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False, "policy": "lru"},
+        "ssd": {"enabled": True, "capacity": 4 * LONG * BLOCK, "policy": "lru", "sync": False}}
+    with open_store(tmp_path, values, True) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        keys = chain(LONG, 700_000)
+        _to_ssd_only(store, s, ns, keys)
+        assert store._ssd is not None
+        real, queued = store._ssd.read_into, []
+
+        def counted(namespace_id, key, view):  # type: ignore[no-untyped-def]
+            queued.append(key)
+            return real(namespace_id, key, view)
+        store._ssd.read_into = counted  # type: ignore[method-assign]
+        yield store, s, ns, keys, queued
+
+
+def test_other_calls_run_while_a_long_prompt_is_set_up_to_come_up_from_ssd(tmp_path: Path) -> None:
+    """Setting up every promotion of a long prompt in one step held the event loop (~35 us a block
+    here: 70 ms for 2,048 blocks), and every other client's call waited; it now yields between
+    steps while the reads queued so far go on."""
+    with long_prompt_on_ssd(tmp_path) as (store, s, ns, keys, queued):
+        async def run() -> tuple[int, int]:
+            lookup = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s))
+            seen: list[int] = []
+
+            async def other_client() -> None:   # a call that arrives as the lookup starts
+                seen.append(len(queued))
+            await asyncio.gather(lookup, other_client())
+            return lookup.result().blocks, seen[0]
+        found, queued_when_other_ran = asyncio.run(run())
+        assert found == LONG
+        assert 0 < queued_when_other_ran < LONG, f"the other call ran after {queued_when_other_ran} reads"
+        assert len(queued) == LONG
+
+
+@pytest.mark.parametrize("how", ["lease ended", "cancelled"])
+def test_a_lookup_that_ends_between_set_up_steps_queues_no_more_reads_and_leaves_its_slots_evictable(
+        tmp_path: Path, how: str) -> None:
+    """Its session closed (its lease ended) or the lookup cancelled while it yields between steps:
+    no more reads are queued, and the blocks already coming up are handed to the DRAM policy
+    all the same (a slot the policy never learns of could never be evicted)."""
+    with long_prompt_on_ssd(tmp_path) as (store, s, ns, keys, queued):
+        async def run() -> int | None:
+            lookup = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s))
+
+            async def meanwhile() -> None:
+                if how == "cancelled":
+                    lookup.cancel()
+                else:
+                    store.close_session(s)
+            await asyncio.gather(meanwhile(), return_exceptions=True)
+            found = None
+            try:
+                found = (await lookup).blocks
+            except asyncio.CancelledError:
+                pass
+            await asyncio.wait_for(store.drain(), 30)
+            return found
+        found = asyncio.run(run())
+        assert found == (None if how == "cancelled" else 0)
+        assert 0 < len(queued) < LONG, f"{len(queued)} reads were queued"
+        blocks = [store._namespaces[ns].index.get(k) for k in keys]
+        assert all(b is not None and b.pins == 0 and b.on_ssd for b in blocks)
+        assert not store._promoting
+        assert store.evict(tier=Tier.DRAM) == len(queued), "a promoted block is not evictable"
+        assert store.stats().tiers[0].used_bytes == 0
 
 
 def test_a_block_promoted_twice_meanwhile_keeps_its_hits_when_the_first_batch_lands(tmp_path: Path) -> None:
