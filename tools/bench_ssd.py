@@ -22,8 +22,15 @@
   the same load again once the blocks are back in DRAM (what the load costs above the disk); and
   ``Client.stream`` of the prompt from DRAM and from SSD again: the first block's latency against
   one raw read.
+- the event loop while a long prompt comes up (``--small-blocks``, 0 to skip): a daemon's
+  ``load_blocks`` of a prompt of that many 64 KiB blocks found on SSD only, while a second client
+  calls ``lookup`` of one block in a loop; the load's speed against raw O_DIRECT reads of as many
+  64 KiB blocks at depth 2, and the second client's call latency during the load against the same
+  calls with the daemon idle (every block's promotion is set up on the event loop, so this is
+  what other engines on the node wait).
 
     python tools/bench_ssd.py [--dir DIR] [--blocks 256] [--runs 5] [--daemon-blocks 64]
+                              [--small-blocks 2048]
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -274,6 +282,92 @@ def daemon_loads(base: Path, raw_blocks: int, n: int, runs: int) -> dict[str, li
     return rows
 
 
+SMALL = 64 << 10
+
+
+def raw_small_reads(raw_path: Path, raw_bytes: int, n: int, seed: int) -> float:
+    """``n`` random 64 KiB O_DIRECT reads of ``raw_path`` through two threads; GB/s."""
+    order = [random.Random(seed + i).randrange(raw_bytes // SMALL) for i in range(n)]
+    dst = aligned(n * SMALL)
+    view = memoryview(dst)
+    fd = os.open(raw_path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            t = time.perf_counter()
+            for f in [pool.submit(os.preadv, fd, [view[i * SMALL:(i + 1) * SMALL]], r * SMALL)
+                      for i, r in enumerate(order)]:
+                f.result(60)
+            return n * SMALL / (time.perf_counter() - t) / 1e9
+    finally:
+        view.release()
+        os.close(fd)
+        dst.close()
+
+
+def lookups_until(client: kvstored.Client, chain: list[bytes], stop: threading.Event, most: int) -> list[float]:
+    """ms of each ``lookup`` of ``chain``'s first block, made one after another until ``stop`` is
+    set or ``most`` calls were made."""
+    latencies: list[float] = []
+    while not stop.is_set() and len(latencies) < most:
+        t = time.perf_counter()
+        client.lookup(hashes=chain[:1])
+        latencies.append((time.perf_counter() - t) * 1e3)
+    return latencies
+
+
+def loop_while_promoting(base: Path, raw_blocks: int, n: int, runs: int) -> dict[str, list[float]]:
+    """Per run: raw reads of ``n`` 64 KiB blocks at depth 2 (GB/s); a daemon's ``load_blocks`` of an
+    ``n``-block prompt of 64 KiB blocks on its SSD tier only (GB/s, checked against the bytes
+    saved); a second client's lookup latency during that load (median and max, ms) and with the
+    daemon idle (median, ms)."""
+    rows: dict[str, list[float]] = {"raw 64 KiB reads, depth 2": [], "daemon load_blocks from SSD": [],
+                                    "lookup, daemon idle, median ms": [],
+                                    "lookup during the load, median ms": [], "lookup during the load, max ms": []}
+    ssd_path = base / "small-ssd"
+    ns = Namespace(model="bench-small", block_bytes=SMALL)
+    engine = kvstored.shm.empty((n, SMALL), "uint8")
+    rng = np.random.default_rng(5)
+    try:
+        with local_daemon("--dram-capacity", str(max(2 * n * SMALL, 64 << 20)), "--set", "dram.page_bytes=32MiB",
+                          "--set", f"ssd.capacity={4 * n * SMALL}", "--log-level", "warning",
+                          ssd_path=ssd_path) as client, kvstored.Client(client.socket, namespace=ns) as other:
+            buffers = client.register_buffers([engine.numpy()], 0, namespace=ns)
+            ids = list(range(n))
+            for run in range(runs + 1):   # the first run warms up
+                rows_now = rng.integers(0, 255, size=(n, SMALL), dtype=np.uint8)
+                engine.numpy()[:] = rows_now
+                chain = [rng.bytes(32) for _ in range(n)]
+                assert client.save_blocks(buffers, ids, hashes=chain).stored == n
+                assert client.flush(ns.model) == n
+                assert client.evict(ns.model, tier="dram") == n
+                drop_cache(ssd_path)
+                raw = raw_small_reads(base / "raw", raw_blocks * BLOCK, n, seed=run * n)
+                idle = lookups_until(other, chain, threading.Event(), 200)
+                stop = threading.Event()
+                with ThreadPoolExecutor(1) as pool:
+                    during = pool.submit(lookups_until, other, chain, stop, 100_000)
+                    time.sleep(0.05)   # the lookups are under way
+                    try:
+                        engine.numpy()[:] = 0
+                        t = time.perf_counter()
+                        got = client.load_blocks(buffers, ids, hashes=chain)
+                        rate = n * SMALL / (time.perf_counter() - t) / 1e9
+                    finally:
+                        stop.set()
+                    latencies = during.result(60)
+                assert got.blocks == n and got.per_tier.get("ssd") == n, f"the load found {got}"
+                assert np.array_equal(engine.numpy(), rows_now), "the load from SSD gave other bytes"
+                client.evict(ns.model)
+                if run:
+                    for name, value in zip(rows, (raw, rate, statistics.median(idle), statistics.median(latencies),
+                                                  max(latencies))):
+                        rows[name].append(value)
+            client.unregister_buffers(buffers)
+    finally:
+        engine.close()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
@@ -281,6 +375,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--daemon-blocks", type=int, default=64,
                         help="blocks per load in the daemon section (0: skip it)")
+    parser.add_argument("--small-blocks", type=int, default=2048,
+                        help="64 KiB blocks per load in the event-loop section (0: skip it)")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(dir=args.dir))
     src = aligned(BLOCK)
@@ -343,6 +439,7 @@ def main() -> int:
         finally:
             ssd.close()
         daemon = daemon_loads(base, args.blocks, args.daemon_blocks, args.runs) if args.daemon_blocks else {}
+        small = loop_while_promoting(base, args.blocks, args.small_blocks, args.runs) if args.small_blocks else {}
     finally:
         shutil.rmtree(base, ignore_errors=True)   # the raw file and the tiers: a GiB a run
     med = {k: statistics.median(v) for k, v in rows.items()}
@@ -374,6 +471,18 @@ def main() -> int:
                      "daemon stream from DRAM, first block, ms"):
             lo, hi = min(daemon[name]), max(daemon[name])
             print(f"| {name[:-4]} | {dmed[name]:.2f} | {lo:.2f} | {hi:.2f} | {dmed[name] / one:.2f} |")
+    if small:
+        smed = {k: statistics.median(v) for k, v in small.items()}
+        print(f"\nThe event loop while a prompt of {args.small_blocks} blocks of 64 KiB comes up from SSD, "
+              f"medians of {args.runs}\n")
+        print("| operation | median | min | max | vs |")
+        print("|---|---|---|---|---|")
+        for name, values in small.items():
+            base_name = "raw 64 KiB reads, depth 2" if not name.endswith(" ms") else "lookup, daemon idle, median ms"
+            unit = "ms" if name.endswith(" ms") else "GB/s"
+            label = name[:-3] if name.endswith(" ms") else name
+            print(f"| {label} ({unit}) | {smed[name]:.2f} | {min(values):.2f} | {max(values):.2f} | "
+                  f"{smed[name] / smed[base_name]:.2f} |")
     return 0
 
 
