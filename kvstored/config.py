@@ -37,6 +37,7 @@ class ServerConfig:
     max_batch_blocks: int = 16384    # blocks in one request (a 256k-token prompt at 16/block)
     shutdown_grace_s: float = 10.0
     watchdog: bool = True            # send WATCHDOG=1 when systemd asks for it
+    gc_freeze_interval_s: float = 60.0   # collect, then freeze long-lived objects (0 = leave the GC as it is)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +239,7 @@ def _validate(cfg: Config) -> None:
         (0 < cfg.server.max_batch_blocks <= MAX_BATCH_BLOCKS,
          f"server.max_batch_blocks: must be in 1..{MAX_BATCH_BLOCKS}"),
         (cfg.server.shutdown_grace_s >= 0, "server.shutdown_grace_s: must not be negative"),
+        (cfg.server.gc_freeze_interval_s >= 0, "server.gc_freeze_interval_s: must not be negative (0: off)"),
         (cfg.dram.shm_dir.strip() != "", "dram.shm_dir: must name a directory (e.g. /dev/shm)"),
         (0 <= cfg.server.socket_mode <= 0o777, "server.socket_mode: must be a file mode like '0660'"),
         (cfg.server.socket_mode & 0o600 == 0o600,

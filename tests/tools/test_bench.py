@@ -109,3 +109,16 @@ def test_the_ssd_benchmark_runs_the_tier_and_the_daemon_path_and_prints_both_tab
         figures = [float(x) for x in rows[name].split("|")[2:6]]
         assert all(f > 0 for f in figures), rows[name]
     assert not list(tmp_path.iterdir()), f"the run left files behind: {list(tmp_path.iterdir())}"
+
+
+def test_the_gc_benchmark_prints_every_pause() -> None:
+    """``tools/bench_gc.py`` in a tiny run: the full pass before and after the freeze, the freezes
+    and the thaw (the figures themselves are for BENCHMARKS.md, not asserted)."""
+    proc = subprocess.run([sys.executable, "tools/bench_gc.py", "--blocks", "20000", "--new", "2000", "--runs", "1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
+    for name in ("full pass, nothing frozen", "the freeze (a pass, then gc.freeze)", "full pass after the freeze",
+                 "the next freeze, 2,000 blocks later", "a thaw (everything unfrozen, one full pass, frozen again)"):
+        assert name in rows, f"row {name!r} missing:\n{proc.stdout}"
+        assert float(rows[name].split("|")[2]) >= 0

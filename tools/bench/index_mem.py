@@ -32,22 +32,7 @@ def measure(n_blocks: int) -> dict[str, float]:
     base, _ = tracemalloc.get_traced_memory()
     t0 = time.perf_counter()
     index = index_mod.PrefixIndex(1)
-    chains: list[list[object]] = []
-    seed = hashlib.sha256(b"kvbench-index").digest()
-    made = 0
-    slot = 4096
-    while made < n_blocks:
-        parent = None
-        key = seed
-        chain = []
-        for _ in range(min(CHAIN, n_blocks - made)):
-            key = hashlib.sha256(key + made.to_bytes(8, "little")).digest()
-            parent = index.insert(key, parent, made * slot)
-            parent.pins = 0
-            seal(parent)
-            chain.append(parent)
-            made += 1
-        chains.append(chain)
+    chains = fill(index, n_blocks, seal)
     elapsed = time.perf_counter() - t0
     gc.collect()
     index_only, _ = tracemalloc.get_traced_memory()
@@ -63,6 +48,28 @@ def measure(n_blocks: int) -> dict[str, float]:
     return {"blocks": n_blocks, "bytes_per_block": (index_only - base - listing) / n_blocks,
             "with_policy_bytes_per_block": (current - base - listing) / n_blocks, "policy": DEFAULT_POLICY,
             "peak_bytes_per_block": (peak - base) / n_blocks, "build_s": elapsed}
+
+
+def fill(index: object, n_blocks: int, seal: object, first: int = 0) -> list[list[object]]:
+    """Insert ``n_blocks`` sealed, unpinned blocks into ``index`` as chains of CHAIN (32-byte
+    sha256 keys, a parent, an arena offset), numbered from ``first``; the chains."""
+    chains: list[list[object]] = []
+    seed = hashlib.sha256(b"kvbench-index").digest()
+    made = first
+    slot = 4096
+    while made < first + n_blocks:
+        parent = None
+        key = seed
+        chain = []
+        for _ in range(min(CHAIN, first + n_blocks - made)):
+            key = hashlib.sha256(key + made.to_bytes(8, "little")).digest()
+            parent = index.insert(key, parent, made * slot)  # type: ignore[attr-defined]
+            parent.pins = 0
+            seal(parent)  # type: ignore[operator]
+            chain.append(parent)
+            made += 1
+        chains.append(chain)
+    return chains
 
 
 def _sealer(index_mod: object):  # type: ignore[no-untyped-def]

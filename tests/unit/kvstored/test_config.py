@@ -242,6 +242,7 @@ def test_etcd_with_a_wildcard_listener_needs_advertise(listen: str) -> None:
     ({"peers": {"etcd_ttl_s": 2.5}}, "peers.etcd_ttl_s"),
     ({"server": {"shutdown_grace_s": -1}}, "server.shutdown_grace_s"),
     ({"server": {"shutdown_grace_s": "nan"}}, "server.shutdown_grace_s"),
+    ({"server": {"gc_freeze_interval_s": -1}}, "server.gc_freeze_interval_s"),
     ({"leases": {"ttl_s": float("inf")}}, "leases.ttl_s"),
     ({"dram": {"shm_dir": ""}}, "dram.shm_dir"),
     ({"dram": {"shm_dir": "  "}}, "dram.shm_dir"),
