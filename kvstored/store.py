@@ -344,6 +344,10 @@ class BlockStore:
         for buffers_id in list(session.buffers):
             self._drop_buffers(buffers_id)
 
+    def has_session(self, session_id: str) -> bool:
+        """Whether ``session_id`` names an open session."""
+        return session_id in self._sessions
+
     def _working_session(self, session_id: str) -> Session:
         """:meth:`_session`, for a request that starts new work (a copy, a lease, a reservation):
         Unavailable once shutdown began. A call the server had taken before SIGTERM may start

@@ -390,7 +390,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @mapped
     async def EndStream(self, request: pb.EndStreamRequest, context: grpc.aio.ServicerContext) -> pb.EndStreamResponse:
-        await self._streams.end(request.session_id, request.stream_id)
+        await self._streams.end(request.session_id, request.stream_id, self._store.has_session(request.session_id))
         return pb.EndStreamResponse()
 
     @mapped

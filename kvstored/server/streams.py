@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from kvstored.errors import InvalidArgument
+from kvstored.errors import FailedPrecondition, InvalidArgument
 
 StreamKey = tuple[str, int]
 
@@ -19,11 +19,12 @@ StreamKey = tuple[str, int]
 class RunningStreams:
     """``start`` a stream's task under its ids; ``end`` cancels it and waits until it is over.
     Ids ended before their stream started (the call still on its way) are remembered, up to
-    ``remember`` of them, and such a stream is cancelled as it starts."""
+    ``remember`` of them per session (one session ending many cannot push out another's), and
+    such a stream is cancelled as it starts."""
 
     def __init__(self, remember: int = 4096) -> None:
         self._running: dict[StreamKey, asyncio.Task[None]] = {}
-        self._ended: OrderedDict[StreamKey, None] = OrderedDict()
+        self._ended: dict[str, OrderedDict[int, None]] = {}
         self._remember = remember
 
     def start(self, session_id: str, stream_id: int, task: asyncio.Task[None]) -> bool:
@@ -34,22 +35,30 @@ class RunningStreams:
         if key in self._running:
             task.cancel()
             raise InvalidArgument(f"stream_id {stream_id} is in use by another stream of this session")
-        if key in self._ended:
-            del self._ended[key]
+        ended = self._ended.get(session_id)
+        if ended is not None and stream_id in ended:
+            del ended[stream_id]
+            if not ended:
+                del self._ended[session_id]
             task.cancel()
             return False
         self._running[key] = task
         task.add_done_callback(lambda _: self._running.pop(key, None))
         return True
 
-    async def end(self, session_id: str, stream_id: int) -> None:
-        """Stop the stream and return once its task is over (at once when it is over already)."""
+    async def end(self, session_id: str, stream_id: int, session_open: bool = True) -> None:
+        """Stop the stream and return once its task is over (at once when it is over already).
+        A stream not running is remembered as ended only for an open session: for any other,
+        FailedPrecondition (ids of sessions that do not exist would be kept for ever)."""
         key = (session_id, stream_id)
         task = self._running.get(key)
         if task is None:
-            self._ended[key] = None
-            while len(self._ended) > self._remember:
-                self._ended.popitem(last=False)
+            if not session_open:
+                raise FailedPrecondition(f"unknown session {session_id!r}: its streams ended with it")
+            ended = self._ended.setdefault(session_id, OrderedDict())
+            ended[stream_id] = None
+            while len(ended) > self._remember:
+                ended.popitem(last=False)
             return
         if not task.cancelling():
             # a second cancel would cut short the stream's own cleanup, which waits (shielded)
@@ -59,8 +68,7 @@ class RunningStreams:
 
     def forget(self, session_id: str) -> None:
         """The session closed: its ended ids can never start a stream again."""
-        for key in [k for k in self._ended if k[0] == session_id]:
-            del self._ended[key]
+        self._ended.pop(session_id, None)
 
     def __len__(self) -> int:
         return len(self._running)

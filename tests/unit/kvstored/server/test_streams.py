@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvstored.errors import InvalidArgument
+from kvstored.errors import FailedPrecondition, InvalidArgument
 from kvstored.server.streams import RunningStreams
 
 
@@ -93,3 +93,44 @@ def test_a_closed_session_forgets_its_ended_ids_and_memory_is_bounded() -> None:
         return forgotten, oldest_remembered
 
     assert asyncio.run(main()) == (True, False)
+
+
+def test_a_session_that_ends_many_unknown_streams_does_not_push_out_another_sessions_ended_id() -> None:
+    """The ids ended before their stream started were bounded for all sessions together: a client
+    ending thousands of ids it never started made the daemon forget another client's EndStream,
+    whose stream then ran into buffers that client was already reusing."""
+    async def main() -> bool:
+        streams = RunningStreams(remember=4)
+        await streams.end("careful", 7)
+        for i in range(100):
+            await streams.end("noisy", i)
+        task = asyncio.ensure_future(asyncio.sleep(10))
+        started = streams.start("careful", 7, task)
+        task.cancel()
+        await asyncio.wait([task])
+        return started
+
+    assert asyncio.run(main()) is False, "the careful session's ended stream ran"
+
+
+def test_ending_a_stream_of_an_unknown_session_is_refused_unless_it_is_still_running() -> None:
+    """Remembered per session, the ids of sessions that do not exist would be kept for ever; a
+    stream still running under a session that has just closed is still stopped and waited for."""
+    async def main() -> list[str]:
+        streams = RunningStreams()
+        try:
+            await streams.end("gone", 1, session_open=False)
+        except FailedPrecondition:
+            pass
+        else:
+            raise AssertionError("an id of an unknown session was taken")
+        assert streams.start("gone", 1, asyncio.ensure_future(asyncio.sleep(0)))   # nothing was remembered
+        cleanup: list[str] = []
+        task = asyncio.ensure_future(_stream(cleanup))
+        assert streams.start("closing", 2, task)
+        await asyncio.sleep(0)
+        await streams.end("closing", 2, session_open=False)
+        assert task.done()
+        return cleanup
+
+    assert asyncio.run(main()) == ["done"]
