@@ -597,8 +597,26 @@ class BlockStore:
         at its turn (its reader's lease ended meanwhile) ends the prefix there.
         """
         waits: list[tuple[int, asyncio.Future[bool]]] = []
-        started: list[tuple[Block, asyncio.Future[bool]]] = []
+        # every promotion this prefix waits on, its own and those other readers started: tracked
+        # together, parent first, once all have landed (tracked per reader, a batch that landed
+        # first could name a child whose parent another reader's batch had not named yet)
+        tracked: list[tuple[Block, asyncio.Future[bool]]] = []
         cut = len(blocks)
+        landed = 0     # waits[:landed] are over (landed, or failed: then cut is at most there)
+        reported = 0   # the leading run ready() was told of
+
+        def report(upto: int) -> None:
+            """Tell ready() of the leading run that is in DRAM, up to block ``upto``."""
+            nonlocal landed, cut, reported
+            while landed < len(waits) and waits[landed][1].done():
+                if not waits[landed][1].result():
+                    cut = min(cut, waits[landed][0])
+                landed += 1
+            k = min(waits[landed][0] if landed < len(waits) else upto, upto, cut)
+            if ready is not None and k > reported:
+                reported = k
+                ready(k)
+
         self._tick += 1
         loop = asyncio.get_running_loop()
         set_up = 0   # reads started since the last step
@@ -608,23 +626,25 @@ class BlockStore:
                     set_up = 0
                     # Let other clients' calls in: set up in one step, a long prompt's promotions
                     # held the event loop for ~35 us a block (70 ms for 2,048 blocks here); the
-                    # reads queued so far go on meanwhile.
+                    # reads queued so far go on meanwhile, and the blocks landed are used.
                     await asyncio.sleep(0)
+                    report(i)
                 if block.pins == 0:   # its reader's lease ended during a step: nobody wants the rest
-                    cut = i           # (and, unpinned, it may have left the index meanwhile)
+                    cut = min(cut, i)  # (and, unpinned, it may have left the index meanwhile)
                     break
                 pending = self._promoting.get(block)
                 if pending is not None:
                     waits.append((i, pending))
+                    tracked.append((block, pending))
                     continue
                 if block.in_dram:
                     continue
                 if self._ssd is None or not block.on_ssd:
-                    cut = i
+                    cut = min(cut, i)
                     break
                 offset = self._alloc(block.index.slot_bytes)
                 if offset is None:
-                    cut = i
+                    cut = min(cut, i)
                     break
                 self._ssd_policy.removed(block, moved=True)   # up to DRAM; its SSD copy stays
                 self._bind_slot(block, offset)
@@ -640,21 +660,22 @@ class BlockStore:
                 # a callback, not a task per block: the tasks' set-up cost as much as the rest
                 read.add_done_callback(functools.partial(self._read_landed, loop, block, done))
                 waits.append((i, done))
-                started.append((block, done))
+                tracked.append((block, done))
                 set_up += 1
         finally:   # cancelled between steps too: every slot bound here goes to the DRAM policy
-            if started:
-                self._spawn(self._track_promoted(started))
-        if ready is not None and waits and min(waits[0][0], cut) > 0:
-            ready(min(waits[0][0], cut))
-        for j, (i, fut) in enumerate(waits):
+            if tracked:
+                self._spawn(self._track_promoted(tracked))
+        if not waits:
+            return cut
+        report(cut)
+        while landed < len(waits):
             # shielded: the promotion is shared (other readers, _finish_promotion, _track_promoted);
             # a caller that is cancelled (a client gone, a transfer timed out) must not cancel it.
             # One already done is not awaited: a wake-up per block costs as much as its set-up.
-            if not (fut.result() if fut.done() else await asyncio.shield(fut)):
-                cut = min(cut, i)
-            elif ready is not None and i < cut:
-                ready(min(waits[j + 1][0] if j + 1 < len(waits) else cut, cut))
+            fut = waits[landed][1]
+            if not fut.done():
+                await asyncio.shield(fut)
+            report(cut)
         return cut
 
     def _read_landed(self, loop: asyncio.AbstractEventLoop, block: Block, done: asyncio.Future[bool],
@@ -695,10 +716,11 @@ class BlockStore:
                 self._ssd_policy.inserted([block])
 
     async def _track_promoted(self, started: list[tuple[Block, asyncio.Future[bool]]]) -> None:
-        """Hand a batch of promoted blocks to their DRAM policy once all have landed, parent first:
-        reads finish in any order, and a policy told of a child before its parent would take the
-        parent for a leaf. A task of its own, so that a cancelled lookup cannot leave a slot
-        untracked (hence never evicted); the blocks are pinned until their readers are done."""
+        """Hand a batch of promoted blocks to their DRAM policy once all have landed, parent first
+        (those already tracked, by another reader's batch, are left as they are): reads finish
+        in any order, and a policy told of a child before its parent would take the parent for a
+        leaf. A task of its own, so that a cancelled lookup cannot leave a slot untracked (hence
+        never evicted); the blocks are pinned until their readers are done."""
         await asyncio.gather(*(done for _, done in started))
         if not started:
             return

@@ -742,8 +742,60 @@ def test_a_lookup_that_ends_between_set_up_steps_queues_no_more_reads_and_leaves
         blocks = [store._namespaces[ns].index.get(k) for k in keys]
         assert all(b is not None and b.pins == 0 and b.on_ssd for b in blocks)
         assert not store._promoting
-        assert store.evict(tier=Tier.DRAM) == len(queued), "a promoted block is not evictable"
+        promoted = [b for b in blocks if b is not None and b.in_dram]
+        assert len(promoted) == len(queued)
+        assert all(b in store._dram_for(b) for b in promoted), "a promoted block is not in the DRAM policy"
+        assert store.evict(tier=Tier.DRAM) == len(queued)
         assert store.stats().tiers[0].used_bytes == 0
+
+
+def test_the_first_blocks_of_a_long_prompt_are_reported_in_dram_while_later_reads_are_set_up(tmp_path: Path) -> None:
+    """A load or a stream into engine buffers copies blocks out as they land (``prefix_up``);
+    with the set-up in steps, the blocks landed by the end of a step are reported then, not
+    only once the last read is set up."""
+    with long_prompt_on_ssd(tmp_path) as (store, s, ns, keys, queued):
+        assert store._ssd is not None
+        counted = store._ssd.read_into
+
+        def landed_at_once(namespace_id, key, view):  # type: ignore[no-untyped-def]
+            read = counted(namespace_id, key, view)
+            read.result(10)   # in place before the lookup's next step
+            return read
+        store._ssd.read_into = landed_at_once  # type: ignore[method-assign]
+        reports: list[tuple[int, int]] = []
+
+        async def run() -> int:
+            found = await store._lookup_chain(store._namespaces[ns], keys, store._session(s),
+                                              lambda hits, tiers, k: reports.append((k, len(queued))))
+            store.release(s, found.lease_id)
+            await asyncio.wait_for(store.drain(), 30)
+            return found.blocks
+        assert asyncio.run(run()) == LONG
+        assert reports and reports[0][1] < LONG, f"the first report came after {reports[0][1]} reads were set up"
+        assert [k for k, _ in reports] == sorted({k for k, _ in reports}) and reports[-1][0] <= LONG, reports
+
+
+def test_two_lookups_of_a_long_prompt_coming_up_from_ssd_leave_it_to_be_evicted_tail_first(tmp_path: Path) -> None:
+    """Two clients look up the same prompt on SSD only; their set-up steps interleave, each
+    starting the reads of some runs and waiting on the other's. Tracked per reader, the batch
+    that landed first named a block whose parent was in the other batch: the parent sat in the
+    policy as a leaf, and the prompt's middle left DRAM before its tail."""
+    with long_prompt_on_ssd(tmp_path) as (store, s, ns, keys, queued):
+        t = store.open_session("u", 2).session_id
+
+        async def run() -> None:
+            found = await asyncio.gather(*(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=sid)
+                                           for sid in (s, t)))
+            assert [r.blocks for r in found] == [LONG, LONG]
+            for sid, r in zip((s, t), found):
+                store.release(sid, r.lease_id)
+            await asyncio.wait_for(store.drain(), 30)
+        asyncio.run(run())
+        assert len(queued) == LONG, "each block is read once, by one of the two"
+        blocks = [store._namespaces[ns].index.get(k) for k in keys]
+        policy = store._dram_for(blocks[0])   # type: ignore[arg-type]
+        assert all(b in policy for b in blocks)
+        assert policy.victim() is blocks[-1], "the first block to leave DRAM is not the prompt's last"
 
 
 def test_a_block_promoted_twice_meanwhile_keeps_its_hits_when_the_first_batch_lands(tmp_path: Path) -> None:
