@@ -519,7 +519,10 @@ class SSDTier:
             if job is None:
                 return
             jobs, size = [job], job[1].nbytes
-            while size < MERGE_BYTES:   # the reads queued behind it, for one merged read
+            # The reads queued behind it, for merged reads; at most this thread's share, so that
+            # reads of scattered slots (read one by one) still keep every read thread busy.
+            share = self._reads.qsize() // len(self._read_threads)
+            while size < MERGE_BYTES and len(jobs) <= share:
                 try:
                     more = self._reads.get_nowait()
                 except queue.Empty:
@@ -561,7 +564,7 @@ class SSDTier:
         if len(run) > 1:
             # a failed or short merged read: the blocks it did not cover are read again alone,
             # which reports each one's error
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(Exception):
                 got = self._file(run[0][0].length).read_run(run[0][0].slot, [dst for _, dst, _ in run])
         for k, (rec, dst, fut) in enumerate(run):
             try:
@@ -596,7 +599,8 @@ class SSDTier:
 
     def _verified(self, rec: BlockRecord, dst: np.ndarray) -> int:
         if checksum(dst) != rec.checksum:
-            self.checksum_failures += 1
+            with self._reads_lock:   # read threads count at once
+                self.checksum_failures += 1
             raise Corrupt("checksum mismatch")
         return rec.checksum
 

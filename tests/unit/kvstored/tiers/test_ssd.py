@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 from pathlib import Path
 
@@ -398,21 +399,34 @@ def test_a_known_checksum_is_stored_as_given(tmp_path: Path) -> None:
         ssd.close()
 
 
-def test_reads_queued_before_close_are_served_and_a_read_after_close_is_refused(tmp_path: Path) -> None:
+def test_reads_queued_before_close_are_served_and_a_read_after_close_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """close() lets the reads already asked for finish (a promotion waits on each); a read asked
     for after it raises at once rather than queueing one no thread will ever serve."""
     ssd = SSDTier(str(tmp_path), 64 << 20, read_threads=2)
-    for i in range(8):
-        ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
-    outs = [np.zeros(64 << 10, dtype=np.uint8) for _ in range(8)]
-    futures = [ssd.read_into(1, bytes([i]) * 32, outs[i]) for i in range(8)]
-    ssd.close()
-    assert [f.done() for f in futures] == [True] * 8
+    n = 40   # more than two threads' batches: most are still queued when close() starts
+    for i in range(n):
+        ssd.put(1, i.to_bytes(32, "big"), b"", 0, payload(i)).result(10)
+    gate, real = threading.Event(), ssd._read_jobs
+
+    def held(jobs: list) -> None:  # type: ignore[type-arg]
+        assert gate.wait(10)
+        real(jobs)
+    monkeypatch.setattr(ssd, "_read_jobs", held)
+    outs = [np.zeros(64 << 10, dtype=np.uint8) for _ in range(n)]
+    futures = [ssd.read_into(1, i.to_bytes(32, "big"), outs[i]) for i in range(n)]
+    closing = threading.Thread(target=ssd.close)
+    closing.start()
+    with pytest.raises(RuntimeError, match="closed"):
+        for _ in range(1000):   # close() refuses new reads before it waits for the queued ones
+            ssd.read_into(1, (0).to_bytes(32, "big"), outs[0]).cancel()
+            threading.Event().wait(0.001)
+    gate.set()
+    closing.join(30)
+    assert not closing.is_alive()
     for i, (f, out) in enumerate(zip(futures, outs)):
         assert f.result(0) == xxhash.xxh3_64_intdigest(payload(i))
         assert np.array_equal(out, payload(i))
-    with pytest.raises(RuntimeError, match="closed"):
-        ssd.read_into(1, bytes([0]) * 32, outs[0])
 
 
 def test_a_read_that_breaks_fails_its_future_and_the_read_threads_go_on(tmp_path: Path,
@@ -492,5 +506,68 @@ def test_reads_of_consecutive_slots_queued_together_are_merged_and_each_is_verif
         assert max(calls) > 1, f"no read was merged: {calls}"
         assert len(calls) <= 3 and calls[-1] == 1, f"reads for {n} blocks queued together: {calls}"
         assert ssd.checksum_failures == 1
+    finally:
+        ssd.close()
+
+
+@pytest.mark.parametrize("layout", ["a gap in the slots", "blocks of 5,000 bytes"])
+def test_reads_that_cannot_be_merged_are_read_one_by_one_with_the_right_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    """Only whole-page slots that follow one another are merged: one preadv over a gap, or over
+    slots whose stride is longer than the payload, would shift every later block's bytes."""
+    size = 5000 if layout == "blocks of 5,000 bytes" else 64 << 10
+    ssd = SSDTier(str(tmp_path), 64 << 20, read_threads=1)
+    try:
+        for i in range(8):
+            ssd.put(1, bytes([i]) * 32, b"", 0, payload(i, size)).result(10)
+        wanted = [0, 1, 2, 4, 5, 6] if layout == "a gap in the slots" else list(range(8))
+        gate, real = threading.Event(), ssd._read_jobs
+
+        def held(jobs: list) -> None:  # type: ignore[type-arg]
+            assert gate.wait(10)   # the first read holds the thread until all are queued
+            real(jobs)
+        monkeypatch.setattr(ssd, "_read_jobs", held)
+        outs = {i: np.zeros(size, dtype=np.uint8) for i in wanted}
+        futures = {i: ssd.read_into(1, bytes([i]) * 32, outs[i]) for i in wanted}
+        gate.set()
+        for i in wanted:
+            assert futures[i].result(10) == xxhash.xxh3_64_intdigest(payload(i, size))
+            assert np.array_equal(outs[i], payload(i, size)), f"block {i} came up with other bytes"
+        assert ssd.checksum_failures == 0
+    finally:
+        ssd.close()
+
+
+def test_reads_of_scattered_slots_still_run_on_every_read_thread(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread takes at most its share of the queued reads: taking all of them, it read 16
+    scattered blocks one after another while the other threads found the queue empty."""
+    ssd = SSDTier(str(tmp_path), 64 << 20, read_threads=4)
+    try:
+        for i in range(32):
+            ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
+        lock, in_flight, most = threading.Lock(), [0], [0]
+        f = ssd._file(64 << 10)
+        real = f.read_run
+
+        def slow(slot: int, dsts: list[np.ndarray]) -> int:
+            with lock:
+                in_flight[0] += 1
+                most[0] = max(most[0], in_flight[0])
+            try:
+                threading.Event().wait(0.02)   # a slow disk: each read takes 20 ms
+                return real(slot, dsts)
+            finally:
+                with lock:
+                    in_flight[0] -= 1
+        monkeypatch.setattr(f, "read_run", slow)
+        order = list(range(0, 32, 2))
+        random.Random(1).shuffle(order)
+        outs = [np.zeros(64 << 10, dtype=np.uint8) for _ in order]
+        futures = [ssd.read_into(1, bytes([i]) * 32, out) for i, out in zip(order, outs)]
+        for i, fut, out in zip(order, futures, outs):
+            fut.result(30)
+            assert np.array_equal(out, payload(i))
+        assert most[0] >= 2, f"at most {most[0]} read(s) at a time on 4 read threads"
     finally:
         ssd.close()
