@@ -59,6 +59,7 @@ from kvstored.tiers.ssd import SSDTier
 from tools.local_daemon import local_daemon
 
 BLOCK = 2 << 20
+SMALL = 64 << 10   # the blocks of the event-loop section
 
 
 def aligned(n: int) -> mmap.mmap:
@@ -165,19 +166,21 @@ def paired_reads_depth2(raw_path: Path, raw_blocks: int, ssd: SSDTier, keys: lis
     return n / raw_s / 1e9, n / tier_s / 1e9
 
 
-def raw_reads_into_slots(raw_path: Path, raw_blocks: int, n: int, dst: mmap.mmap, seed: int) -> float:
-    """``n`` random O_DIRECT block reads of ``raw_path``, block i into slot i of ``dst``, two at a
-    time on two threads (as the daemon's read pool reads a prompt); GB/s."""
-    order = [random.Random(seed + i).randrange(raw_blocks) for i in range(n)]
+def raw_reads_into_slots(raw_path: Path, raw_blocks: int, n: int, dst: mmap.mmap, seed: int,
+                         block: int = BLOCK) -> float:
+    """``n`` random O_DIRECT reads of ``block`` bytes from ``raw_path`` (``raw_blocks`` blocks of
+    BLOCK), read i into slot i of ``dst``, two at a time on two threads (as the daemon's read pool
+    reads a prompt); GB/s."""
+    order = [random.Random(seed + i).randrange(raw_blocks * (BLOCK // block)) for i in range(n)]
     view = memoryview(dst)
     fd = os.open(raw_path, os.O_RDONLY | os.O_DIRECT)
     try:
         with ThreadPoolExecutor(2) as pool:
             t = time.perf_counter()
-            for f in [pool.submit(os.preadv, fd, [view[i * BLOCK:(i + 1) * BLOCK]], r * BLOCK)
+            for f in [pool.submit(os.preadv, fd, [view[i * block:(i + 1) * block]], r * block)
                       for i, r in enumerate(order)]:
                 f.result(60)
-            return n * BLOCK / (time.perf_counter() - t) / 1e9
+            return n * block / (time.perf_counter() - t) / 1e9
     finally:
         view.release()
         os.close(fd)
@@ -282,28 +285,6 @@ def daemon_loads(base: Path, raw_blocks: int, n: int, runs: int) -> dict[str, li
     return rows
 
 
-SMALL = 64 << 10
-
-
-def raw_small_reads(raw_path: Path, raw_bytes: int, n: int, seed: int) -> float:
-    """``n`` random 64 KiB O_DIRECT reads of ``raw_path`` through two threads; GB/s."""
-    order = [random.Random(seed + i).randrange(raw_bytes // SMALL) for i in range(n)]
-    dst = aligned(n * SMALL)
-    view = memoryview(dst)
-    fd = os.open(raw_path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            t = time.perf_counter()
-            for f in [pool.submit(os.preadv, fd, [view[i * SMALL:(i + 1) * SMALL]], r * SMALL)
-                      for i, r in enumerate(order)]:
-                f.result(60)
-            return n * SMALL / (time.perf_counter() - t) / 1e9
-    finally:
-        view.release()
-        os.close(fd)
-        dst.close()
-
-
 def lookups_until(client: kvstored.Client, chain: list[bytes], stop: threading.Event, most: int) -> list[float]:
     """ms of each ``lookup`` of ``chain``'s first block, made one after another until ``stop`` is
     set or ``most`` calls were made."""
@@ -326,6 +307,7 @@ def loop_while_promoting(base: Path, raw_blocks: int, n: int, runs: int) -> dict
     ssd_path = base / "small-ssd"
     ns = Namespace(model="bench-small", block_bytes=SMALL)
     engine = kvstored.shm.empty((n, SMALL), "uint8")
+    raw_dst = aligned(n * SMALL)
     rng = np.random.default_rng(5)
     try:
         with local_daemon("--dram-capacity", str(max(2 * n * SMALL, 64 << 20)), "--set", "dram.page_bytes=32MiB",
@@ -341,7 +323,7 @@ def loop_while_promoting(base: Path, raw_blocks: int, n: int, runs: int) -> dict
                 assert client.flush(ns.model) == n
                 assert client.evict(ns.model, tier="dram") == n
                 drop_cache(ssd_path)
-                raw = raw_small_reads(base / "raw", raw_blocks * BLOCK, n, seed=run * n)
+                raw = raw_reads_into_slots(base / "raw", raw_blocks, n, raw_dst, seed=run * n, block=SMALL)
                 idle = lookups_until(other, chain, threading.Event(), 200)
                 stop = threading.Event()
                 with ThreadPoolExecutor(1) as pool:
@@ -365,6 +347,7 @@ def loop_while_promoting(base: Path, raw_blocks: int, n: int, runs: int) -> dict
             client.unregister_buffers(buffers)
     finally:
         engine.close()
+        raw_dst.close()
     return rows
 
 
