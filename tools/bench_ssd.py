@@ -233,6 +233,31 @@ def timed_stream(client: kvstored.Client, buffers: Any, engine: np.ndarray, chai
     return first, rate
 
 
+def bench_daemon(ssd_path: Path, n: int, block: int) -> Any:
+    """A daemon in a subprocess whose DRAM holds two ``n``-block prompts of ``block`` bytes and
+    whose SSD tier (in ``ssd_path``) holds four; its client."""
+    return local_daemon("--dram-capacity", str(max(2 * n * block, 64 << 20)), "--set", "dram.page_bytes=32MiB",
+                        "--set", f"ssd.capacity={4 * n * block}", "--log-level", "warning", ssd_path=ssd_path)
+
+
+def prompt_on_ssd(client: kvstored.Client, buffers: Any, engine: np.ndarray, model: str,
+                  rng: np.random.Generator, ssd_path: Path) -> tuple[np.ndarray, list[bytes]]:
+    """Save a fresh prompt of random bytes filling ``engine``, flush it, evict it from DRAM and
+    drop the tier's files from the page cache: (its bytes, its block hashes)."""
+    n = engine.shape[0]
+    rows = rng.integers(0, 255, size=engine.shape, dtype=np.uint8)
+    engine[:] = rows
+    chain = [rng.bytes(32) for _ in range(n)]
+    saved = client.save_blocks(buffers, list(range(n)), hashes=chain)
+    assert saved.stored == n, f"the daemon stored {saved.stored} of {n} blocks"
+    written = client.flush(model)
+    assert written == n, f"flush wrote {written} of {n} blocks"
+    dropped = client.evict(model, tier="dram")
+    assert dropped == n, f"evict dropped {dropped} of {n} DRAM copies"
+    drop_cache(ssd_path)
+    return rows, chain
+
+
 def daemon_loads(base: Path, raw_blocks: int, n: int, runs: int) -> dict[str, list[float]]:
     """Per run, in GB/s: raw O_DIRECT reads of ``n`` blocks into slots of their own; a daemon's
     ``load_blocks`` of an ``n``-block prompt found on its SSD tier only, into registered buffers;
@@ -250,22 +275,10 @@ def daemon_loads(base: Path, raw_blocks: int, n: int, runs: int) -> dict[str, li
     engine = kvstored.shm.empty((n, BLOCK), "uint8")
     rng = np.random.default_rng(3)
     try:
-        with local_daemon("--dram-capacity", str(max(2 * n * BLOCK, 64 << 20)), "--set", "dram.page_bytes=32MiB",
-                          "--set", f"ssd.capacity={4 * n * BLOCK}", "--log-level", "warning",
-                          ssd_path=ssd_path) as client:
+        with bench_daemon(ssd_path, n, BLOCK) as client:
             buffers = client.register_buffers([engine.numpy()], 0, namespace=ns)
-            ids = list(range(n))
             for run in range(runs + 1):   # the first run warms up
-                rows_now = rng.integers(0, 255, size=(n, BLOCK), dtype=np.uint8)
-                engine.numpy()[:] = rows_now
-                chain = [rng.bytes(32) for _ in range(n)]
-                saved = client.save_blocks(buffers, ids, hashes=chain)
-                assert saved.stored == n, f"the daemon stored {saved.stored} of {n} blocks"
-                written = client.flush(ns.model)
-                assert written == n, f"flush wrote {written} of {n} blocks"
-                dropped = client.evict(ns.model, tier="dram")
-                assert dropped == n, f"evict dropped {dropped} of {n} DRAM copies"
-                drop_cache(ssd_path)
+                rows_now, chain = prompt_on_ssd(client, buffers, engine.numpy(), ns.model, rng, ssd_path)
                 raw = raw_reads_into_slots(base / "raw", raw_blocks, n, raw_dst, seed=run * n)
                 from_ssd = timed_load(client, buffers, engine.numpy(), chain, rows_now, "ssd")
                 from_dram = timed_load(client, buffers, engine.numpy(), chain, rows_now, "dram")
@@ -310,19 +323,11 @@ def loop_while_promoting(base: Path, raw_blocks: int, n: int, runs: int) -> dict
     raw_dst = aligned(n * SMALL)
     rng = np.random.default_rng(5)
     try:
-        with local_daemon("--dram-capacity", str(max(2 * n * SMALL, 64 << 20)), "--set", "dram.page_bytes=32MiB",
-                          "--set", f"ssd.capacity={4 * n * SMALL}", "--log-level", "warning",
-                          ssd_path=ssd_path) as client, kvstored.Client(client.socket, namespace=ns) as other:
+        with bench_daemon(ssd_path, n, SMALL) as client, kvstored.Client(client.socket, namespace=ns) as other:
             buffers = client.register_buffers([engine.numpy()], 0, namespace=ns)
             ids = list(range(n))
             for run in range(runs + 1):   # the first run warms up
-                rows_now = rng.integers(0, 255, size=(n, SMALL), dtype=np.uint8)
-                engine.numpy()[:] = rows_now
-                chain = [rng.bytes(32) for _ in range(n)]
-                assert client.save_blocks(buffers, ids, hashes=chain).stored == n
-                assert client.flush(ns.model) == n
-                assert client.evict(ns.model, tier="dram") == n
-                drop_cache(ssd_path)
+                rows_now, chain = prompt_on_ssd(client, buffers, engine.numpy(), ns.model, rng, ssd_path)
                 raw = raw_reads_into_slots(base / "raw", raw_blocks, n, raw_dst, seed=run * n, block=SMALL)
                 idle = lookups_until(other, chain, threading.Event(), 200)
                 stop = threading.Event()
