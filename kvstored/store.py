@@ -597,10 +597,7 @@ class BlockStore:
         at its turn (its reader's lease ended meanwhile) ends the prefix there.
         """
         waits: list[tuple[int, asyncio.Future[bool]]] = []
-        # every promotion this prefix waits on, its own and those other readers started: tracked
-        # together, parent first, once all have landed (tracked per reader, a batch that landed
-        # first could name a child whose parent another reader's batch had not named yet)
-        tracked: list[tuple[Block, asyncio.Future[bool]]] = []
+        started: list[tuple[Block, asyncio.Future[bool]]] = []
         cut = len(blocks)
         landed = 0     # waits[:landed] are over (landed, or failed: then cut is at most there)
         reported = 0   # the leading run ready() was told of
@@ -629,13 +626,14 @@ class BlockStore:
                     # reads queued so far go on meanwhile, and the blocks landed are used.
                     await asyncio.sleep(0)
                     report(i)
+                    if cut < i:   # a read failed: the blocks past it are of no use
+                        break
                 if block.pins == 0:   # its reader's lease ended during a step: nobody wants the rest
                     cut = min(cut, i)  # (and, unpinned, it may have left the index meanwhile)
                     break
                 pending = self._promoting.get(block)
                 if pending is not None:
                     waits.append((i, pending))
-                    tracked.append((block, pending))
                     continue
                 if block.in_dram:
                     continue
@@ -660,11 +658,11 @@ class BlockStore:
                 # a callback, not a task per block: the tasks' set-up cost as much as the rest
                 read.add_done_callback(functools.partial(self._read_landed, loop, block, done))
                 waits.append((i, done))
-                tracked.append((block, done))
+                started.append((block, done))
                 set_up += 1
         finally:   # cancelled between steps too: every slot bound here goes to the DRAM policy
-            if tracked:
-                self._spawn(self._track_promoted(tracked))
+            if started:
+                self._spawn(self._track_promoted(started))
         if not waits:
             return cut
         report(cut)
@@ -717,10 +715,10 @@ class BlockStore:
 
     async def _track_promoted(self, started: list[tuple[Block, asyncio.Future[bool]]]) -> None:
         """Hand a batch of promoted blocks to their DRAM policy once all have landed, parent first
-        (those already tracked, by another reader's batch, are left as they are): reads finish
-        in any order, and a policy told of a child before its parent would take the parent for a
-        leaf. A task of its own, so that a cancelled lookup cannot leave a slot untracked (hence
-        never evicted); the blocks are pinned until their readers are done."""
+        (batches of one chain, other readers' included, may land in any order: the policy counts
+        a child tracked before its parent under it all the same). A task of its own, so that a
+        cancelled lookup cannot leave a slot untracked (hence never evicted); the blocks are
+        pinned until their readers are done."""
         await asyncio.gather(*(done for _, done in started))
         if not started:
             return

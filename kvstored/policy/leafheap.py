@@ -12,8 +12,10 @@ pass ``refresh`` (the current priority of a block): an entry is checked against 
 surfaces and pushed again with the current value when that is higher, so a hit costs nothing here.
 
 Tracking need not follow the tree order in a tier whose blocks come and go one by one (a parent
-may lose its slot before its child, or be given one after it): the counts of tracked children
-then err on the side of "leaf", and ``can_evict`` keeps such a block safe to evict anyway.
+may lose its slot before its child, or be given one after it, as when reads of one chain land in
+batches that finish in any order): tracked children are counted under their parent whether or not
+the parent is tracked, so a parent tracked after its children is no leaf while they are, and
+``can_evict`` keeps a block safe to evict whatever the counts say.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class LeafHeap:
         self._can_evict = can_evict
         self._refresh = refresh
         self._prio: dict[Block, Priority] = {}
-        self._kids: dict[Block, int] = {}   # tracked children of a tracked block, when any
+        self._kids: dict[Block, int] = {}   # tracked children of a block (tracked or not), when any
         self._counted: set[Block] = set()   # blocks counted in their parent's _kids
         self._heap: list[tuple[Priority, int, Block]] = []
         self._seq = itertools.count()
@@ -63,7 +65,7 @@ class LeafHeap:
         """Track ``block`` (or re-prioritise it)."""
         if block not in self._prio:
             parent = block.parent
-            if parent is not None and parent in self._prio:
+            if parent is not None:
                 self._kids[parent] = self._kids.get(parent, 0) + 1
                 self._counted.add(block)
         self._prio[block] = prio
@@ -75,15 +77,16 @@ class LeafHeap:
         last tracked child is gone."""
         if self._prio.pop(block, None) is None:
             return
-        self._kids.pop(block, None)
+        # its own count stays: its tracked children still hang under it should it come back
         if block in self._counted:
             self._counted.discard(block)
             parent = block.parent
             assert parent is not None
             left = self._kids.get(parent, 0) - 1
+            assert left >= 0, "a tracked child was not counted under its parent"
             if left > 0:
                 self._kids[parent] = left
-            elif parent in self._kids:  # not there: the parent stopped being tracked first
+            else:
                 del self._kids[parent]
                 prio = self._prio.get(parent)
                 if prio is not None:

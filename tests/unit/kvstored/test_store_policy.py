@@ -775,6 +775,37 @@ def test_the_first_blocks_of_a_long_prompt_are_reported_in_dram_while_later_read
         assert [k for k, _ in reports] == sorted({k for k, _ in reports}) and reports[-1][0] <= LONG, reports
 
 
+def test_a_read_found_failed_at_a_set_up_step_stops_the_set_up_there(tmp_path: Path) -> None:
+    """Block 5's copy is corrupt: the lookup ends at block 5, so reading the blocks past the next
+    step would only fill DRAM with blocks hanging under a hollow one."""
+    from concurrent.futures import Future
+
+    from kvstored.tiers.ssd import Corrupt
+    with long_prompt_on_ssd(tmp_path) as (store, s, ns, keys, queued):
+        assert store._ssd is not None
+        counted = store._ssd.read_into
+
+        def fifth_corrupt(namespace_id, key, view):  # type: ignore[no-untyped-def]
+            if key == keys[5]:
+                queued.append(key)
+                failed: Future[int] = Future()
+                failed.set_exception(Corrupt("checksum mismatch"))
+                return failed
+            read = counted(namespace_id, key, view)
+            read.result(10)
+            return read
+        store._ssd.read_into = fifth_corrupt  # type: ignore[method-assign]
+
+        async def run() -> int:
+            found = await store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s)
+            store.release(s, found.lease_id)
+            await asyncio.wait_for(store.drain(), 30)
+            return found.blocks
+        assert asyncio.run(run()) == 5
+        assert len(queued) < LONG, f"{len(queued)} reads were set up past the failed one"
+        assert not store._promoting
+
+
 def test_two_lookups_of_a_long_prompt_coming_up_from_ssd_leave_it_to_be_evicted_tail_first(tmp_path: Path) -> None:
     """Two clients look up the same prompt on SSD only; their set-up steps interleave, each
     starting the reads of some runs and waiting on the other's. Tracked per reader, the batch

@@ -183,6 +183,33 @@ def test_tier_predicate_and_tier_relative_leaves(name: str) -> None:
     assert policy.victim() is a
 
 
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_parent_tracked_after_its_children_is_no_leaf_while_they_are_tracked(name: str) -> None:
+    """Reads of one chain coming up from SSD land in batches that finish in any order: a tier
+    told of a child before its parent took the parent for a leaf, and the chain's middle left
+    DRAM before its tail. Also when the parent leaves the tier and comes back meanwhile."""
+    policy = make_policy(name, FakeClock(), 8, can_evict=lambda b: b.pins == 0)
+    index = PrefixIndex(1)
+    blocks = []
+    parent = None
+    for key in (b"a", b"b", b"c", b"d", b"e"):
+        parent = index.insert(key, parent, 0)
+        parent.flags |= SEALED
+        parent.pins -= 1
+        blocks.append(parent)
+    a, b, c, d, e = blocks
+    policy.inserted([c, d])      # one reader's batch lands first
+    policy.inserted([a, b, e])   # another's (two runs, parent first), b before e
+    assert policy.victim() is e
+    policy.removed(c)            # c leaves the tier and comes back while d stays
+    policy.inserted([c])
+    order = []
+    while (victim := policy.victim()) is not None:
+        order.append(victim.key)
+        policy.removed(victim)
+    assert order == [b"e", b"d", b"c", b"b", b"a"]
+
+
 # -- reuse credit ---------------------------------------------------------------------------
 
 def credit(clock: FakeClock, ghost: int = 16) -> CreditPolicy:

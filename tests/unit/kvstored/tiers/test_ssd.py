@@ -417,15 +417,20 @@ def test_reads_queued_before_close_are_served_and_a_read_after_close_is_refused(
     futures = [ssd.read_into(1, i.to_bytes(32, "big"), outs[i]) for i in range(n)]
     closing = threading.Thread(target=ssd.close)
     closing.start()
+    late: list[tuple[int, np.ndarray, object]] = []   # asked for while close() starts: served too
     with pytest.raises(RuntimeError, match="closed"):
-        for _ in range(1000):   # close() refuses new reads before it waits for the queued ones
-            ssd.read_into(1, (0).to_bytes(32, "big"), outs[0]).cancel()
+        for k in range(1000):   # close() refuses new reads before it waits for the queued ones
+            out = np.zeros(64 << 10, dtype=np.uint8)
+            late.append((k % n, out, ssd.read_into(1, (k % n).to_bytes(32, "big"), out)))
             threading.Event().wait(0.001)
     gate.set()
     closing.join(30)
     assert not closing.is_alive()
     for i, (f, out) in enumerate(zip(futures, outs)):
         assert f.result(0) == xxhash.xxh3_64_intdigest(payload(i))
+        assert np.array_equal(out, payload(i))
+    for i, out, f in late:
+        assert f.result(0) == xxhash.xxh3_64_intdigest(payload(i))  # type: ignore[attr-defined]
         assert np.array_equal(out, payload(i))
 
 
@@ -569,5 +574,34 @@ def test_reads_of_scattered_slots_still_run_on_every_read_thread(tmp_path: Path,
             fut.result(30)
             assert np.array_equal(out, payload(i))
         assert most[0] >= 2, f"at most {most[0]} read(s) at a time on 4 read threads"
+    finally:
+        ssd.close()
+
+
+def test_a_merged_read_that_breaks_in_an_unforeseen_way_falls_back_to_reads_one_by_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ssd = SSDTier(str(tmp_path), 64 << 20, read_threads=1)
+    try:
+        for i in range(6):
+            ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
+        f = ssd._file(64 << 10)
+        real_run, real_jobs, gate = f.read_run, ssd._read_jobs, threading.Event()
+
+        def read_run(slot: int, dsts: list[np.ndarray]) -> int:
+            if len(dsts) > 1:
+                raise ValueError("a buffer the kernel cannot take")
+            return real_run(slot, dsts)
+
+        def held(jobs: list) -> None:  # type: ignore[type-arg]
+            assert gate.wait(10)
+            real_jobs(jobs)
+        monkeypatch.setattr(f, "read_run", read_run)
+        monkeypatch.setattr(ssd, "_read_jobs", held)
+        outs = [np.zeros(64 << 10, dtype=np.uint8) for _ in range(6)]
+        futures = [ssd.read_into(1, bytes([i]) * 32, outs[i]) for i in range(6)]
+        gate.set()
+        for i, fut in enumerate(futures):
+            assert fut.result(10) == xxhash.xxh3_64_intdigest(payload(i))
+            assert np.array_equal(outs[i], payload(i))
     finally:
         ssd.close()
