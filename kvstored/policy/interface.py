@@ -37,8 +37,9 @@ class BlockPolicy(Protocol):
         ...
 
     def inserted(self, blocks: Sequence[Block]) -> None:
-        """``blocks`` (a parent-first run under an already tracked block, or from the root) were
-        stored and sealed: start tracking them."""
+        """``blocks`` (parents before their children) were stored and sealed, or came into this
+        tier: start tracking them. Runs of one chain may come in any order (a child's run before
+        its parent's): a parent is no leaf while a tracked child hangs under it."""
         ...
 
     def hit(self, blocks: Sequence[Block]) -> None:
