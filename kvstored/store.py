@@ -493,8 +493,10 @@ class BlockStore:
         return await self._lookup_chain(state, chain, session)
 
     async def _lookup_chain(self, state: NamespaceState, chain: list[bytes], session: Session | None,
-                            prefix_up: PrefixUp | None = None) -> LookupResult:
+                            prefix_up: PrefixUp | None = None,
+                            on_lease: Callable[[int], None] | None = None) -> LookupResult:
         """:meth:`lookup` of a resolved chain (``session``: lease the hits for it). With a session,
+        ``on_lease`` learns the id of the hits' lease as it is taken, before any ``prefix_up``;
         ``prefix_up(hits, tiers, k)`` learns, while SSD reads are still running, that the first ``k``
         hits (found in ``tiers``) are in DRAM and leased (the result names no fewer, unless the
         lease was reaped meanwhile)."""
@@ -509,6 +511,8 @@ class BlockStore:
         ttl = self._config.leases.ttl_s
         if session is not None and hits:
             held = self._pin(session, LeaseKind.READ, namespace_id, hits, ttl)
+            if on_lease is not None:
+                on_lease(held.lease_id)
             # in flight for quiesce() while its blocks come up (its lease is not busy yet): a load
             # or leased lookup at SIGTERM finishes before its session ends and takes the lease
             self._lookups_in_flight += 1
@@ -1917,11 +1921,13 @@ class BlockStore:
                 nonlocal given
                 handover.give(given, hits[given:k], tiers[given:k])
                 given = k
+            arena_reader = buffers is None and not pull
             try:
-                # Into engine buffers the first blocks go out while later ones are read from SSD
-                # (each pinned by the handover until copied); an arena reader must learn its
-                # lease before the first block, so it gets the local prefix once it is all up.
-                local = await self._lookup_chain(state, chain, session, prefix_up if buffers is not None else None)
+                # The first blocks go out while later ones are read from SSD: into engine buffers
+                # each is pinned by the handover until copied; an arena reader learns the lookup's
+                # lease before its first block, and reads the blocks in their slots under it.
+                local = await self._lookup_chain(state, chain, session, prefix_up,
+                                                 on_lease if arena_reader else None)
             except BaseException:
                 await handover.close()
                 raise
@@ -1932,8 +1938,8 @@ class BlockStore:
             self._busy.add(read.lease_id)
             stop, detail = "complete", ""
             handed_lease = 0
-            if on_lease is not None and buffers is None and not pull:
-                on_lease(read.lease_id)
+            if on_lease is not None and arena_reader:
+                on_lease(read.lease_id)   # the same, or (none leased by the lookup) the stream's own
             try:
                 # the leased local prefix (none if the lease was reaped meanwhile: those handed
                 # over early are in the engine's buffers all the same)

@@ -1026,6 +1026,78 @@ def test_a_stream_into_engine_buffers_hands_over_blocks_while_later_ones_are_rea
             engine.close()
 
 
+def test_an_arena_stream_hands_over_blocks_while_later_ones_are_read_from_ssd(tmp_path: Path) -> None:
+    """Stream of a prompt on SSD without engine buffers: the stream learns its lease first, then
+    blocks 0-1 arrive (readable in their arena slots under that lease) while block 2 is still
+    being read; the end names the same lease, which holds all three blocks."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)   # saved through buffers, then on SSD only
+        gate = _gate_ssd_read(store, keys[2])
+        leases: list[int] = []
+        arrived: list[tuple[int, int, bool]] = []   # (index, lease known then, its bytes in its slot)
+
+        def emit(a) -> None:  # type: ignore[no-untyped-def]
+            slot = store._arena.view(a.offset, BLOCK)
+            arrived.append((a.index, leases[-1] if leases else 0, bool((slot == a.index + 1).all())))
+
+        async def main() -> tuple[list[int], object]:
+            task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], emit, None,
+                                                             leases.append))
+            for _ in range(2000):   # bounded: 2 s
+                if len(arrived) >= 2:
+                    break
+                await asyncio.sleep(0.001)
+            before = [i for i, _, _ in arrived] if not task.done() else []
+            gate.set()
+            return before, await task
+
+        try:
+            before, end = asyncio.run(main())
+            assert before == [0, 1], f"arrivals while block 2 was still being read: {before}"
+            lease = end.lease_id  # type: ignore[attr-defined]
+            assert lease and set(leases) == {lease}, f"leases told {leases}, the end's {lease}"
+            assert arrived == [(0, lease, True), (1, lease, True), (2, lease, True)]
+            assert end.blocks == 3 and end.stop == "complete", end   # type: ignore[attr-defined]
+            store.release(s, lease)
+            assert store.stats().active_leases == 0
+        finally:
+            gate.set()
+            engine.close()
+
+
+def test_an_arena_stream_whose_lease_ends_during_its_ssd_reads_hands_over_nothing_more(tmp_path: Path) -> None:
+    """The arena reader's session closes after block 0 was handed over, while block 1 is still
+    read from SSD: its lease ends then, and blocks that land afterwards (unpinned, their slots
+    free to go) are not handed over."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)
+        gate = _gate_ssd_read(store, keys[1])
+        arrived: list[int] = []
+
+        async def main() -> None:
+            task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
+                                                             lambda a: arrived.append(a.index), None))
+            for _ in range(2000):   # bounded: 2 s
+                if arrived:
+                    break
+                await asyncio.sleep(0.001)
+            assert arrived == [0], f"arrivals while block 1 was held: {arrived}"
+            store.close_session(s)      # the client is gone: its lease ends
+            gate.set()
+            with contextlib.suppress(Exception):
+                await task
+            await store.drain()
+
+        try:
+            asyncio.run(main())
+            assert arrived == [0], f"blocks handed over after the stream's lease ended: {arrived}"
+            ns_index = store._namespaces[ns].index
+            assert [b.pins for key in keys if (b := ns_index.get(key)) is not None] == [0, 0, 0]
+        finally:
+            gate.set()
+            engine.close()
+
+
 def _read_into_buffers(store: BlockStore, call: str, s: str, ns: int, keys: list[bytes], buffers):  # type: ignore[no-untyped-def]
     """``load_blocks`` or ``stream_blocks`` of ``keys`` into engine blocks 0, 1, ... (a coroutine)."""
     ids = list(range(len(keys)))
