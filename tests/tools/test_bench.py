@@ -94,20 +94,24 @@ def test_the_ssd_benchmark_runs_the_tier_and_the_daemon_path_and_prints_both_tab
     stream of a prompt found on SSD only, and its load of many small blocks with another client's
     calls meanwhile (the run itself checks the bytes each returns)."""
     proc = subprocess.run([sys.executable, "tools/bench_ssd.py", "--dir", str(tmp_path), "--blocks", "8",
-                           "--runs", "1", "--daemon-blocks", "4", "--small-blocks", "64"],
+                           "--runs", "1", "--daemon-blocks", "4", "--small-blocks", "64", "--read-threads", "3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line for line in proc.stdout.splitlines() if line.startswith("| ")}
-    for name in ("raw write", "tier write", "raw read", "tier read", "tier read, depth 2", "tier read after churn",
-                 "raw read of the load's blocks, depth 2", "daemon load_blocks from SSD",
-                 "daemon load_blocks from DRAM", "daemon stream from SSD", "raw read of one block",
+    for name in ("raw write", "tier write", "raw read", "tier read", "tier read, the daemon's depth",
+                 "tier read after churn",
+                 "raw read of the load's blocks, the daemon's depth", "daemon load_blocks from SSD",
+                 "daemon load_blocks from DRAM", "daemon stream from SSD", "daemon stream from SSD, out of the arena",
+                 "daemon stream from SSD out of the arena, first block", "raw read of one block",
                  "daemon stream from SSD, first block", "daemon stream from DRAM, first block",
-                 "raw 64 KiB reads, depth 2 (GB/s)", "daemon load_blocks from SSD (GB/s)",
+                 "raw 64 KiB reads, the daemon's depth (GB/s)", "daemon load_blocks from SSD (GB/s)",
                  "lookup, daemon idle, median (ms)", "lookup during the load, median (ms)",
                  "lookup during the load, max (ms)"):
         assert name in rows, f"row {name!r} missing:\n{proc.stdout}"
         figures = [float(x) for x in rows[name].split("|")[2:6]]
         assert all(f > 0 for f in figures), rows[name]
+    # every comparison at the depth asked for: the daemons were started with that many read threads
+    assert "the daemon's depth 3" in proc.stdout and proc.stdout.count("3 read threads") == 2, proc.stdout
     assert not list(tmp_path.iterdir()), f"the run left files behind: {list(tmp_path.iterdir())}"
 
 
