@@ -537,7 +537,7 @@ class BlockStore:
                     self._remove_if_hollow(block)
                 hits = hits[:n]
                 tiers = tiers[:n]
-            if hits and self._leases.get(held.lease_id) is held:
+            if hits and self._leases.get(held.lease_id) is held and held.lease_id not in self._doomed:
                 lease_id = held.lease_id
             else:
                 hits, tiers = [], []
@@ -555,7 +555,8 @@ class BlockStore:
     def _prefix_up(self, held: Lease, prefix_up: PrefixUp, hits: list[Block], tiers: list[Tier], k: int) -> None:
         # Only while the lookup's lease holds: once it ended (reaped, its session closed) the hits
         # are unpinned, and one in DRAM may lose its slot to another block before it is copied.
-        if self._leases.get(held.lease_id) is held:
+        # One doomed (busy when its session closed) still pins them, but nobody is listening.
+        if self._leases.get(held.lease_id) is held and held.lease_id not in self._doomed:
             prefix_up(hits, tiers, k)
 
     def prefetch(self, namespace_id: int, keys: KeyRequest) -> tuple[int, int]:
@@ -1921,16 +1922,27 @@ class BlockStore:
                 nonlocal given
                 handover.give(given, hits[given:k], tiers[given:k])
                 given = k
-            arena_reader = buffers is None and not pull
+            taken: list[int] = []   # an arena reader's: the lookup's lease, busy from the start
+
+            def lease_taken(lease_id: int) -> None:
+                # Its first blocks go out while later ones still come up: the reader uses their
+                # slots under this lease, which must not be reaped meanwhile (as a busy one is not).
+                self._busy.add(lease_id)
+                taken.append(lease_id)
+                if on_lease is not None:
+                    on_lease(lease_id)
             try:
                 # The first blocks go out while later ones are read from SSD: into engine buffers
                 # each is pinned by the handover until copied; an arena reader learns the lookup's
                 # lease before its first block, and reads the blocks in their slots under it.
                 local = await self._lookup_chain(state, chain, session, prefix_up,
-                                                 on_lease if arena_reader else None)
+                                                 lease_taken if buffers is None and not pull else None)
             except BaseException:
+                self._drop_taken(taken, session)
                 await handover.close()
                 raise
+            if taken and taken[0] != local.lease_id:   # the lookup let it go (nothing came up, or
+                self._drop_taken(taken, session)       # its session closed): ended now
             read = self._leases.get(local.lease_id) if local.lease_id else None
             if read is None:
                 read = self._pin(session, LeaseKind.READ, namespace_id, [], ttl)
@@ -1938,7 +1950,7 @@ class BlockStore:
             self._busy.add(read.lease_id)
             stop, detail = "complete", ""
             handed_lease = 0
-            if on_lease is not None and arena_reader:
+            if on_lease is not None and buffers is None and not pull:
                 on_lease(read.lease_id)   # the same, or (none leased by the lookup) the stream's own
             try:
                 # the leased local prefix (none if the lease was reaped meanwhile: those handed
@@ -1962,6 +1974,14 @@ class BlockStore:
                     for lease in (reservation, read):
                         if lease is not None:   # the caller keeps only the lease it was handed
                             self._end_busy(lease, session, keep=lease.lease_id == handed_lease)
+
+    def _drop_taken(self, taken: list[int], session: Session) -> None:
+        """End the lease an arena stream's lookup took (busy since), if it still exists."""
+        lease = self._leases.get(taken[0]) if taken else None
+        if lease is not None:
+            self._end_busy(lease, session)
+        elif taken:
+            self._busy.discard(taken[0])
 
     async def _fetch_rest(self, session: Session, state: NamespaceState, chain: list[bytes], read: Lease,
                           delivered: int, handover: Handover, lease_arrivals: bool,

@@ -1098,6 +1098,98 @@ def test_an_arena_stream_whose_lease_ends_during_its_ssd_reads_hands_over_nothin
             engine.close()
 
 
+def test_an_arena_stream_keeps_its_lease_while_later_blocks_are_read_from_ssd(tmp_path: Path) -> None:
+    """The lookup's lease of an arena stream is not reaped while later blocks are still read from
+    SSD, however long they take: the reader is using the slots of those handed over already
+    (review: the reaper ended it, blocks 0-1 lost their slots, and the end named no lease)."""
+    from kvstored.index import Tier
+    with _ssd_store(tmp_path) as (store, clock):
+        s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)
+        gate = _gate_ssd_read(store, keys[2])
+        leases: list[int] = []
+        arrived: list[int] = []
+
+        async def main():  # type: ignore[no-untyped-def]
+            task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
+                                                             lambda a: arrived.append(a.index), None,
+                                                             leases.append))
+            for _ in range(2000):   # bounded: 2 s
+                if len(arrived) >= 2:
+                    break
+                await asyncio.sleep(0.001)
+            assert arrived == [0, 1], arrived
+            clock.now += 60            # block 2's read outlasts leases.ttl_s
+            assert store.reap() == 0, "the lease of blocks handed over was reaped"
+            store.evict(tier=Tier.DRAM)
+            index = store._namespaces[ns].index
+            assert all(index.get(k).in_dram for k in keys[:2]), "blocks handed over lost their slots"
+            gate.set()
+            return await task
+
+        try:
+            end = asyncio.run(main())
+            assert end.blocks == 3 and end.stop == "complete", end
+            assert end.lease_id and set(leases) == {end.lease_id}, (leases, end)
+            lease = store._leases.get(end.lease_id)
+            assert lease is not None and [b.key for b in lease.pinned] == keys
+            store.release(s, end.lease_id)
+            assert store.stats().active_leases == 0
+        finally:
+            gate.set()
+            engine.close()
+
+
+def test_an_arena_stream_whose_first_ssd_read_fails_leaves_no_lease_behind(tmp_path: Path) -> None:
+    """Block 0 of an arena stream is corrupt on SSD: nothing is handed over, the stream ends
+    short, and the lease its lookup took (busy while the reads ran) is gone with it."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)
+        _corrupt_on_disk(store, ns, keys[0])
+        arrived: list[int] = []
+        try:
+            end = asyncio.run(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
+                                                  lambda a: arrived.append(a.index), None))
+            assert arrived == [] and end.blocks == 0 and end.stop == "missing", end
+            assert store.stats().active_leases == 0
+            assert not store._busy, f"leases left busy: {store._busy}"
+        finally:
+            engine.close()
+
+
+def test_an_arena_stream_cancelled_while_later_blocks_are_read_from_ssd_leaves_nothing_behind(
+        tmp_path: Path) -> None:
+    """The client goes away after block 0 was handed over, while block 1 is still read: the
+    lookup's lease (busy while the reads ran) ends, and no pin or busy mark is left."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)
+        gate = _gate_ssd_read(store, keys[1])
+        arrived: list[int] = []
+
+        async def main() -> None:
+            task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
+                                                             lambda a: arrived.append(a.index), None))
+            for _ in range(2000):   # bounded: 2 s
+                if arrived:
+                    break
+                await asyncio.sleep(0.001)
+            assert arrived == [0], arrived
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            gate.set()
+            await store.drain()
+
+        try:
+            asyncio.run(main())
+            index = store._namespaces[ns].index
+            assert [b.pins for key in keys if (b := index.get(key)) is not None] == [0, 0, 0]
+            assert store.stats().active_leases == 0 and not store._busy
+            assert store.evict() == 3
+        finally:
+            gate.set()
+            engine.close()
+
+
 def _read_into_buffers(store: BlockStore, call: str, s: str, ns: int, keys: list[bytes], buffers):  # type: ignore[no-untyped-def]
     """``load_blocks`` or ``stream_blocks`` of ``keys`` into engine blocks 0, 1, ... (a coroutine)."""
     ids = list(range(len(keys)))
