@@ -518,7 +518,7 @@ class BlockStore:
             self._lookups_in_flight += 1
             try:
                 up = None if prefix_up is None else functools.partial(self._prefix_up, held, prefix_up, hits, tiers)
-                n = await self._ensure_dram(hits, up)
+                n = await self._ensure_dram(hits, up, lambda: held.lease_id not in self._doomed)
             except BaseException:   # cancelled while blocks came up from SSD: the lease goes too
                 if self._leases.get(held.lease_id) is held:
                     self._end(held, session, aborted=True)
@@ -591,7 +591,8 @@ class BlockStore:
         task.add_done_callback(self._background.discard)
         return task
 
-    async def _ensure_dram(self, blocks: list[Block], ready: Callable[[int], None] | None = None) -> int:
+    async def _ensure_dram(self, blocks: list[Block], ready: Callable[[int], None] | None = None,
+                           wanted: Callable[[], bool] | None = None) -> int:
         """Give every block of a (pinned) prefix a valid DRAM slot, reading SSD copies as needed.
 
         Returns how many leading blocks are now readable in DRAM: fewer when the arena cannot
@@ -599,7 +600,8 @@ class BlockStore:
         is called each time that leading run grows while reads are outstanding (never past the
         count returned), so that a caller can use the first blocks before the last have landed.
         Other tasks run between steps of PROMOTIONS_PER_STEP reads set up; a block found unpinned
-        at its turn (its reader's lease ended meanwhile) ends the prefix there.
+        at its turn (its reader's lease ended meanwhile), or ``wanted()`` false at a step (a busy
+        lease doomed: it keeps its pins until its request ends), ends the prefix there.
         """
         waits: list[tuple[int, asyncio.Future[bool]]] = []
         started: list[tuple[Block, asyncio.Future[bool]]] = []
@@ -632,6 +634,9 @@ class BlockStore:
                     await asyncio.sleep(0)
                     report(i)
                     if cut < i:   # a read failed: the blocks past it are of no use
+                        break
+                    if wanted is not None and not wanted():   # its reader is gone, the pins stay
+                        cut = min(cut, i)
                         break
                 if block.pins == 0:   # its reader's lease ended during a step: nobody wants the rest
                     cut = min(cut, i)  # (and, unpinned, it may have left the index meanwhile)

@@ -17,7 +17,7 @@ from store_harness import open_store
 
 from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstored.policy.credit import DEFAULT_TAU_S
-from kvstored.store import BlockStore, KeyRequest
+from kvstored.store import PROMOTIONS_PER_STEP, BlockStore, KeyRequest
 from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
@@ -1188,6 +1188,47 @@ def test_an_arena_stream_cancelled_while_later_blocks_are_read_from_ssd_leaves_n
         finally:
             gate.set()
             engine.close()
+
+
+@pytest.mark.parametrize("call", ["leased_lookup", "arena_stream"])
+def test_ssd_reads_stop_once_the_session_closes_mid_lookup(tmp_path: Path, call: str) -> None:
+    """The session ends while block 1 of a long prefix is read from SSD: the lookup sets up no
+    more reads after its next step, instead of bringing the whole prefix into DRAM for nobody
+    (evicting other blocks to make room). An arena stream's lease is busy then, so it is only
+    doomed and keeps its pins (review: its lookup read all 96 blocks)."""
+    from kvstored.index import Tier
+    n = 3 * PROMOTIONS_PER_STEP
+    extra: dict[str, dict[str, object]] = {"dram": {"capacity": 4 * n * BLOCK}, "ssd": {"capacity": 4 * n * BLOCK}}
+    with _ssd_store(tmp_path, extra) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        keys = chain(n)
+        save(store, s, ns, keys)
+        asyncio.run(store.flush())
+        assert store.evict(tier=Tier.DRAM) == n
+        assert store._ssd is not None
+        real, reads = store._ssd.read_into, []
+
+        def counted(namespace_id, key, dst):  # type: ignore[no-untyped-def]
+            reads.append(key)
+            if key == keys[1]:
+                store.close_session(s)
+            return real(namespace_id, key, dst)
+        store._ssd.read_into = counted  # type: ignore[method-assign]
+
+        async def main() -> None:
+            with contextlib.suppress(Exception):
+                if call == "leased_lookup":
+                    await store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s)
+                else:
+                    await store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], lambda a: None, None)
+            await store.drain()
+
+        asyncio.run(main())
+        assert len(reads) <= PROMOTIONS_PER_STEP, f"{len(reads)} SSD reads after the session closed at read 2"
+        index = store._namespaces[ns].index
+        assert all(b.pins == 0 for k in keys if (b := index.get(k)) is not None)
+        assert store.stats().active_leases == 0 and not store._busy and not store._doomed
 
 
 def _read_into_buffers(store: BlockStore, call: str, s: str, ns: int, keys: list[bytes], buffers):  # type: ignore[no-untyped-def]
