@@ -1026,6 +1026,18 @@ def test_a_stream_into_engine_buffers_hands_over_blocks_while_later_ones_are_rea
             engine.close()
 
 
+async def _arena_stream_after(store: BlockStore, s: str, ns: int, keys: list[bytes], emit, arrived: list,  # type: ignore[no-untyped-def]
+                               n: int, on_lease=None) -> asyncio.Future:  # type: ignore[type-arg]
+    """Start an arena stream of ``keys`` (``emit`` sees each arrival and appends to ``arrived``);
+    its task, once ``n`` blocks have arrived or 2 s have passed."""
+    task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], emit, None, on_lease))
+    for _ in range(2000):   # bounded: 2 s
+        if len(arrived) >= n:
+            break
+        await asyncio.sleep(0.001)
+    return task
+
+
 def test_an_arena_stream_hands_over_blocks_while_later_ones_are_read_from_ssd(tmp_path: Path) -> None:
     """Stream of a prompt on SSD without engine buffers: the stream learns its lease first, then
     blocks 0-1 arrive (readable in their arena slots under that lease) while block 2 is still
@@ -1041,12 +1053,7 @@ def test_an_arena_stream_hands_over_blocks_while_later_ones_are_read_from_ssd(tm
             arrived.append((a.index, leases[-1] if leases else 0, bool((slot == a.index + 1).all())))
 
         async def main() -> tuple[list[int], object]:
-            task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], emit, None,
-                                                             leases.append))
-            for _ in range(2000):   # bounded: 2 s
-                if len(arrived) >= 2:
-                    break
-                await asyncio.sleep(0.001)
+            task = await _arena_stream_after(store, s, ns, keys, emit, arrived, 2, leases.append)
             before = [i for i, _, _ in arrived] if not task.done() else []
             gate.set()
             return before, await task
@@ -1075,12 +1082,7 @@ def test_an_arena_stream_whose_lease_ends_during_its_ssd_reads_hands_over_nothin
         arrived: list[int] = []
 
         async def main() -> None:
-            task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
-                                                             lambda a: arrived.append(a.index), None))
-            for _ in range(2000):   # bounded: 2 s
-                if arrived:
-                    break
-                await asyncio.sleep(0.001)
+            task = await _arena_stream_after(store, s, ns, keys, lambda a: arrived.append(a.index), arrived, 1)
             assert arrived == [0], f"arrivals while block 1 was held: {arrived}"
             store.close_session(s)      # the client is gone: its lease ends
             gate.set()
@@ -1110,13 +1112,8 @@ def test_an_arena_stream_keeps_its_lease_while_later_blocks_are_read_from_ssd(tm
         arrived: list[int] = []
 
         async def main():  # type: ignore[no-untyped-def]
-            task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
-                                                             lambda a: arrived.append(a.index), None,
-                                                             leases.append))
-            for _ in range(2000):   # bounded: 2 s
-                if len(arrived) >= 2:
-                    break
-                await asyncio.sleep(0.001)
+            task = await _arena_stream_after(store, s, ns, keys, lambda a: arrived.append(a.index), arrived, 2,
+                                             leases.append)
             assert arrived == [0, 1], arrived
             clock.now += 60            # block 2's read outlasts leases.ttl_s
             assert store.reap() == 0, "the lease of blocks handed over was reaped"
@@ -1153,40 +1150,6 @@ def test_an_arena_stream_whose_first_ssd_read_fails_leaves_no_lease_behind(tmp_p
             assert store.stats().active_leases == 0
             assert not store._busy, f"leases left busy: {store._busy}"
         finally:
-            engine.close()
-
-
-def test_an_arena_stream_cancelled_while_later_blocks_are_read_from_ssd_leaves_nothing_behind(
-        tmp_path: Path) -> None:
-    """The client goes away after block 0 was handed over, while block 1 is still read: the
-    lookup's lease (busy while the reads ran) ends, and no pin or busy mark is left."""
-    with _ssd_store(tmp_path) as (store, _):
-        s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)
-        gate = _gate_ssd_read(store, keys[1])
-        arrived: list[int] = []
-
-        async def main() -> None:
-            task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
-                                                             lambda a: arrived.append(a.index), None))
-            for _ in range(2000):   # bounded: 2 s
-                if arrived:
-                    break
-                await asyncio.sleep(0.001)
-            assert arrived == [0], arrived
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            gate.set()
-            await store.drain()
-
-        try:
-            asyncio.run(main())
-            index = store._namespaces[ns].index
-            assert [b.pins for key in keys if (b := index.get(key)) is not None] == [0, 0, 0]
-            assert store.stats().active_leases == 0 and not store._busy
-            assert store.evict() == 3
-        finally:
-            gate.set()
             engine.close()
 
 
@@ -1231,31 +1194,41 @@ def test_ssd_reads_stop_once_the_session_closes_mid_lookup(tmp_path: Path, call:
         assert store.stats().active_leases == 0 and not store._busy and not store._doomed
 
 
-def _read_into_buffers(store: BlockStore, call: str, s: str, ns: int, keys: list[bytes], buffers):  # type: ignore[no-untyped-def]
-    """``load_blocks`` or ``stream_blocks`` of ``keys`` into engine blocks 0, 1, ... (a coroutine)."""
+def _read_into_buffers(store: BlockStore, call: str, s: str, ns: int, keys: list[bytes], buffers,  # type: ignore[no-untyped-def]
+                       arrived: list[int] | None = None):
+    """``load_blocks`` or ``stream_blocks`` of ``keys`` into engine blocks 0, 1, ..., or an
+    ``arena_stream`` (no buffers) whose arrivals go to ``arrived`` (a coroutine)."""
     ids = list(range(len(keys)))
     if call == "load_blocks":
         return store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), ids)
+    if call == "arena_stream":
+        assert arrived is not None, "an arena stream reports its arrivals"
+        return store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], lambda a: arrived.append(a.index), None)
     return store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, ids, lambda a: None, None)
 
 
-@pytest.mark.parametrize("call", ["load_blocks", "stream_blocks"])
+@pytest.mark.parametrize("call", ["load_blocks", "stream_blocks", "arena_stream"])
 def test_a_read_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing_pinned(
         tmp_path: Path, call: str) -> None:
     """The client goes away while block 2 is still read from SSD, after blocks 0-1 were copied
-    out early: no pin, lease or copy is left behind, and every block can be evicted again."""
+    out (or, an arena stream, handed over) early: no pin, lease, busy lease or copy is left
+    behind, and every block can be evicted again."""
     with _ssd_store(tmp_path) as (store, _):
         s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
         gate = _gate_ssd_read(store, keys[2])
         rows = engine.numpy()
+        arrived: list[int] = []
+
+        def early() -> bool:
+            return len(arrived) >= 2 if call == "arena_stream" else bool((rows[1] == 2).all())
 
         async def main() -> None:
-            task = asyncio.ensure_future(_read_into_buffers(store, call, s, ns, keys, buffers))
+            task = asyncio.ensure_future(_read_into_buffers(store, call, s, ns, keys, buffers, arrived))
             for _ in range(2000):   # bounded: 2 s
-                if (rows[1] == 2).all():
+                if early():
                     break
                 await asyncio.sleep(0.001)
-            assert (rows[1] == 2).all(), "block 1 was not copied out early"
+            assert early(), "block 1 was not copied out (handed over) early"
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -1267,7 +1240,7 @@ def test_a_read_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing
             ns_index = store._namespaces[ns].index
             pins = [b.pins for key in keys if (b := ns_index.get(key)) is not None]
             assert pins == [0, 0, 0], f"pins left: {pins}"
-            assert store.stats().active_leases == 0
+            assert store.stats().active_leases == 0 and not store._busy, f"leases left busy: {store._busy}"
             assert store.evict() == 3
         finally:
             gate.set()
