@@ -513,8 +513,9 @@ class BlockStore:
             held = self._pin(session, LeaseKind.READ, namespace_id, hits, ttl)
             if on_lease is not None:
                 on_lease(held.lease_id)
-            # in flight for quiesce() while its blocks come up (its lease is not busy yet): a load
-            # or leased lookup at SIGTERM finishes before its session ends and takes the lease
+            # in flight for quiesce() while its blocks come up (its lease is not busy yet, unless an
+            # arena stream's): a load or leased lookup at SIGTERM finishes before its session ends
+            # and takes the lease
             self._lookups_in_flight += 1
             try:
                 up = None if prefix_up is None else functools.partial(self._prefix_up, held, prefix_up, hits, tiers)
