@@ -86,6 +86,7 @@ class LookupResult:
     lease_ttl_s: float
     block_bytes: int
     block_size: int
+    lease_lost: bool = False   # the hits' lease ended (released, reaped) while they came up from SSD
 
 
 @dataclass(frozen=True, slots=True)
@@ -508,6 +509,7 @@ class BlockStore:
         self._hit(hits)
         tiers = _tiers(hits)
         lease_id = 0
+        lost = False
         ttl = self._config.leases.ttl_s
         if session is not None and hits:
             held = self._pin(session, LeaseKind.READ, namespace_id, hits, ttl)
@@ -538,7 +540,8 @@ class BlockStore:
                     self._remove_if_hollow(block)
                 hits = hits[:n]
                 tiers = tiers[:n]
-            if hits and self._leases.get(held.lease_id) is held and held.lease_id not in self._doomed:
+            lost = self._leases.get(held.lease_id) is not held or held.lease_id in self._doomed
+            if hits and not lost:
                 lease_id = held.lease_id
             else:
                 hits, tiers = [], []
@@ -551,7 +554,7 @@ class BlockStore:
         self._n.hit_blocks += len(hits)
         self._n.hit_tokens += len(hits) * state.spec.block_size
         return LookupResult(len(hits), tiers, [b.offset for b in hits] if session is not None else [],
-                            lease_id, ttl, state.spec.block_bytes, state.spec.block_size)
+                            lease_id, ttl, state.spec.block_bytes, state.spec.block_size, lost)
 
     def _prefix_up(self, held: Lease, prefix_up: PrefixUp, hits: list[Block], tiers: list[Tier], k: int) -> None:
         # Only while the lookup's lease holds: once it ended (reaped, its session closed) the hits
@@ -1904,7 +1907,10 @@ class BlockStore:
         releases it; ``on_lease`` learns that lease's id before the first ``emit``, for a caller
         that may stop listening before the end). With ``emit`` None (a pull) nothing is handed over: the blocks are only
         brought here, and nothing stays leased. A transfer that stops short keeps the complete
-        blocks and drops the partial one; the end says why it stopped. Raises the usual errors for
+        blocks and drops the partial one; the end says why it stopped ("lease_ended": the lease on
+        the local prefix was released or reaped while it came up from SSD; no peer is asked for
+        blocks cached here). FailedPrecondition when the session closed while the local prefix
+        came up (no peer is asked for the rest: nobody is left to take it). Raises the usual errors for
         bad input; with ``copy_until`` (the event loop's time: the caller's deadline),
         DeadlineExceeded when a copy into the engine's buffers would start after it (none does:
         the engine, told of the deadline, may be reusing those blocks).
@@ -1949,6 +1955,12 @@ class BlockStore:
                 raise
             if taken and taken[0] != local.lease_id:   # the lookup let it go (nothing came up, or
                 self._drop_taken(taken, session)       # its session closed): ended now
+            if session.session_id not in self._sessions:
+                # The client is gone (its session closed while the prefix came up): nobody to take
+                # the rest, so no peer is asked for it and nothing more is leased.
+                await handover.close()
+                raise FailedPrecondition(f"session {session_id!r} closed during the stream; "
+                                         f"{given} of {len(chain)} blocks were handed over")
             read = self._leases.get(local.lease_id) if local.lease_id else None
             if read is None:
                 read = self._pin(session, LeaseKind.READ, namespace_id, [], ttl)
@@ -1963,7 +1975,13 @@ class BlockStore:
                 # over early are in the engine's buffers all the same)
                 handover.give(given, read.pinned[given:], local.tiers[given:])
                 delivered = max(local.blocks, given)
-                if delivered < len(chain) and fetcher is None:
+                if delivered < len(chain) and local.lease_lost:
+                    # Released by the client (or reaped) while the prefix came up: the rest is
+                    # cached here but no longer leased, and fetching it from a peer would be waste.
+                    stop, detail = "lease_ended", (f"the lease on the cached prefix ended before block "
+                                                   f"{delivered} was in DRAM (released, or reaped after "
+                                                   "leases.ttl_s)")
+                elif delivered < len(chain) and fetcher is None:
                     stop, detail = "missing", f"block {delivered} is not cached on this node"
                 elif delivered < len(chain) and fetcher is not None:
                     reservation, delivered, stop, detail = await self._fetch_rest(

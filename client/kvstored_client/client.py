@@ -87,7 +87,8 @@ class BlockArrival:
 class StreamOutcome:
     """How a stream ended: ``blocks`` of ``requested`` arrived (``tokens`` of the prompt), then
     ``stop``: "complete", or why it stopped short ("missing", "peer_closed", "timeout", "corrupt",
-    "unreachable", "peer_error", "no_room", "no_peers"); the engine recomputes the rest."""
+    "unreachable", "peer_error", "no_room", "no_peers", "lease_ended"); the engine recomputes the
+    rest."""
 
     blocks: int
     requested: int

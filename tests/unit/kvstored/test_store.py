@@ -1153,6 +1153,99 @@ def test_an_arena_stream_whose_first_ssd_read_fails_leaves_no_lease_behind(tmp_p
             engine.close()
 
 
+def _counting_fetcher(calls: list[int]):  # type: ignore[no-untyped-def]
+    """A peer fetcher that records how many blocks it was asked for and has none of them."""
+    from kvstored.store import Fetched
+
+    async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        calls.append(len(want))
+        return Fetched(0, "missing", "no peer holds it")
+    return fetcher
+
+
+@pytest.mark.parametrize("call", ["stream_blocks", "arena_stream"])
+def test_a_stream_whose_session_closes_mid_lookup_asks_no_peer(tmp_path: Path, call: str) -> None:
+    """The session ends while block 1 of the local prefix is read from SSD; the chain goes on past
+    what is cached here. The stream ends with FailedPrecondition naming the closed session,
+    and no peer is asked for the rest: nobody is left to take it (a README known limit, fixed)."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
+        wanted = keys + chain(1, 50_000)   # block 3 is not cached on this node (the buffers hold 4)
+        gate = _gate_ssd_read(store, keys[1])
+        calls: list[int] = []
+        arrived: list[int] = []
+        fetcher = _counting_fetcher(calls)
+
+        async def main() -> None:
+            if call == "arena_stream":
+                stream = store.stream_blocks(s, ns, KeyRequest(hashes=wanted), 0, [],
+                                             lambda a: arrived.append(a.index), fetcher)
+            else:
+                stream = store.stream_blocks(s, ns, KeyRequest(hashes=wanted), buffers.buffers_id,
+                                             list(range(len(wanted))), lambda a: arrived.append(a.index), fetcher)
+            task = asyncio.ensure_future(stream)
+            for _ in range(2000):   # bounded: 2 s
+                if arrived:
+                    break
+                await asyncio.sleep(0.001)
+            assert arrived == [0], f"block 0 was not handed over before block 1's read: {arrived}"
+            store.close_session(s)
+            gate.set()
+            with pytest.raises(FailedPrecondition, match="closed during the stream"):
+                await task
+            await store.drain()
+
+        try:
+            asyncio.run(main())
+            assert calls == [], f"peers were asked for {calls} blocks after the session closed"
+            index = store._namespaces[ns].index
+            assert all(b.pins == 0 for k in keys if (b := index.get(k)) is not None)
+            assert store.stats().active_leases == 0 and not store._busy and not store._doomed
+        finally:
+            gate.set()
+            engine.close()
+
+
+def test_an_arena_stream_whose_lease_is_released_mid_lookup_says_so(tmp_path: Path) -> None:
+    """The reader releases the stream's lease (told before the first block) while block 2 is
+    still read from SSD: the stream ends after the 2 blocks handed over, saying its lease ended,
+    not that block 2 is missing; no peer is asked for blocks cached here, nothing stays pinned
+    (the end said "missing" and the rest was fetched from peers)."""
+    with _ssd_store(tmp_path) as (store, _):
+        s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)
+        gate = _gate_ssd_read(store, keys[2])
+        leases: list[int] = []
+        arrived: list[int] = []
+        calls: list[int] = []
+
+        async def main():  # type: ignore[no-untyped-def]
+            task = asyncio.ensure_future(store.stream_blocks(
+                s, ns, KeyRequest(hashes=keys), 0, [], lambda a: arrived.append(a.index),
+                _counting_fetcher(calls), leases.append))
+            for _ in range(2000):   # bounded: 2 s
+                if len(arrived) >= 2:
+                    break
+                await asyncio.sleep(0.001)
+            assert arrived == [0, 1] and leases, (arrived, leases)
+            store.release(s, leases[0])
+            gate.set()
+            end = await task
+            await store.drain()
+            return end
+
+        try:
+            end = asyncio.run(main())
+            assert (end.blocks, end.stop, end.lease_id) == (2, "lease_ended", 0), end
+            assert "released" in end.detail, end.detail
+            assert calls == [], f"peers were asked for {calls} blocks cached here"
+            index = store._namespaces[ns].index
+            assert [b.pins for k in keys if (b := index.get(k)) is not None] == [0, 0, 0]
+            assert store.stats().active_leases == 0 and not store._busy
+        finally:
+            gate.set()
+            engine.close()
+
+
 @pytest.mark.parametrize("call", ["leased_lookup", "arena_stream"])
 def test_ssd_reads_stop_once_the_session_closes_mid_lookup(tmp_path: Path, call: str) -> None:
     """The session ends while block 1 of a long prefix is read from SSD: the lookup sets up no

@@ -949,9 +949,11 @@ def test_a_stream_whose_session_ends_during_its_lookup_leaves_no_lease(ssd_env: 
     waits for a block to come up from SSD: the session's end takes the lookup's lease, so the
     stream pinned a fresh read lease on the ended session, leased the blocks the peer sent in
     it and kept it as the one handed over: nobody could release it (the session is gone), and
-    its blocks stayed pinned until the reaper ended it a TTL later."""
+    its blocks stayed pinned until the reaper ended it a TTL later. Now the stream raises
+    FailedPrecondition once its lookup returns, and asks no peer for the rest."""
     import concurrent.futures
 
+    from kvstored.errors import FailedPrecondition
     from kvstored.index import Tier
     store, _ = ssd_env
     s = store.open_session("holder", 1).session_id
@@ -963,8 +965,10 @@ def test_a_stream_whose_session_ends_during_its_lookup_leaves_no_lease(ssd_env: 
     real_read = ssd.read_into
     read0: concurrent.futures.Future[None] = concurrent.futures.Future()
     held: dict[str, object] = {}
+    asked: list[int] = []
 
     async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
+        asked.append(len(want))
         for i in range(len(want)):
             view = await into(i, BLOCK)
             view[:] = bytes([i + 7]) * BLOCK
@@ -991,11 +995,12 @@ def test_a_stream_whose_session_ends_during_its_lookup_leaves_no_lease(ssd_env: 
         store.close_session(reader)                            # the client went away
         real_read(*held["args"]).result(5)                     # type: ignore[misc]
         read0.set_result(None)
-        end = await task
+        with pytest.raises(FailedPrecondition, match="closed during the stream"):
+            await task
         await store.drain()
-        return end
 
     asyncio.run(main())
+    assert asked == [], f"a peer was asked for {asked} blocks for a session that had ended"
     assert len(store._leases) == 0, "a lease of an ended session was left behind"
     assert all(b.pins == 0 for b in store._namespaces[ns].index)
 
