@@ -515,8 +515,8 @@ class BlockStore:
             held = self._pin(session, LeaseKind.READ, namespace_id, hits, ttl)
             if on_lease is not None:
                 on_lease(held.lease_id)
-            # in flight for quiesce() while its blocks come up (its lease is not busy yet, unless an
-            # arena stream's): a load or leased lookup at SIGTERM finishes before its session ends
+            # in flight for quiesce() while its blocks come up (its lease is not busy yet, unless a
+            # stream's): a load or leased lookup at SIGTERM finishes before its session ends
             # and takes the lease
             self._lookups_in_flight += 1
             try:
@@ -1934,21 +1934,21 @@ class BlockStore:
                 nonlocal given
                 handover.give(given, hits[given:k], tiers[given:k])
                 given = k
-            taken: list[int] = []   # an arena reader's: the lookup's lease, busy from the start
+            taken: list[int] = []   # the lookup's lease, busy from the start
 
             def lease_taken(lease_id: int) -> None:
-                # Its first blocks go out while later ones still come up: the reader uses their
-                # slots under this lease, which must not be reaped meanwhile (as a busy one is not).
+                # Its first blocks go out while later ones still come up: an arena reader uses their
+                # slots under this lease, which must not be reaped meanwhile (as a busy one is not);
+                # nor may any stream's, whose end would otherwise stop short of blocks cached here.
                 self._busy.add(lease_id)
                 taken.append(lease_id)
-                if on_lease is not None:
+                if on_lease is not None and buffers is None and not pull:
                     on_lease(lease_id)
             try:
                 # The first blocks go out while later ones are read from SSD: into engine buffers
                 # each is pinned by the handover until copied; an arena reader learns the lookup's
                 # lease before its first block, and reads the blocks in their slots under it.
-                local = await self._lookup_chain(state, chain, session, prefix_up,
-                                                 lease_taken if buffers is None and not pull else None)
+                local = await self._lookup_chain(state, chain, session, prefix_up, lease_taken)
             except BaseException:
                 self._drop_taken(taken, session)
                 await handover.close()
@@ -1959,8 +1959,10 @@ class BlockStore:
                 # The client is gone (its session closed while the prefix came up): nobody to take
                 # the rest, so no peer is asked for it and nothing more is leased.
                 await handover.close()
-                raise FailedPrecondition(f"session {session_id!r} closed during the stream; "
-                                         f"{given} of {len(chain)} blocks were handed over")
+                if self._stopping:
+                    raise Unavailable("the daemon is stopping")
+                raise FailedPrecondition(f"session {session_id!r} closed during the stream, after {given} "
+                                         f"of {len(chain)} blocks had come up")
             read = self._leases.get(local.lease_id) if local.lease_id else None
             if read is None:
                 read = self._pin(session, LeaseKind.READ, namespace_id, [], ttl)
@@ -2000,7 +2002,7 @@ class BlockStore:
                             self._end_busy(lease, session, keep=lease.lease_id == handed_lease)
 
     def _drop_taken(self, taken: list[int], session: Session) -> None:
-        """End the lease an arena stream's lookup took (busy since), if it still exists."""
+        """End the lease a stream's lookup took (busy since), if it still exists."""
         lease = self._leases.get(taken[0]) if taken else None
         if lease is not None:
             self._end_busy(lease, session)

@@ -1246,6 +1246,48 @@ def test_an_arena_stream_whose_lease_is_released_mid_lookup_says_so(tmp_path: Pa
             engine.close()
 
 
+@pytest.mark.parametrize("mode", ["buffers", "pull"])
+def test_a_stream_whose_lookup_outlasts_the_lease_ttl_still_delivers_every_block(tmp_path: Path, mode: str) -> None:
+    """(review) A stream into engine buffers, or a pull, whose SSD lookup runs past leases.ttl_s:
+    its lookup's lease is not reaped meanwhile (busy, as an arena reader's), so the stream ends
+    complete with every cached block, and no peer is asked (was: it stopped at "lease_ended")."""
+    with _ssd_store(tmp_path) as (store, clock):
+        s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
+        gate = _gate_ssd_read(store, keys[2])
+        calls: list[int] = []
+        arrived: list[int] = []
+
+        async def main():  # type: ignore[no-untyped-def]
+            if mode == "buffers":
+                coro = store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [0, 1, 2],
+                                           lambda a: arrived.append(a.index), _counting_fetcher(calls))
+            else:
+                coro = store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], None, _counting_fetcher(calls))
+            task = asyncio.ensure_future(coro)
+            for _ in range(2000):   # bounded: 2 s
+                if len(arrived) >= 2 if mode == "buffers" else store._lookups_in_flight:
+                    break
+                await asyncio.sleep(0.001)
+            assert store._lookups_in_flight and not task.done(), "block 2 should still be on its way up"
+            clock.now += 60          # past leases.ttl_s while block 2 is still read
+            assert store.reap() == 0, "the stream's lookup lease was reaped"
+            gate.set()
+            end = await task
+            await store.drain()
+            return end
+
+        try:
+            end = asyncio.run(main())
+            assert (end.blocks, end.stop) == (3, "complete"), end
+            assert calls == [], f"peers were asked for {calls} blocks cached here"
+            if mode == "buffers":
+                assert [int(engine.numpy()[i][0]) for i in range(3)] == [1, 2, 3]
+            assert store.stats().active_leases == 0 and not store._busy and not store._doomed
+        finally:
+            gate.set()
+            engine.close()
+
+
 @pytest.mark.parametrize("call", ["leased_lookup", "arena_stream"])
 def test_ssd_reads_stop_once_the_session_closes_mid_lookup(tmp_path: Path, call: str) -> None:
     """The session ends while block 1 of a long prefix is read from SSD: the lookup sets up no
