@@ -1153,6 +1153,14 @@ def test_an_arena_stream_whose_first_ssd_read_fails_leaves_no_lease_behind(tmp_p
             engine.close()
 
 
+async def _open_gate_and_end(store: BlockStore, gate: threading.Event, task: asyncio.Future):  # type: ignore[no-untyped-def,type-arg]
+    """Let the held SSD read go on; the stream's end, once the store's background work is done."""
+    gate.set()
+    end = await task
+    await store.drain()
+    return end
+
+
 def _counting_fetcher(calls: list[int]):  # type: ignore[no-untyped-def]
     """A peer fetcher that records how many blocks it was asked for and has none of them."""
     from kvstored.store import Fetched
@@ -1228,10 +1236,7 @@ def test_an_arena_stream_whose_lease_is_released_mid_lookup_says_so(tmp_path: Pa
                 await asyncio.sleep(0.001)
             assert arrived == [0, 1] and leases, (arrived, leases)
             store.release(s, leases[0])
-            gate.set()
-            end = await task
-            await store.drain()
-            return end
+            return await _open_gate_and_end(store, gate, task)
 
         try:
             end = asyncio.run(main())
@@ -1271,10 +1276,7 @@ def test_a_stream_whose_lookup_outlasts_the_lease_ttl_still_delivers_every_block
             assert store._lookups_in_flight and not task.done(), "block 2 should still be on its way up"
             clock.now += 60          # past leases.ttl_s while block 2 is still read
             assert store.reap() == 0, "the stream's lookup lease was reaped"
-            gate.set()
-            end = await task
-            await store.drain()
-            return end
+            return await _open_gate_and_end(store, gate, task)
 
         try:
             end = asyncio.run(main())
