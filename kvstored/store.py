@@ -1907,9 +1907,9 @@ class BlockStore:
         releases it; ``on_lease`` learns that lease's id before the first ``emit``, for a caller
         that may stop listening before the end). With ``emit`` None (a pull) nothing is handed over: the blocks are only
         brought here, and nothing stays leased. A transfer that stops short keeps the complete
-        blocks and drops the partial one; the end says why it stopped ("lease_ended": the lease on
-        the local prefix was released or reaped while it came up from SSD; no peer is asked for
-        blocks cached here). FailedPrecondition when the session closed while the local prefix
+        blocks and drops the partial one; the end says why it stopped ("lease_ended": an arena
+        reader released the lease on the local prefix while it came up from SSD; no peer is asked
+        for blocks cached here). FailedPrecondition when the session closed while the local prefix
         came up (no peer is asked for the rest: nobody is left to take it). Raises the usual errors for
         bad input; with ``copy_until`` (the event loop's time: the caller's deadline),
         DeadlineExceeded when a copy into the engine's buffers would start after it (none does:
@@ -1978,11 +1978,11 @@ class BlockStore:
                 handover.give(given, read.pinned[given:], local.tiers[given:])
                 delivered = max(local.blocks, given)
                 if delivered < len(chain) and local.lease_lost:
-                    # Released by the client (or reaped) while the prefix came up: the rest is
-                    # cached here but no longer leased, and fetching it from a peer would be waste.
-                    stop, detail = "lease_ended", (f"the lease on the cached prefix ended before block "
-                                                   f"{delivered} was in DRAM (released, or reaped after "
-                                                   "leases.ttl_s)")
+                    # Released by the arena reader while the prefix came up (busy, it is never
+                    # reaped): the rest is cached here but no longer leased, and fetching it from a
+                    # peer would be waste.
+                    stop, detail = "lease_ended", (f"the reader released the lease on the cached prefix "
+                                                   f"before block {delivered} was in DRAM")
                 elif delivered < len(chain) and fetcher is None:
                     stop, detail = "missing", f"block {delivered} is not cached on this node"
                 elif delivered < len(chain) and fetcher is not None:
