@@ -608,7 +608,7 @@ class BlockStore:
         lease doomed: it keeps its pins until its request ends), ends the prefix there.
         """
         waits: list[tuple[int, asyncio.Future[bool]]] = []
-        started: list[tuple[Block, asyncio.Future[bool]]] = []
+        started: list[tuple[Block, asyncio.Future[bool], int]] = []   # and its reuses on SSD
         cut = len(blocks)
         landed = 0     # waits[:landed] are over (landed, or failed: then cut is at most there)
         reported = 0   # the leading run ready() was told of
@@ -658,6 +658,7 @@ class BlockStore:
                 if offset is None:
                     cut = min(cut, i)
                     break
+                reuses = self._ssd_policy.reuses(block)        # its history goes up with it
                 self._ssd_policy.removed(block, moved=True)   # up to DRAM; its SSD copy stays
                 self._bind_slot(block, offset)
                 done: asyncio.Future[bool] = loop.create_future()
@@ -672,7 +673,7 @@ class BlockStore:
                 # a callback, not a task per block: the tasks' set-up cost as much as the rest
                 read.add_done_callback(functools.partial(self._read_landed, loop, block, done))
                 waits.append((i, done))
-                started.append((block, done))
+                started.append((block, done, reuses or 0))
                 set_up += 1
         finally:   # cancelled between steps too: every slot bound here goes to the DRAM policy
             if started:
@@ -727,22 +728,32 @@ class BlockStore:
             if block not in self._ssd_policy:
                 self._ssd_policy.inserted([block])
 
-    async def _track_promoted(self, started: list[tuple[Block, asyncio.Future[bool]]]) -> None:
+    async def _track_promoted(self, started: list[tuple[Block, asyncio.Future[bool], int]]) -> None:
         """Hand a batch of promoted blocks to their DRAM policy once all have landed, parent first
         (batches of one chain, other readers' included, may land in any order: the policy counts
         a child tracked before its parent under it all the same). A task of its own, so that a
         cancelled lookup cannot leave a slot untracked (hence never evicted); the blocks are
         pinned until their readers are done."""
-        await asyncio.gather(*(done for _, done in started))
+        await asyncio.gather(*(done for _, done, _ in started))
         if not started:
             return
         policy = self._dram_for(started[0][0])
+        # A batch is one prefix, parent first, and a hit of a block was a hit of its ancestors,
+        # which the SSD policy (recording hits on the deepest block only) may not have counted.
+        most = 0
+        for i in range(len(started) - 1, -1, -1):
+            block, done, reuses = started[i]
+            if reuses < most:
+                started[i] = (block, done, most)
+            else:
+                most = reuses
         # not those tracked meanwhile: one that landed early may have lost its slot (its reader
         # gone) and come up again in a later batch, already tracked (and maybe hit) since
-        landed = [block for block, done in started if done.result() and block.offset != NO_SLOT
-                  and block.flags & SEALED and block not in self._promoting and block not in policy]
+        landed = [(block, reuses) for block, done, reuses in started
+                  if done.result() and block.offset != NO_SLOT and block.flags & SEALED
+                  and block not in self._promoting and block not in policy]
         if landed:
-            policy.inserted(landed)
+            policy.inserted([block for block, _ in landed], [reuses for _, reuses in landed])
 
     def _hit(self, blocks: Sequence[Block]) -> None:
         """Tell the tiers' policies that a lookup hit ``blocks``, a prefix of one namespace's chain.
@@ -1026,12 +1037,18 @@ class BlockStore:
     def _evict_slot(self, block: Block) -> None:
         """Evict ``block`` from DRAM: with an SSD copy it only loses its slot, else it is dropped."""
         if block.on_ssd:
-            self._release_slot(block)
-            self._ssd_policy.inserted([block])
+            self._leave_dram_for_ssd(block)
         else:
             self._remove(block)
             self._n.dropped += 1
         self._n.dram_evictions += 1
+
+    def _leave_dram_for_ssd(self, block: Block) -> None:
+        """Give up the DRAM slot of ``block`` (sealed, with an SSD copy): it stays on SSD only,
+        tracked by the SSD policy with the reuses the DRAM policy had counted for it."""
+        reuses = self._dram_for(block).reuses(block)
+        self._release_slot(block)
+        self._ssd_policy.inserted([block], None if reuses is None else [reuses])
 
     def _release_slot(self, block: Block, leaving: bool = False) -> None:
         """Give back a block's DRAM slot (its bytes stay wherever else they are); ``leaving``:
@@ -1408,8 +1425,7 @@ class BlockStore:
                 pass
             elif tier is Tier.DRAM and block.in_dram:
                 if block.on_ssd:
-                    self._release_slot(block)
-                    self._ssd_policy.inserted([block])
+                    self._leave_dram_for_ssd(block)
                     count += 1
                 elif block.children == 0:
                     self._remove(block)
@@ -1876,8 +1892,7 @@ class BlockStore:
                 break
             if block.in_dram and block.on_ssd and not block.pins and not block.flags & DEMOTING \
                     and block not in self._promoting:
-                self._release_slot(block)
-                self._ssd_policy.inserted([block])
+                self._leave_dram_for_ssd(block)
                 self._n.dram_evictions += 1
                 freed += 1
         return freed

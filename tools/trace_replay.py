@@ -193,8 +193,11 @@ class OfflineBound:
         victim = self._heap.peek()
         return victim is None or self._next_use(key) < self._next_use(victim.key)
 
-    def inserted(self, blocks: Sequence[Block]) -> None:
+    def inserted(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
         self.hit(blocks)
+
+    def reuses(self, block: Block) -> int | None:
+        return None   # it ranks by the future, not by the past
 
     def hit(self, blocks: Sequence[Block]) -> None:
         for block in blocks:

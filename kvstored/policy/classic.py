@@ -41,10 +41,20 @@ class _HeapPolicy:
     def admit(self, key: bytes, full: bool) -> bool:
         return True
 
-    def inserted(self, blocks: Sequence[Block]) -> None:
+    def inserted(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
         self._tick += 1
-        for block in blocks:
-            self._heap.set(block, self._priority(self._uses.stored(block, float(self._tick))))
+        now = float(self._tick)
+        if reuses is None:
+            for block in blocks:
+                self._heap.set(block, self._priority(self._uses.stored(block, now)))
+            return
+        assert len(reuses) == len(blocks), "one reuse count per block"
+        for block, carried in zip(blocks, reuses, strict=True):
+            self._heap.set(block, self._priority(self._uses.stored(block, now, base=carried)))
+
+    def reuses(self, block: Block) -> int | None:
+        use = self._uses.get(block)
+        return None if use is None else use.base + use.hits
 
     def hit(self, blocks: Sequence[Block]) -> None:
         self._tick += 1
@@ -68,10 +78,10 @@ class LRUPolicy(_HeapPolicy):
 
 
 class LFUPolicy(_HeapPolicy):
-    """Least frequently used leaf first (uses since stored: the storing and each hit), least
-    recent among equals."""
+    """Least frequently used leaf first (uses since stored: the storing and each hit, and the
+    hits it had in the tier it moved from), least recent among equals."""
 
     name = "lfu"
 
     def _priority(self, use: Use) -> Priority:
-        return (float(1 + use.hits), use.last_use)
+        return (float(1 + use.base + use.hits), use.last_use)

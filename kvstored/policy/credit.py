@@ -11,7 +11,8 @@ block's priority is
 and the leaf of least priority is evicted: a block reused twice outlives a newer block that was
 never hit for ``tau * ln 2.9`` seconds. A ghost list remembers the reuse class of evicted keys, so
 a block that comes back after an eviction is counted as reused, not as new (its history outlives
-its bytes, as in ARC or S3-FIFO). Admission: when storing a block needs an eviction and the
+its bytes, as in ARC or S3-FIFO); a block that moves to another tier takes its reuses along
+(``inserted(..., reuses=)``). Admission: when storing a block needs an eviction and the
 newcomer's priority would be below the victim's, the newcomer is refused, so a burst of one-off
 blocks cannot flush blocks that earned credit.
 """
@@ -102,12 +103,20 @@ class CreditPolicy:
         assert prio is not None
         return self._clock() + self._credit[self._returning(key)] >= prio[0]
 
-    def inserted(self, blocks: Sequence[Block]) -> None:
+    def inserted(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
         now = self._clock()
-        for block in blocks:
+        if reuses is not None:
+            assert len(reuses) == len(blocks), "one reuse count per block"
+        for i, block in enumerate(blocks):
             c = self._returning(block.key)
+            if reuses is not None and reuses[i] > c:   # moved here: its reuses in the other tier count
+                c = min(reuses[i], self._top)
             self._ghost.pop(block.key, None)
             self._heap.set(block, self._priority(self._uses.stored(block, now, base=c)))
+
+    def reuses(self, block: Block) -> int | None:
+        use = self._uses.get(block)
+        return None if use is None else use.base + use.hits
 
     def hit(self, blocks: Sequence[Block]) -> None:
         self._uses.hit(blocks, self._clock())  # untracked blocks (not stored through this policy) are skipped

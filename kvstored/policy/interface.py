@@ -36,10 +36,22 @@ class BlockPolicy(Protocol):
         """
         ...
 
-    def inserted(self, blocks: Sequence[Block]) -> None:
+    def inserted(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
         """``blocks`` (parents before their children) were stored and sealed, or came into this
         tier: start tracking them. Runs of one chain may come in any order (a child's run before
-        its parent's): a parent is no leaf while a tracked child hangs under it."""
+        its parent's): a parent is no leaf while a tracked child hangs under it.
+
+        ``reuses``, for blocks that moved here from another tier: per block, how often it had
+        been reused there (:meth:`reuses` of that tier's policy), so that its history goes with
+        it; a policy that ranks by reuse starts it there. None: new blocks (or no history).
+        """
+        ...
+
+    def reuses(self, block: Block) -> int | None:
+        """How often a tracked block has been reused as far as this tier knows, reuses carried in
+        with it included; None when it is not tracked. Hits are recorded lazily (on the deepest
+        tracked block of a prefix), so a block with tracked children may not count its latest
+        ones yet; a leaf's count is exact. Read before :meth:`removed` when a block moves."""
         ...
 
     def hit(self, blocks: Sequence[Block]) -> None:

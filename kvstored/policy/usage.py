@@ -23,7 +23,8 @@ NEVER = float("-inf")
 
 class Use:
     """When a block was stored, its last hit and how many hits it has had (with those of removed
-    descendants folded in), and the class it entered with (policies that keep ghosts)."""
+    descendants folded in), and the reuses it entered with (from a ghost, or carried from the tier
+it moved from)."""
 
     __slots__ = ("base", "hits", "last_hit", "stored")
 

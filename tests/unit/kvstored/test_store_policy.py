@@ -318,7 +318,7 @@ def _to_ssd_only(store: BlockStore, s: str, ns: int, keys: list[bytes]) -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_ssd_policy_is_its_own(tmp_path: Path, policy: str) -> None:
     """The SSD tier follows ``ssd.policy`` whatever ``dram.policy`` says: a block that came back
-    from DRAM after a hit earns credit on SSD under credit only (LRU and LFU start it afresh)."""
+    from DRAM after a hit keeps it on SSD under credit and LFU, not under LRU (blind to hits)."""
     with make_store(tmp_path, dram="lru", ssd=policy) as (store, clock):
         s = store.open_session("t", 1).session_id
         ns = store.open_namespace(Namespace()).namespace_id
@@ -330,7 +330,7 @@ def test_ssd_policy_is_its_own(tmp_path: Path, policy: str) -> None:
             clock.now += 1.0
             _to_ssd_only(store, s, ns, chain(1, 1000 * i))
         assert store.stats().tiers[1].used_bytes <= 0.95 * 8 * BLOCK
-        assert cached(store, ns, hot) == int(policy == "credit")
+        assert cached(store, ns, hot) == int(policy != "lru")
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -948,3 +948,59 @@ def test_moving_between_tiers_is_not_a_reuse(tmp_path: Path) -> None:
             store.evict(tier=Tier.DRAM)
             classes.append(store._ssd_policy.reuse_class(block))
         assert classes == [0] * 6, classes
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_block_reused_in_dram_keeps_its_reuses_on_ssd(tmp_path: Path, policy: str) -> None:
+    """Was: a block evicted from DRAM to SSD entered the SSD policy as never hit, so a block
+    reused twice in DRAM was the first to go when later never-hit blocks filled the SSD tier."""
+    with make_store(tmp_path, dram=policy, ssd=policy) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        hot = chain(1, 999_000)
+        save(store, s, ns, hot)
+        for _ in range(2):
+            clock.now += 1.0
+            assert cached(store, ns, hot) == 1          # hits in DRAM
+        asyncio.run(store.flush())
+        store.evict(tier=Tier.DRAM)                     # SSD only now, with its two reuses
+        for i in range(16):                             # never-hit blocks through SSD, twice its size
+            clock.now += 1.0
+            assert save(store, s, ns, chain(1, 1000 * i)) == 1
+            asyncio.run(store.flush())
+            store.evict(tier=Tier.DRAM)
+        assert store.stats().tiers[1].blocks <= 8
+        assert cached(store, ns, hot) == int(SURVIVES[policy])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_block_hit_on_ssd_keeps_the_hit_when_it_comes_up_to_dram(tmp_path: Path, policy: str) -> None:
+    """Was: the lookup that found a block on SSD recorded its hit in the SSD policy, which let the
+    block go as it came up; DRAM tracked it as never hit and a burst of saves evicted it first."""
+    with make_store(tmp_path, dram=policy, ssd=policy, ssd_blocks=64) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        state = store.open_namespace(Namespace())
+        ns = state.namespace_id
+        hot = chain(3, 999_000)                         # a prefix of three blocks
+        save(store, s, ns, hot)
+        asyncio.run(store.flush())
+        store.evict(tier=Tier.DRAM)
+
+        async def hit_on_ssd() -> None:
+            clock.now += 1.0
+            assert (await store.lookup(ns, KeyRequest(hashes=hot))).blocks == 3   # a hit, then up
+            await store.drain()
+
+        asyncio.run(hit_on_ssd())
+        blocks = [state.index.get(k) for k in hot]
+        assert all(b is not None and b.in_dram for b in blocks)
+        dram = store._dram_for(blocks[0])               # type: ignore[arg-type]
+        # the SSD policy had the hit on the deepest block only; its ancestors were hit too
+        assert [dram.reuses(b) for b in blocks] == [1, 1, 1]   # type: ignore[arg-type]
+        for i in range(16):                             # never-hit saves, twice the arena
+            clock.now += 1.0
+            assert save(store, s, ns, chain(1, 1000 * i)) == 1
+        resident = [b is not None and b.in_dram for b in map(state.index.get, hot)]
+        # LFU and credit keep the whole prefix the hit went through (its ancestors too); LRU has
+        # evicted it to SSD by now
+        assert resident == [policy != "lru"] * 3, resident
