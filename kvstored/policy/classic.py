@@ -44,13 +44,18 @@ class _HeapPolicy:
     def inserted(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
         self._tick += 1
         now = float(self._tick)
-        if reuses is None:
-            for block in blocks:
-                self._heap.set(block, self._priority(self._uses.stored(block, now)))
-            return
-        assert len(reuses) == len(blocks), "one reuse count per block"
-        for block, carried in zip(blocks, reuses, strict=True):
-            self._heap.set(block, self._priority(self._uses.stored(block, now, base=carried)))
+        if reuses is not None:
+            assert len(reuses) == len(blocks), "one reuse count per block"
+        entries: list[tuple[Block, Priority]] = []
+        shared: dict[int, Priority] = {}   # one priority object per reuse count: ~80 B a block less
+        for i, block in enumerate(blocks):
+            carried = 0 if reuses is None else reuses[i]
+            use = self._uses.stored(block, now, base=carried)
+            prio = shared.get(carried)
+            if prio is None:
+                prio = shared[carried] = self._priority(use)
+            entries.append((block, prio))
+        self._heap.set_many(entries)
 
     def reuses(self, block: Block) -> int | None:
         use = self._uses.get(block)

@@ -107,12 +107,19 @@ class CreditPolicy:
         now = self._clock()
         if reuses is not None:
             assert len(reuses) == len(blocks), "one reuse count per block"
+        entries: list[tuple[Block, Priority]] = []
+        shared: dict[int, Priority] = {}   # one priority object per class: ~80 B a block less
         for i, block in enumerate(blocks):
             c = self._returning(block.key)
             if reuses is not None and reuses[i] > c:   # moved here: its reuses in the other tier count
                 c = min(reuses[i], self._top)
             self._ghost.pop(block.key, None)
-            self._heap.set(block, self._priority(self._uses.stored(block, now, base=c)))
+            use = self._uses.stored(block, now, base=c)
+            prio = shared.get(c)
+            if prio is None:
+                prio = shared[c] = self._priority(use)
+            entries.append((block, prio))
+        self._heap.set_many(entries)
 
     def reuses(self, block: Block) -> int | None:
         use = self._uses.get(block)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvstored.index import Block
 
@@ -38,15 +38,16 @@ class LeafHeap:
     """Tracked blocks with a priority each; ``peek`` = the tracked leaf of least priority that
     ``can_evict`` accepts."""
 
-    __slots__ = ("_can_evict", "_counted", "_heap", "_kids", "_prio", "_refresh", "_seq")
+    __slots__ = ("_can_evict", "_heap", "_kids", "_prio", "_refresh", "_seq")
 
     def __init__(self, can_evict: Callable[[Block], bool] = index_leaf,
                  refresh: Callable[[Block], Priority] | None = None) -> None:
         self._can_evict = can_evict
         self._refresh = refresh
         self._prio: dict[Block, Priority] = {}
-        self._kids: dict[Block, int] = {}   # tracked children of a block (tracked or not), when any
-        self._counted: set[Block] = set()   # blocks counted in their parent's _kids
+        # tracked children of a block (tracked or not), when any: every tracked block with a
+        # parent is counted under it
+        self._kids: dict[Block, int] = {}
         self._heap: list[tuple[Priority, int, Block]] = []
         self._seq = itertools.count()
 
@@ -67,10 +68,24 @@ class LeafHeap:
             parent = block.parent
             if parent is not None:
                 self._kids[parent] = self._kids.get(parent, 0) + 1
-                self._counted.add(block)
         self._prio[block] = prio
         if block not in self._kids:
             self._push(block, prio)
+
+    def set_many(self, entries: Sequence[tuple[Block, Priority]]) -> None:
+        """:meth:`set` of each ``(block, priority)`` in turn, except that a block that is no leaf
+        once all are tracked (a chain stored parent first) is not pushed: a stored chain leaves
+        one heap entry, not one per block that would go stale at once (~100 B each)."""
+        prios, kids = self._prio, self._kids
+        for block, prio in entries:
+            if block not in prios:
+                parent = block.parent
+                if parent is not None:
+                    kids[parent] = kids.get(parent, 0) + 1
+            prios[block] = prio
+        for block, prio in entries:
+            if block not in kids:
+                self._push(block, prio)
 
     def discard(self, block: Block) -> None:
         """Stop tracking ``block`` (no-op if untracked); its parent becomes a candidate once its
@@ -78,10 +93,8 @@ class LeafHeap:
         if self._prio.pop(block, None) is None:
             return
         # its own count stays: its tracked children still hang under it should it come back
-        if block in self._counted:
-            self._counted.discard(block)
-            parent = block.parent
-            assert parent is not None
+        parent = block.parent
+        if parent is not None:
             left = self._kids.get(parent, 0) - 1
             assert left >= 0, "a tracked child was not counted under its parent"
             if left > 0:

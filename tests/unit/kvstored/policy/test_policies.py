@@ -296,3 +296,40 @@ def test_registry() -> None:
         assert make_policy(name, FakeClock(), 10).name == name
     with pytest.raises(ValueError, match="known: lru, lfu, credit"):
         make_policy("fifo", FakeClock(), 10)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_policy_tracking_long_chains_costs_little_memory_per_block(name: str) -> None:
+    """Was: every block of a stored chain left a heap entry that went stale as its child came in
+    (~100 B each, up to four per tracked block before a rebuild), and each block had a priority
+    object of its own: 443 B of policy records per block under credit, 675 B with the index."""
+    import gc
+    import tracemalloc
+
+    index = PrefixIndex(1)
+    chains = []
+    for c in range(10):   # ten 32k-token prompts of 2,048 blocks
+        parent = None
+        chain = []
+        for i in range(2048):
+            parent = index.insert(f"{c}/{i}".encode(), parent, 0)
+            parent.flags |= SEALED
+            parent.pins = 0
+            chain.append(parent)
+        chains.append(chain)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        policy = make_policy(name, FakeClock(), capacity_blocks=len(index))
+        for chain in chains:
+            policy.inserted(chain)
+        gc.collect()
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    per_block = (after - before) / len(index)
+    assert len(policy) == len(index)
+    assert per_block < 300, f"{name}: {per_block:.0f} B of policy records per block"
+    order = drain(index, policy)   # every victim a leaf (drain checks), the oldest chain's first
+    assert len(order) == 10 * 2048 and order[0] == b"0/2047"
