@@ -6,7 +6,10 @@ small Llama (16 layers, 8 KV heads, head dim 64, fp16: 512 KiB per 16-token bloc
 3. a multi-turn conversation prefilling only the new turn; 4. the engine-buffer path
 (register_buffers + save_blocks/load_blocks) with a vLLM-style paged layout; 5. prefill and decode on
 two more daemons started here (peers on loopback): the prefill node pushes each chunk as it is saved,
-then a decode node that has nothing streams a prompt from its peer block by block.
+then a decode node that has nothing streams a prompt from its peer block by block; 6. the SSD tier:
+DRAM written to SSD and emptied, a prompt loaded from SSD without a prefetch, another prefetched
+ahead of its load. With ``--after-restart`` (demo.sh runs it once the daemon has been stopped and
+started again on the same state): 7. prompts saved before the restart are found on SSD and served.
 Every reused block is checked byte for byte against what the engine computed.
 """
 
@@ -242,26 +245,88 @@ def disaggregated() -> None:
               f"{hit.per_peer}; first block after {first * 1e3:.1f} ms, all {out.blocks} after {last * 1e3:.1f} ms")
 
 
+def check_load(client: kvstored.Client, prompt: np.ndarray, label: str) -> tuple[float, float]:
+    """Load ``prompt``, which must be cached whole, and check it against the engine's KV; returns
+    the MiB loaded and the seconds the load took."""
+    t0 = time.perf_counter()
+    cached = client.load(prompt, namespace=NS, dtype=np.float16)
+    dt = time.perf_counter() - t0
+    full = prefill(prompt)
+    assert cached.blocks == len(full), f"{label}: {len(full)} blocks cached before, {cached.blocks} loaded"
+    assert np.array_equal(cached.data.reshape(-1, *ROW_SHAPE), full), f"{label}: KV differs from the engine's"
+    return cached.data.nbytes / 2**20, dt
+
+
+def ssd_tier(client: kvstored.Client, conversation: np.ndarray, other: np.ndarray, shared: int,
+             later: np.ndarray) -> None:
+    """Scenario 6: every DRAM block written to SSD and dropped from DRAM; ``conversation`` loaded
+    from SSD as it is, ``other`` (whose first ``shared`` tokens it shares) prefetched ahead of its
+    load; ``later`` saved after, in DRAM only (the daemon's stop writes it to SSD)."""
+    print()
+    written = client.flush()
+    dropped = client.evict(tier="dram")
+    hit = client.lookup(conversation, namespace=NS)
+    print(f"{'6a. DRAM to SSD, then emptied':<36} flush wrote {written} blocks, evict dropped {dropped} "
+          f"from DRAM; the conversation is now {hit.per_tier}")
+    assert hit.per_tier == {"ssd": hit.blocks} and hit.blocks == whole(conversation) // BLOCK, hit
+    mib, dt = check_load(client, conversation, "6b")
+    after = client.lookup(conversation, namespace=NS)
+    print(f"{'6b. load from SSD, no prefetch':<36} {mib:.1f} MiB in {dt * 1e3:.2f} ms, identical; "
+          f"now {after.per_tier}")
+    assert after.per_tier == {"dram": after.blocks}, after
+    # (no lookup first: a lookup that finds blocks on SSD starts bringing them up by itself)
+    started = client.prefetch(other, namespace=NS)
+    deadline = time.monotonic() + 30
+    while client.lookup(other, namespace=NS).per_tier.get("ssd") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    mib, dt = check_load(client, other, "6c")
+    print(f"{'6c. prefetch, then load':<36} prefetch of {started.blocks} cached blocks: {started.per_tier} "
+          f"(the system prompt came up in 6b); then {mib:.1f} MiB from DRAM in {dt * 1e3:.2f} ms, identical")
+    assert started.blocks == whole(other) // BLOCK, started
+    assert started.per_tier == {"promoting": started.blocks - shared // BLOCK}, started
+    serve(client, later, "6d. a request after the flush")
+
+
+def after_restart(client: kvstored.Client, prompts: list[tuple[str, np.ndarray]]) -> None:
+    """Scenario 7, on a daemon started again on the state of the one that ran 1-6: ``prompts``
+    saved then are found on SSD and come back whole and intact."""
+    print(f"connected to kvstored {client.daemon_version} on {client.socket}, started again on the same state\n")
+    for label, prompt in prompts:
+        hit = client.lookup(prompt, namespace=NS)
+        assert hit.blocks == whole(prompt) // BLOCK and hit.per_tier == {"ssd": hit.blocks}, \
+            f"{label}: {whole(prompt) // BLOCK} blocks saved before the restart; found {hit.per_tier}"
+        mib, dt = check_load(client, prompt, label)
+        print(f"{label:<36} {hit.blocks} blocks found on SSD; {mib:.1f} MiB loaded in {dt * 1e3:.2f} ms, identical")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--wait", type=float, default=0, help="seconds to wait for the daemon")
     parser.add_argument("--daemon-pid", type=int, default=0,
                         help="the daemon's process: stop waiting for it as soon as it is gone")
+    parser.add_argument("--after-restart", action="store_true",
+                        help="scenario 7 only, against a daemon restarted on the state of one that ran the rest")
     args = parser.parse_args()
+    system = words(1, 1024)
+    second = np.concatenate([system, words(3, 180)])
+    turn1 = np.concatenate([system, words(4, 300)])
+    turn2 = np.concatenate([turn1, words(5, 120), words(6, 90)])  # + answer + next question
+    turn3 = np.concatenate([turn2, words(8, 100), words(9, 60)])
+    later = np.concatenate([words(15, 512), words(16, 100)])
     with connect(args.wait, args.daemon_pid) as client:
+        if args.after_restart:
+            after_restart(client, [("7a. conversation (flushed in 6a)", turn3),
+                                   ("7b. request 6d (written at the stop)", later)])
+            return 0
         print(f"connected to kvstored {client.daemon_version} on {client.socket}\n")
-        system = words(1, 1024)
         serve(client, np.concatenate([system, words(2, 200)]), "1. first request (cold)")
-        serve(client, np.concatenate([system, words(3, 180)]), "2. same system prompt, new question",
-              reuses=whole(system))
-        turn1 = np.concatenate([system, words(4, 300)])
+        serve(client, second, "2. same system prompt, new question", reuses=whole(system))
         serve(client, turn1, "3a. conversation, turn 1", reuses=whole(system))
-        turn2 = np.concatenate([turn1, words(5, 120), words(6, 90)])  # + answer + next question
         serve(client, turn2, "3b. conversation, turn 2", reuses=whole(turn1))
-        turn3 = np.concatenate([turn2, words(8, 100), words(9, 60)])
         serve(client, turn3, "3c. conversation, turn 3", reuses=whole(turn2))
         engine_buffers(client)
-    disaggregated()
+        disaggregated()
+        ssd_tier(client, turn3, second, whole(system), later)
     return 0
 
 

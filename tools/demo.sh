@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: install kvstored, start the daemon on its embedded defaults, run the demo
-# scenarios against it through the SDK, show `kvctl stats`, stop the daemon.
+# scenarios against it through the SDK, show `kvctl stats`, stop the daemon; then start it again
+# on the same state and check that what was saved comes back from SSD, and stop it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -32,17 +33,28 @@ finish() {
     exit "$rc"
 }
 trap finish EXIT
-STATE_DIRECTORY=$state .venv/bin/kvstored --no-config --socket "$KVSTORED_SOCKET" >"$log" 2>&1 &
-daemon=$!
-echo "kvstored started (pid $daemon, socket $KVSTORED_SOCKET)"
+start() {
+    STATE_DIRECTORY=$state .venv/bin/kvstored --no-config --socket "$KVSTORED_SOCKET" >>"$log" 2>&1 &
+    daemon=$!
+    echo "kvstored started (pid $daemon, socket $KVSTORED_SOCKET)"
+}
+stop() {
+    kill -TERM "$daemon"
+    local rc=0
+    wait "$daemon" || rc=$?
+    daemon=
+    if [ "$rc" -ne 0 ]; then
+        echo "kvstored exited with $rc on SIGTERM (expected 0)" >&2
+        exit 1
+    fi
+}
+start
 .venv/bin/python tools/demo.py --wait 30 --daemon-pid "$daemon"
 echo
 .venv/bin/kvctl stats
-kill -TERM "$daemon"
-rc=0
-wait "$daemon" || rc=$?
-daemon=
-if [ "$rc" -ne 0 ]; then
-    echo "kvstored exited with $rc on SIGTERM (expected 0)" >&2
-    exit 1
-fi
+stop
+echo
+echo "kvstored stopped (SIGTERM: DRAM-only blocks written to SSD); starting it again on the same state"
+start
+.venv/bin/python tools/demo.py --wait 30 --daemon-pid "$daemon" --after-restart
+stop

@@ -22,12 +22,12 @@ def _script(path: Path, text: str) -> None:
     path.chmod(0o755)
 
 
-def run_demo(tmp_path: Path, *daemon_args: str,
-             sitecustomize: str = "") -> tuple[subprocess.CompletedProcess[str], Path]:
+def run_demo(tmp_path: Path, *daemon_args: str, sitecustomize: str = "",
+             before_daemon: str = "") -> tuple[subprocess.CompletedProcess[str], Path]:
     """Run a copy of tools/demo.sh whose .venv runs this checkout's code (``daemon_args`` added to
-    the daemon's command line, ``sitecustomize`` run first in every Python process) with the
-    user's default socket under ``tmp_path/run``; returns the run and its TMPDIR (where the
-    demo's state and log go)."""
+    the daemon's command line, ``sitecustomize`` run first in every Python process, the shell
+    lines ``before_daemon`` before each start of the daemon) with the user's default socket under
+    ``tmp_path/run``; returns the run and its TMPDIR (where the demo's state and log go)."""
     checkout = tmp_path / "checkout"
     (checkout / "tools").mkdir(parents=True)
     for name in ("demo.sh", "demo.py"):
@@ -37,7 +37,7 @@ def run_demo(tmp_path: Path, *daemon_args: str,
     py = sys.executable
     _script(venv / "python", f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && exit 0\nexec {py} "$@"\n')
     extra = " ".join(daemon_args)
-    _script(venv / "kvstored", f'#!/bin/sh\nexec {py} -m kvstored "$@" {extra}\n')
+    _script(venv / "kvstored", f'#!/bin/sh\n{before_daemon}\nexec {py} -m kvstored "$@" {extra}\n')
     _script(venv / "kvctl", f'#!/bin/sh\nexec {py} -m kvstored.kvctl "$@"\n')
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -54,9 +54,10 @@ def run_demo(tmp_path: Path, *daemon_args: str,
 
 def assert_nothing_left(proc: subprocess.CompletedProcess[str], tmp: Path) -> None:
     assert not list(tmp.glob("kvstored-demo-state.*")), "the demo's state directory was left behind"
-    started = re.search(r"kvstored started \(pid (\d+)", proc.stdout)
+    started = re.findall(r"kvstored started \(pid (\d+)", proc.stdout)
     assert started, proc.stdout
-    assert not Path(f"/proc/{started.group(1)}").exists(), "the demo's daemon is still running"
+    for pid in started:   # the daemon, and the one started again on its state
+        assert not Path(f"/proc/{pid}").exists(), f"the demo's daemon {pid} is still running"
 
 
 def test_the_demo_runs_against_the_daemon_it_started_not_one_on_the_default_socket(tmp_path: Path) -> None:
@@ -73,6 +74,8 @@ def test_the_demo_runs_against_the_daemon_it_started_not_one_on_the_default_sock
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert st["saved_blocks"] == 0 and st["lookups"] == 0, f"the demo used the other daemon: {st}"
     assert "5b. decode node streams from peer" in proc.stdout and "saved blocks" in proc.stdout
+    assert "6c. prefetch, then load" in proc.stdout
+    assert "7b. request 6d (written at the stop)" in proc.stdout, proc.stdout[-3000:]
     assert_nothing_left(proc, tmp)
     assert not list(tmp.glob("kvstored-demo.*.log")), "a passing demo left its log behind"
 
@@ -135,3 +138,16 @@ def test_the_demo_starts_its_two_nodes_again_when_a_port_is_taken_before_a_daemo
         assert len(picks) == 2, picks
     finally:
         taken.close()
+
+
+def test_a_daemon_that_loses_its_ssd_tier_at_a_restart_fails_the_demo(tmp_path: Path) -> None:
+    """The demo's last step starts the daemon again on the same state and loads what was saved:
+    a daemon whose SSD tier did not survive the restart (its directory gone, here) must fail it,
+    not pass with the prompts prefilled again."""
+    forgets = 'if [ -e "$STATE_DIRECTORY/started" ]; then rm -rf "$STATE_DIRECTORY/ssd"; fi; ' \
+              'touch "$STATE_DIRECTORY/started"'
+    proc, tmp = run_demo(tmp_path, before_daemon=forgets)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "saved before the restart" in proc.stderr and "demo FAILED" in proc.stderr, proc.stderr[-3000:]
+    assert "6d. a request after the flush" in proc.stdout   # the first daemon ran every scenario
+    assert_nothing_left(proc, tmp)
