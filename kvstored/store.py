@@ -608,7 +608,9 @@ class BlockStore:
         lease doomed: it keeps its pins until its request ends), ends the prefix there.
         """
         waits: list[tuple[int, asyncio.Future[bool]]] = []
-        started: list[tuple[Block, asyncio.Future[bool], int]] = []   # and its reuses on SSD
+        # and its reuses on SSD, and the hits recorded on it there that had not reached its
+        # ancestors (they never will: its parent left the SSD policy before it)
+        started: list[tuple[Block, asyncio.Future[bool], int, int]] = []
         cut = len(blocks)
         landed = 0     # waits[:landed] are over (landed, or failed: then cut is at most there)
         reported = 0   # the leading run ready() was told of
@@ -658,7 +660,8 @@ class BlockStore:
                 if offset is None:
                     cut = min(cut, i)
                     break
-                reuses = self._ssd_policy.reuses(block)        # its history goes up with it
+                reuses = self._ssd_policy.reuses(block) or 0   # its history goes up with it
+                unfolded = self._ssd_policy.pending_hits(block)
                 self._ssd_policy.removed(block, moved=True)   # up to DRAM; its SSD copy stays
                 self._bind_slot(block, offset)
                 done: asyncio.Future[bool] = loop.create_future()
@@ -673,7 +676,7 @@ class BlockStore:
                 # a callback, not a task per block: the tasks' set-up cost as much as the rest
                 read.add_done_callback(functools.partial(self._read_landed, loop, block, done))
                 waits.append((i, done))
-                started.append((block, done, reuses or 0))
+                started.append((block, done, reuses, unfolded))
                 set_up += 1
         finally:   # cancelled between steps too: every slot bound here goes to the DRAM policy
             if started:
@@ -728,28 +731,30 @@ class BlockStore:
             if block not in self._ssd_policy:
                 self._ssd_policy.inserted([block])
 
-    async def _track_promoted(self, started: list[tuple[Block, asyncio.Future[bool], int]]) -> None:
+    async def _track_promoted(self, started: list[tuple[Block, asyncio.Future[bool], int, int]]) -> None:
         """Hand a batch of promoted blocks to their DRAM policy once all have landed, parent first
         (batches of one chain, other readers' included, may land in any order: the policy counts
         a child tracked before its parent under it all the same). A task of its own, so that a
         cancelled lookup cannot leave a slot untracked (hence never evicted); the blocks are
         pinned until their readers are done."""
-        await asyncio.gather(*(done for _, done, _ in started))
+        await asyncio.gather(*(done for _, done, _, _ in started))
         if not started:
             return
         policy = self._dram_for(started[0][0])
         # A batch is one prefix, parent first, and a hit of a block was a hit of its ancestors,
-        # which the SSD policy (recording hits on the deepest block only) may not have counted.
-        most = 0
-        for i in range(len(started) - 1, -1, -1):
-            block, done, reuses = started[i]
-            if reuses < most:
-                started[i] = (block, done, most)
-            else:
-                most = reuses
+        # which the SSD policy (recording hits on the deepest block only, folded into the parent
+        # when the block leaves, but each parent here left first) had not counted: each block
+        # adds the pending hits of those below it, and has at least the reuses of any of them.
+        counted: list[tuple[Block, asyncio.Future[bool], int]] = []
+        below = most = 0
+        for block, done, reuses, unfolded in reversed(started):
+            most = max(most, reuses + below)
+            below += unfolded
+            counted.append((block, done, most))
+        counted.reverse()
         # not those tracked meanwhile: one that landed early may have lost its slot (its reader
         # gone) and come up again in a later batch, already tracked (and maybe hit) since
-        landed = [(block, reuses) for block, done, reuses in started
+        landed = [(block, reuses) for block, done, reuses in counted
                   if done.result() and block.offset != NO_SLOT and block.flags & SEALED
                   and block not in self._promoting and block not in policy]
         if landed:

@@ -199,6 +199,9 @@ class OfflineBound:
     def reuses(self, block: Block) -> int | None:
         return None   # it ranks by the future, not by the past
 
+    def pending_hits(self, block: Block) -> int:
+        return 0
+
     def hit(self, blocks: Sequence[Block]) -> None:
         for block in blocks:
             self._heap.set(block, (-self._next_use(block.key), 0.0))

@@ -61,6 +61,10 @@ class _HeapPolicy:
         use = self._uses.get(block)
         return None if use is None else use.base + use.hits
 
+    def pending_hits(self, block: Block) -> int:
+        use = self._uses.get(block)
+        return 0 if use is None else use.hits
+
     def hit(self, blocks: Sequence[Block]) -> None:
         self._tick += 1
         self._uses.hit(blocks, float(self._tick))

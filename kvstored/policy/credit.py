@@ -125,6 +125,10 @@ class CreditPolicy:
         use = self._uses.get(block)
         return None if use is None else use.base + use.hits
 
+    def pending_hits(self, block: Block) -> int:
+        use = self._uses.get(block)
+        return 0 if use is None else use.hits
+
     def hit(self, blocks: Sequence[Block]) -> None:
         self._uses.hit(blocks, self._clock())  # untracked blocks (not stored through this policy) are skipped
 

@@ -54,6 +54,13 @@ class BlockPolicy(Protocol):
         ones yet; a leaf's count is exact. Read before :meth:`removed` when a block moves."""
         ...
 
+    def pending_hits(self, block: Block) -> int:
+        """The hits recorded on a tracked block (of lookups that ended at it, or folded in from
+        its removed descendants) that have not reached its tracked ancestors yet: they do when it
+        is removed, unless its parent has gone first. 0 when untracked. A caller that moves a
+        prefix to another tier parent first adds them to the ancestors' :meth:`reuses`."""
+        ...
+
     def hit(self, blocks: Sequence[Block]) -> None:
         """A lookup matched ``blocks``, the parent-first prefix of a chain: mark them used."""
         ...

@@ -1004,3 +1004,36 @@ def test_a_block_hit_on_ssd_keeps_the_hit_when_it_comes_up_to_dram(tmp_path: Pat
         # LFU and credit keep the whole prefix the hit went through (its ancestors too); LRU has
         # evicted it to SSD by now
         assert resident == [policy != "lru"] * 3, resident
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_prefix_brought_up_by_an_ssd_hit_adds_its_childs_hits_to_its_own(tmp_path: Path, policy: str) -> None:
+    """Was: a promoted batch gave each block the largest reuse count at or below it (a suffix
+    max), so a parent reused once before (hit alone: up to DRAM and back down with that reuse)
+    and then through its child came up with max(1, 1) reuses, not 1 + 1. The child's hit was
+    recorded on the child only and reaches the parent when the child leaves the SSD policy, but
+    the promotion takes the parent out of it first."""
+    with make_store(tmp_path, dram=policy, ssd=policy, ssd_blocks=64) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        state = store.open_namespace(Namespace())
+        ns = state.namespace_id
+        hot = chain(2, 999_000)                         # parent, child
+        save(store, s, ns, hot)
+        asyncio.run(store.flush())
+        store.evict(tier=Tier.DRAM)
+
+        async def hit_on_ssd(keys: list[bytes]) -> None:
+            clock.now += 1.0
+            assert (await store.lookup(ns, KeyRequest(hashes=keys))).blocks == len(keys)
+            await store.drain()
+
+        asyncio.run(hit_on_ssd(hot[:1]))                # the parent alone: up, with one reuse
+        parent, child = (state.index.get(k) for k in hot)
+        assert parent is not None and child is not None
+        dram = store._dram_for(parent)
+        assert parent.in_dram and not child.in_dram and dram.reuses(parent) == 1
+        store.evict(tier=Tier.DRAM)                     # back down, its reuse with it
+        assert store._ssd_policy.reuses(parent) == 1
+        asyncio.run(hit_on_ssd(hot))                    # the whole prefix: a reuse of both
+        assert parent.in_dram and child.in_dram
+        assert [dram.reuses(parent), dram.reuses(child)] == [2, 1]
