@@ -110,11 +110,12 @@ class CreditPolicy:
         entries: list[tuple[Block, Priority]] = []
         shared: dict[int, Priority] = {}   # one priority object per class: ~80 B a block less
         for i, block in enumerate(blocks):
-            c = self._returning(block.key)
-            if reuses is not None and reuses[i] > c:   # moved here: its reuses in the other tier count
-                c = min(reuses[i], self._top)
+            base = self._returning(block.key)
+            if reuses is not None and reuses[i] > base:   # moved here: its reuses in the other tier count
+                base = reuses[i]   # all of them, past the top class: they go back with it (lfu counts on)
             self._ghost.pop(block.key, None)
-            use = self._uses.stored(block, now, base=c)
+            use = self._uses.stored(block, now, base=base)
+            c = min(base, self._top)
             prio = shared.get(c)
             if prio is None:
                 prio = shared[c] = self._priority(use)

@@ -1037,3 +1037,30 @@ def test_a_prefix_brought_up_by_an_ssd_hit_adds_its_childs_hits_to_its_own(tmp_p
         asyncio.run(hit_on_ssd(hot))                    # the whole prefix: a reuse of both
         assert parent.in_dram and child.in_dram
         assert [dram.reuses(parent), dram.reuses(child)] == [2, 1]
+
+
+def test_a_round_trip_through_a_credit_tier_keeps_an_lfu_count(tmp_path: Path) -> None:
+    """Was: credit kept a block's carried reuses capped at its top class (3), so a block reused
+    five times in an LFU DRAM tier came back from a credit SSD tier (a move, not a use) with 3."""
+    with make_store(tmp_path, dram="lfu", ssd="credit", ssd_blocks=64) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        state = store.open_namespace(Namespace())
+        keys = chain(1)
+        save(store, s, state.namespace_id, keys)
+        for _ in range(5):
+            clock.now += 1.0
+            assert cached(store, state.namespace_id, keys) == 1
+        block = state.index.get(keys[0])
+        assert block is not None
+        assert store._dram_for(block).reuses(block) == 5
+        asyncio.run(store.flush())
+        store.evict(tier=Tier.DRAM)                     # SSD only now
+        assert store._ssd_policy.reuses(block) == 5
+        assert store._ssd_policy.reuse_class(block) == 3   # type: ignore[attr-defined]
+
+        async def up() -> None:
+            store.prefetch(state.namespace_id, KeyRequest(hashes=keys))   # not a hit
+            await store.drain()
+
+        asyncio.run(up())
+        assert block.in_dram and store._dram_for(block).reuses(block) == 5
