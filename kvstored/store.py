@@ -674,7 +674,7 @@ class BlockStore:
                     read = Future()        # so that the slot goes back and the waiters learn of it
                     read.set_exception(exc)
                 # a callback, not a task per block: the tasks' set-up cost as much as the rest
-                read.add_done_callback(functools.partial(self._read_landed, loop, block, done))
+                read.add_done_callback(functools.partial(self._read_landed, loop, block, done, reuses))
                 waits.append((i, done))
                 started.append((block, done, reuses, unfolded))
                 set_up += 1
@@ -695,19 +695,21 @@ class BlockStore:
         return cut
 
     def _read_landed(self, loop: asyncio.AbstractEventLoop, block: Block, done: asyncio.Future[bool],
-                     read: Future[int]) -> None:
+                     reuses: int, read: Future[int]) -> None:
         """A promotion's read ended (on its read thread, or at once if it never started): finish
         the promotion on the event loop. Nothing to finish once the loop is closed (shutdown)."""
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._finish_promotion, block, read, done)
+            loop.call_soon_threadsafe(self._finish_promotion, block, read, done, reuses)
 
-    def _finish_promotion(self, block: Block, read: Future[int], done: asyncio.Future[bool]) -> None:
+    def _finish_promotion(self, block: Block, read: Future[int], done: asyncio.Future[bool],
+                          reuses: int) -> None:
+        """``reuses``: the block's on SSD, which it takes back there when the read failed."""
         try:
             check = read.result()
         except Exception as exc:
             self._release_slot(block)
             self._promoting.pop(block, None)
-            self._ssd_read_failed(block, exc)
+            self._ssd_read_failed(block, exc, reuses)
             done.set_result(False)
             if isinstance(exc, Corrupt):
                 self._remove_if_hollow(block)
@@ -717,10 +719,11 @@ class BlockStore:
         self._n.promotions += 1
         done.set_result(True)
 
-    def _ssd_read_failed(self, block: Block, exc: Exception) -> None:
+    def _ssd_read_failed(self, block: Block, exc: Exception, reuses: int | None = None) -> None:
         """Count a failed read of a block's SSD copy (slotless: its DRAM slot, if it had one for
         the read, is already released). A corrupt copy is dropped; after any other error (the
-        disk, the pool shutting down) the copy stays and goes back to the SSD policy."""
+        disk, the pool shutting down) the copy stays and goes back to the SSD policy, with the
+        ``reuses`` it had there when a promotion took it out."""
         self._n.ssd_read_errors += 1
         if isinstance(exc, Corrupt):
             log.warning("dropping block %s: %s", block.key.hex()[:16], exc)
@@ -729,7 +732,7 @@ class BlockStore:
         else:
             log.warning("SSD read of %s failed: %s", block.key.hex()[:16], exc)
             if block not in self._ssd_policy:
-                self._ssd_policy.inserted([block])
+                self._ssd_policy.inserted([block], None if reuses is None else [reuses])
 
     async def _track_promoted(self, started: list[tuple[Block, asyncio.Future[bool], int, int]]) -> None:
         """Hand a batch of promoted blocks to their DRAM policy once all have landed, parent first

@@ -1064,3 +1064,39 @@ def test_a_round_trip_through_a_credit_tier_keeps_an_lfu_count(tmp_path: Path) -
 
         asyncio.run(up())
         assert block.in_dram and store._dram_for(block).reuses(block) == 5
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_block_whose_promotion_read_fails_keeps_its_reuses_on_ssd(tmp_path: Path, policy: str) -> None:
+    """Was: a promotion takes a block out of the SSD policy (its reuses read for DRAM); when the
+    read failed (a disk error, not a corrupt copy) the block went back to the SSD policy as never
+    hit, so under lru and lfu it lost every reuse it had brought down from DRAM."""
+    with make_store(tmp_path, dram=policy, ssd=policy, ssd_blocks=64) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        state = store.open_namespace(Namespace())
+        keys = chain(1)
+        save(store, s, state.namespace_id, keys)
+        for _ in range(2):
+            clock.now += 1.0
+            assert cached(store, state.namespace_id, keys) == 1
+        asyncio.run(store.flush())
+        store.evict(tier=Tier.DRAM)                     # SSD only now, with its two reuses
+        block = state.index.get(keys[0])
+        assert block is not None and store._ssd_policy.reuses(block) == 2
+        ssd = store._ssd
+        assert ssd is not None
+
+        def failing(namespace_id: int, key: bytes, view: object) -> None:
+            raise OSError("injected: the disk is gone")
+
+        ssd.read_into = failing  # type: ignore[method-assign,assignment]
+
+        async def hit_on_ssd() -> None:
+            clock.now += 1.0
+            assert (await store.lookup(state.namespace_id, KeyRequest(hashes=keys))).blocks == 1
+            await store.drain()                         # its promotion in the background failed
+
+        asyncio.run(hit_on_ssd())
+        assert store._n.ssd_read_errors == 1
+        assert not block.in_dram and block.on_ssd and block in store._ssd_policy
+        assert store._ssd_policy.reuses(block) == 3     # its two, and the lookup that found it
