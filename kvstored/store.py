@@ -775,11 +775,14 @@ class BlockStore:
             return
         # Usually a DRAM run, then an SSD-only run; but a block may come up alone (a peer's
         # checkout) or a chain's head lose its slots first (a stream's _drop_clean_slots), so a
-        # prefix may also start on SSD and end in DRAM: ask both ends.
+        # prefix may also start on SSD and end in DRAM: the DRAM policy is asked then, and not the
+        # SSD policy. Its record on the deepest DRAM block reaches the SSD-only blocks above once
+        # they come up (this lookup brings them up) and are tracked above it; recorded on SSD too,
+        # the hit came up with them in their reuses and was counted twice when that record did.
         first, last = blocks[0].offset != NO_SLOT, blocks[-1].offset != NO_SLOT
         if first or last:
             self._dram_for(blocks[0]).hit(blocks)
-        if not (first and last):
+        if not last:
             self._ssd_policy.hit(blocks)
         self._mark_pages(blocks)
 

@@ -1100,3 +1100,35 @@ def test_a_block_whose_promotion_read_fails_keeps_its_reuses_on_ssd(tmp_path: Pa
         assert store._n.ssd_read_errors == 1
         assert not block.in_dram and block.on_ssd and block in store._ssd_policy
         assert store._ssd_policy.reuses(block) == 3     # its two, and the lookup that found it
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_hit_of_a_prefix_from_ssd_into_dram_counts_once(tmp_path: Path, policy: str) -> None:
+    """Was: a lookup of a prefix whose head is on SSD only and whose tail is in DRAM recorded its
+    hit in both policies (on the head in the SSD policy, on the tail in the DRAM policy); the
+    head came up with that hit in its reuses, then the tail's record reached it too when the
+    tail left: one lookup, two reuses (two such lookups put a block in credit's top class)."""
+    with make_store(tmp_path, dram=policy, ssd=policy, ssd_blocks=64) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        state = store.open_namespace(Namespace())
+        ns = state.namespace_id
+        keys = chain(2)
+        save(store, s, ns, keys[:1])
+        asyncio.run(store.flush())
+        store.evict(tier=Tier.DRAM)                  # the head on SSD only
+        clock.now += 1.0
+        save(store, s, ns, keys)                     # its child stored in DRAM under it
+        head, tail = (state.index.get(k) for k in keys)
+        assert head is not None and tail is not None and not head.in_dram and tail.in_dram
+        clock.now += 1.0
+
+        async def look() -> None:
+            assert (await store.lookup(ns, KeyRequest(hashes=keys))).blocks == 2   # one hit of both
+            await store.drain()
+
+        asyncio.run(look())
+        dram = store._dram_for(head)
+        assert head.in_dram and dram.reuses(head) == 0 and dram.pending_hits(tail) == 1
+        store.evict(tier=Tier.DRAM)                  # the tail goes (no SSD copy), the head down
+        assert state.index.get(keys[1]) is None
+        assert store._ssd_policy.reuses(head) == 1       # the one lookup
