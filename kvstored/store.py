@@ -762,6 +762,15 @@ class BlockStore:
                   and block not in self._promoting and block not in policy]
         if landed:
             policy.inserted([block for block, _ in landed], [reuses for _, reuses in landed])
+        # One that landed early and went back down meanwhile (its reader gone, then evicted to
+        # SSD) entered the SSD policy with the DRAM policy's count for it, none: it takes this
+        # batch's back, with the hits it has had there since.
+        ssd = self._ssd_policy
+        for block, _, reuses in counted:
+            if block.offset == NO_SLOT and block in ssd and block not in self._promoting:
+                since = ssd.pending_hits(block)
+                if reuses + since > (ssd.reuses(block) or 0):
+                    ssd.inserted([block], [reuses + since])
 
     def _hit(self, blocks: Sequence[Block]) -> None:
         """Tell the tiers' policies that a lookup hit ``blocks``, a prefix of one namespace's chain.

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,29 @@ def make_store(tmp_path: Path, dram: str, ssd: str | None = None, ssd_blocks: in
                 "high_watermark": 0.95, "low_watermark": 0.5, "sync": False, "admission": admission}}
     with open_store(tmp_path, values, ssd is not None) as made:
         yield made
+
+
+def _gate_ssd_read(store: BlockStore, key: bytes) -> threading.Event:
+    """Hold the SSD read of ``key`` until the returned event is set; other reads run as usual."""
+    assert store._ssd is not None
+    real, gate = store._ssd.read_into, threading.Event()
+
+    def gated(namespace_id: int, k: bytes, dst):  # type: ignore[no-untyped-def]
+        if k != key:
+            return real(namespace_id, k, dst)
+        out: Future[int] = Future()
+
+        def later() -> None:
+            gate.wait(10)
+            try:
+                out.set_result(real(namespace_id, k, dst).result(10))
+            except Exception as exc:
+                out.set_exception(exc)
+        threading.Thread(target=later, daemon=True).start()
+        return out
+
+    store._ssd.read_into = gated  # type: ignore[method-assign]
+    return gate
 
 
 def chain(n: int, start: int = 0) -> list[bytes]:
@@ -1132,3 +1157,49 @@ def test_a_hit_of_a_prefix_from_ssd_into_dram_counts_once(tmp_path: Path, policy
         store.evict(tier=Tier.DRAM)                  # the tail goes (no SSD copy), the head down
         assert state.index.get(keys[1]) is None
         assert store._ssd_policy.reuses(head) == 1       # the one lookup
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_promoted_block_that_goes_back_down_before_its_batch_lands_keeps_its_reuses(
+        tmp_path: Path, policy: str) -> None:
+    """Was: a promoted block enters its DRAM policy only once its whole batch has landed; one
+    that landed early and lost its slot meanwhile (its lookup cancelled, then evicted to SSD)
+    went back to the SSD policy with the DRAM policy's count, None: as never hit under lru and
+    lfu, and without the hit of the lookup that brought it up under credit."""
+    with make_store(tmp_path, dram=policy, ssd=policy, ssd_blocks=64) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        state = store.open_namespace(Namespace())
+        ns = state.namespace_id
+        keys = chain(2)
+        save(store, s, ns, keys)
+        for _ in range(2):
+            clock.now += 1.0
+            assert cached(store, ns, keys) == 2
+        asyncio.run(store.flush())
+        store.evict(tier=Tier.DRAM)
+        head, tail = (state.index.get(k) for k in keys)
+        assert head is not None and tail is not None
+        assert store._ssd_policy.reuses(head) == 2
+        gate = _gate_ssd_read(store, keys[1])
+
+        async def main() -> None:
+            clock.now += 1.0
+            task = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s))
+            for _ in range(2000):   # bounded: 2 s
+                if head.in_dram and head not in store._promoting:
+                    break
+                await asyncio.sleep(0.001)
+            assert head.in_dram and head not in store._promoting and tail in store._promoting
+            task.cancel()                               # its lease ends: the head is unpinned
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            store.evict(tier=Tier.DRAM)                 # the head back down; the tail still read
+            assert not head.in_dram and head in store._ssd_policy
+            gate.set()
+            await store.drain()
+
+        try:
+            asyncio.run(main())
+        finally:
+            gate.set()
+        assert store._ssd_policy.reuses(head) == 3      # its two, and the lookup through its child
