@@ -191,6 +191,13 @@ class Client:
                     "add this user to that group)") from None
             if exc.code() == grpc.StatusCode.CANCELLED:   # see _error
                 raise DaemonNotRunning(f"kvstored on {self.socket} cancelled the call: it is stopping") from None
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _accepts_connections(target):
+                # a daemon binds its socket before it opens its tiers (pre-faulting the arena,
+                # restoring the SSD index: minutes for millions of blocks), and serves after
+                raise DaemonNotRunning(
+                    f"kvstored on {self.socket} accepts connections but did not answer within "
+                    f"{min(timeout_s, 5.0):g} s: it is still starting (opening its tiers or restoring its SSD "
+                    "index: `systemctl status kvstored` or its log says which), or it is hung") from None
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise DaemonNotRunning(
                     f"no kvstored daemon answers on {self.socket}. Start one with `kvstored` "
@@ -1221,6 +1228,26 @@ class BlockStream:
         if self.outcome is None:   # the loop ends without an outcome only when the call was cancelled
             raise KVStoreError("the stream was closed before its end")
         return self.outcome
+
+
+def _accepts_connections(target: str) -> bool:
+    """Whether something listens at the gRPC ``target`` (``unix:PATH`` or ``dns:HOST:PORT``, as
+    :func:`_target` makes them): a plain connect, given at most a second."""
+    import socket as sockets
+
+    try:
+        if target.startswith("unix:"):
+            with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as probe:
+                probe.settimeout(1.0)
+                probe.connect(target.removeprefix("unix:"))
+            return True
+        if target.startswith("dns:"):
+            host, _, port = target.removeprefix("dns:").rpartition(":")
+            with sockets.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def _target(socket: str) -> str:

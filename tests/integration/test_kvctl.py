@@ -42,6 +42,27 @@ def test_stats_without_daemon_says_how_to_start(tmp_path) -> None:  # type: igno
     assert "Start one with `kvstored`" in out.stderr
 
 
+def test_a_daemon_that_accepts_but_does_not_answer_yet_is_not_reported_as_none(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A daemon still starting (pre-faulting its arena, restoring a large SSD index: minutes) has
+    its socket listening before it serves: kvctl said "no kvstored daemon answers ... Start one
+    with `kvstored`", sending the operator to start a second daemon (which refuses: the socket
+    is taken) while ``systemctl status`` showed the first one restoring."""
+    import socket as sockets
+
+    path = str(tmp_path / "starting.sock")
+    with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(16)   # connections queue; nothing ever answers them
+        out = kvctl(path, "stats")
+        with pytest.raises(kvstored.DaemonNotRunning) as raised:
+            kvstored.Client(path)
+    assert out.returncode == 1, out
+    assert "Traceback" not in out.stderr
+    for text in (out.stderr, str(raised.value)):
+        assert "did not answer" in text and "starting" in text, text
+        assert "Start one" not in text, text
+
+
 # -- cluster commands: peers, migrate, drain -------------------------------------------------------
 PEER_BLOCK = 16 << 10
 
