@@ -32,14 +32,44 @@ def _duration(seconds: float) -> str:
     return (f"{d}d " if d else "") + f"{h:02d}:{m:02d}:{s:02d}"
 
 
+_TIER_COLUMNS = ("capacity", "used", "used %", "blocks", "evictions", "write errors", "read errors")
+
+
+def _fits(table: Table, console: Console) -> bool:
+    """Whether ``table`` prints whole on ``console``: rich squeezes the columns of a table wider
+    than the console (headers wrap) and cuts a value that still does not fit to "…", numbers
+    included (none of the values kvctl prints has one of its own)."""
+    with console.capture() as captured:
+        console.print(table)
+    return "…" not in captured.get()
+
+
+def _console() -> Console:
+    """stdout's console: a pipe or a log file gets tables at their natural width, neither cut
+    to 80 columns nor with values folded over lines (a grep for a node id finds it)."""
+    return Console() if sys.stdout.isatty() else Console(width=512)
+
+
 def render_stats(stats: dict[str, Any], console: Console) -> None:
-    tiers = Table(title=f"kvstored {stats['version']} — up {_duration(stats['uptime_s'])}")
-    for col in ("tier", "capacity", "used", "used %", "blocks", "evictions", "write errors", "read errors"):
-        tiers.add_column(col, justify="left" if col == "tier" else "right")
+    title = f"kvstored {stats['version']} — up {_duration(stats['uptime_s'])}"
+    rows = []
     for t in stats["tiers"]:
         cap, used = t["capacity_bytes"], t["used_bytes"]
-        tiers.add_row(t["name"], _size(cap), _size(used), f"{100 * used / cap:.1f}" if cap else "-",
-                      str(t["blocks"]), str(t["evictions"]), str(t["write_errors"]), str(t["read_errors"]))
+        rows.append((t["name"], _size(cap), _size(used), f"{100 * used / cap:.1f}" if cap else "-",
+                     str(t["blocks"]), str(t["evictions"]), str(t["write_errors"]), str(t["read_errors"])))
+    tiers = Table(title=title)
+    for col in ("tier", *_TIER_COLUMNS):
+        tiers.add_column(col, justify="left" if col == "tier" else "right")
+    for row in rows:
+        tiers.add_row(*row)
+    if not _fits(tiers, console):
+        # a narrow terminal (80 columns) and large counters: one column per tier instead
+        tiers = Table(title=title)
+        tiers.add_column("tier", justify="left")
+        for row in rows:
+            tiers.add_column(row[0], justify="right")
+        for i, name in enumerate(_TIER_COLUMNS, 1):
+            tiers.add_row(name, *(row[i] for row in rows))
     console.print(tiers)
     asked, hit = stats["lookup_blocks"], stats["hit_blocks"]
     counters = Table(show_header=False, box=None)
@@ -102,7 +132,7 @@ def stats(socket: str | None, as_json: bool) -> None:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
     else:
         # a pipe or a log file gets the whole table, not one cut to 80 columns
-        render_stats(data, Console() if sys.stdout.isatty() else Console(width=120))
+        render_stats(data, _console())
 
 
 @cli.command()
@@ -147,11 +177,12 @@ def peers(socket: str | None, as_json: bool) -> None:
     table = Table(title=f"node {data['node_id']} — peer channel {data['listen'] or '(not listening)'} — "
                         f"membership {data['membership']}")
     for col in ("node", "address", "state", "fetched", "pushed", "last error"):
-        table.add_column(col, justify="right" if col in ("fetched", "pushed") else "left")
+        # folded, never cut to "…": a node id or an address is no use with its end missing
+        table.add_column(col, justify="right" if col in ("fetched", "pushed") else "left", overflow="fold")
     for p in data["peers"]:
         table.add_row(p["node_id"], p["address"], p["state"], str(p["blocks_fetched"]), str(p["blocks_pushed"]),
                       p["last_error"])
-    Console().print(table)
+    _console().print(table)
 
 
 @contextlib.contextmanager

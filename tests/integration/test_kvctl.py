@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
+from rich.console import Console
 
 import kvstored
+from kvstored import kvctl as kvctl_mod
 
 
 def kvctl(socket: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -247,3 +252,71 @@ def test_a_call_that_fails_after_connecting_is_one_line_and_exit_1(daemon, monke
     assert out.exit_code == 1, out.output
     assert out.stderr.strip() == "kvctl: kvstored did not answer within 30 s"
     assert out.exception is None or isinstance(out.exception, SystemExit)
+
+
+# -- the tables, rendered without a daemon: what an operator reads must be whole ----------------
+COUNTERS = ("lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "saved_blocks", "promotions", "demotions",
+            "dropped_blocks", "index_blocks", "namespaces", "active_leases", "clients", "peer_fetched_blocks",
+            "peer_served_blocks", "peer_pushed_blocks", "peer_received_blocks", "peer_failures")
+
+
+def _stats(blocks: int, evictions: int) -> dict[str, Any]:
+    tier = {"capacity_bytes": 3 << 40, "used_bytes": 1 << 40, "blocks": blocks, "evictions": evictions,
+            "write_errors": 123456, "read_errors": 654321}
+    return {"version": kvstored.__version__, "uptime_s": 1e6,
+            "tiers": [{"name": "dram", **tier}, {"name": "ssd", **tier}], **dict.fromkeys(COUNTERS, 7)}
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_stats_counters_are_never_cut_to_fit_the_terminal(width: int) -> None:
+    """An 80-column terminal squeezed the tier table: "evictio…" as a header even for a new node,
+    and a long-running node's counters cut, "1234567…" for 123456789 blocks and "987654…" for
+    9876543210 evictions."""
+    out = io.StringIO()
+    kvctl_mod.render_stats(_stats(123456789, 9876543210), Console(file=out, width=width))
+    text = out.getvalue()
+    assert "…" not in text, text
+    for value in ("123456789", "9876543210", "123456", "654321", "3.0 TiB", "1.0 TiB", "33.3"):
+        assert value in text, (value, text)
+    for name in ("evictions", "write errors", "read errors", "dram", "ssd"):
+        assert name in text, (name, text)
+    assert max(len(line) for line in text.splitlines()) <= width
+
+
+def test_stats_keep_one_row_per_tier_where_that_fits() -> None:
+    out = io.StringIO()
+    kvctl_mod.render_stats(_stats(4, 0), Console(file=out, width=120))
+    rows = [line for line in out.getvalue().splitlines() if line.startswith("│")]
+    assert rows[0].split("│")[1].strip() == "dram" and rows[1].split("│")[1].strip() == "ssd", rows
+
+
+def test_peers_never_cuts_a_node_id_or_an_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvctl peers` into a pipe or a log printed "decode-node-…" and "10.120.230.1…": the one
+    thing an operator looks for in that table was gone."""
+    node, address = "decode-node-042.cluster-a.example.com", "10.120.230.142:7071"
+    view = {"node_id": "prefill-node-017.cluster-a.example.com", "listen": "10.120.230.117:7071",
+            "membership": "etcd",
+            "peers": [{"node_id": node, "address": address, "state": "down", "blocks_fetched": 123456789,
+                       "blocks_pushed": 987654321,
+                       "last_error": f"cannot connect to {node} at {address}: [Errno 111] Connection refused"}]}
+
+    class FakeClient:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def __enter__(self) -> FakeClient:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def peers(self) -> dict[str, Any]:
+            return view
+
+    monkeypatch.setattr(kvctl_mod, "Client", FakeClient)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = CliRunner().invoke(kvctl_mod.cli, ["--socket", "/nonexistent.sock", "peers"])
+    assert out.exit_code == 0, out.output
+    assert "…" not in out.output, out.output
+    for value in (node, address, "123456789", "987654321", view["peers"][0]["last_error"]):   # each on one line
+        assert value in out.output, (value, out.output)
