@@ -1431,7 +1431,10 @@ class BlockStore:
     def evict(self, model: str = "", tier: Tier | None = None) -> int:
         """Drop cached blocks of the namespaces of ``model`` (all when empty) from ``tier`` (all
         when None); pinned blocks stay, and so does the SSD copy of a block with a child that
-        keeps one. Returns how many blocks lost a copy or left the index."""
+        keeps one. Returns how many blocks lost a copy or left the index. FailedPrecondition for
+        the SSD tier of a store without one (as :meth:`flushing`); NotFound for a model never seen."""
+        if tier is Tier.SSD and self._ssd is None:
+            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)")
         ids = self._namespace_ids(model)
         blocks = sorted((b for ns_id in ids for b in self._namespaces[ns_id].index), key=lambda b: -b.depth)
         count = 0

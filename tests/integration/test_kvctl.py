@@ -208,6 +208,20 @@ def test_an_unknown_model_is_an_error_not_a_silent_no_op(daemon) -> None:  # typ
         assert out.returncode == 1 and "no namespace of model 'reel'" in out.stderr, out
 
 
+def test_evicting_the_ssd_tier_of_a_node_without_one_is_an_error(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """`kvctl evict --tier ssd` on a node with ``ssd.enabled = false`` said "evicted 0 block(s)
+    from ssd" and exited 0, as if the tier had been emptied (`kvctl flush` there is an error)."""
+    d = daemon_factory("--set", "ssd.enabled=false")
+    with kvstored.Client(d.socket) as c:
+        c.save(list(range(32)), np.ones((2, 1024), np.uint8))
+        with pytest.raises(kvstored.FailedPrecondition, match="SSD tier is disabled"):
+            c.evict(tier="ssd")
+        out = kvctl(d.socket, "evict", "--tier", "ssd")
+        assert out.returncode == 1 and "SSD tier is disabled" in out.stderr, out
+        assert c.lookup(list(range(32))).blocks == 2                 # nothing was dropped
+        assert "evicted 2 block(s) from dram" in kvctl(d.socket, "evict", "--tier", "dram").stdout
+
+
 def test_kvctl_reaches_the_tcp_listener_by_host_and_port(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     """Regression: ``--socket 127.0.0.1:PORT`` was taken for a Unix path ("no daemon answers")."""
     import socket as sockets
