@@ -56,6 +56,21 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     assert "kvstored.service" not in out.stderr, out.stderr  # no warnings about our unit
 
 
+def _unit_values(key: str) -> list[str]:
+    """The space-separated values of every ``key=`` line of systemd/kvstored.service."""
+    unit = (ROOT / "systemd" / "kvstored.service").read_text()
+    return [v for line in unit.splitlines() if line.startswith(f"{key}=") for v in line.split("=", 1)[1].split()]
+
+
+def test_systemd_unit_starts_once_the_network_is_up() -> None:
+    """The daemon binds peers.listen / server.tcp on the node's address and joins etcd at start:
+    ordered only after network.target, a boot started it before that address existed ("cannot
+    assign requested address", etcd unreachable), and five quick failures (RestartSec=2) hit
+    systemd's start limit, leaving the node without its cache until someone restarted it."""
+    assert "network-online.target" in _unit_values("Wants")
+    assert "network-online.target" in _unit_values("After")
+
+
 # -- README against the code ------------------------------------------------------------------
 README = (ROOT / "README.md").read_text()
 
