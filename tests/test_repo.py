@@ -71,6 +71,19 @@ def test_systemd_unit_starts_once_the_network_is_up() -> None:
     assert "network-online.target" in _unit_values("After")
 
 
+def test_a_directory_the_unit_keeps_read_only_is_documented_where_it_is_configured() -> None:
+    """The unit's ProtectSystem=strict leaves only StateDirectory= and ReadWritePaths= writable:
+    ``ssd.path`` on its own NVMe mount (the usual set-up; the example config offers the key)
+    failed at start with "Read-only file system", and neither the example config nor the README
+    said that the directory must be added to ReadWritePaths=."""
+    assert "strict" in _unit_values("ProtectSystem")
+    example = (ROOT / "systemd" / "kvstored.toml").read_text()
+    ssd = re.search(r"^\[ssd\]\n(.*?)(?=^\[)", example, re.S | re.M)
+    assert ssd is not None and "ReadWritePaths=" in ssd.group(1), "[ssd] path: say it needs ReadWritePaths="
+    service = re.search(r"^As a service:(.*?)(?=^## |\Z)", README, re.S | re.M)
+    assert service is not None and "ReadWritePaths=" in service.group(1)
+
+
 # -- README against the code ------------------------------------------------------------------
 README = (ROOT / "README.md").read_text()
 
