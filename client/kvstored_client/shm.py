@@ -6,6 +6,8 @@ array or tensor view lives in, so ``Client.register_buffers`` can describe it to
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import math
 import mmap
 import os
@@ -20,6 +22,8 @@ import numpy as np
 from kvstored_client.layout import DTYPE_SIZES, TensorLayout
 
 SHM_DIR = os.environ.get("KVSTORED_SHM_DIR", "/dev/shm")
+# The daemon's group under the systemd unit (systemd/kvstored.sysusers): engines join it.
+DAEMON_GROUP = "kvstored"
 _live: weakref.WeakValueDictionary[int, SharedTensor] = weakref.WeakValueDictionary()
 
 
@@ -42,6 +46,7 @@ class SharedTensor:
         self.path = Path(shm_dir) / self.name
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
+            _share_with_the_daemon(fd)
             os.ftruncate(fd, max(self.nbytes, 1))
             # Reserve every page: on a full tmpfs the file would stay sparse (MAP_POPULATE does not
             # fail), and the first write to a missing page, ours or the daemon's, is a SIGBUS.
@@ -74,6 +79,26 @@ class SharedTensor:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _daemon_gid() -> int | None:
+    """The id of group :data:`DAEMON_GROUP`, or None where there is none (no systemd install)."""
+    try:
+        return grp.getgrnam(DAEMON_GROUP).gr_gid
+    except KeyError:
+        return None
+
+
+def _share_with_the_daemon(fd: int) -> None:
+    """Make a new buffer file one the daemon may map read-write: a daemon of another user (the
+    systemd unit's kvstored) opens it as a member of its group, so the group gets read and write
+    whatever this process's umask, and the file goes to the daemon's group where this process
+    may hand it over (it is a member, as README's set-up has it, or root)."""
+    os.fchmod(fd, 0o660)
+    gid = _daemon_gid()
+    if gid is not None and gid != os.fstat(fd).st_gid:
+        with contextlib.suppress(OSError):   # not a member (EPERM): the file stays in our own group
+            os.fchown(fd, -1, gid)
 
 
 def _unlink(path: Path) -> None:

@@ -72,3 +72,32 @@ def test_a_tensor_larger_than_the_free_shared_memory_is_refused(tmp_path: Path) 
         assert list(mnt.iterdir()) == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_a_buffer_file_is_group_read_write_whatever_the_umask(tmp_path: Path) -> None:
+    """Under the systemd unit the daemon runs as user kvstored and maps an engine's buffer files
+    as a member of their group: os.open's 0o660 went through the engine's umask (022 by
+    default), so the file came out 0640 and the daemon's O_RDWR open was refused."""
+    old = os.umask(0o022)
+    try:
+        t = shm.SharedTensor((4, 16), "uint8", shm_dir=str(tmp_path))
+    finally:
+        os.umask(old)
+    assert t.path.stat().st_mode & 0o777 == 0o660
+
+
+def test_a_buffer_file_belongs_to_the_daemons_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file's group was the engine's own primary group, which the daemon's user is not in:
+    README's "engine processes join group kvstored" was not enough for register_buffers."""
+    if os.geteuid() == 0:
+        gid = 65534
+    else:
+        others = [g for g in os.getgroups() if g != os.getegid()]
+        if not others:
+            pytest.skip("needs a supplementary group to hand the file to")
+        gid = others[0]
+    monkeypatch.setattr(shm, "_daemon_gid", lambda: gid)
+    t = shm.SharedTensor((4, 16), "uint8", shm_dir=str(tmp_path))
+    assert t.path.stat().st_gid == gid
+    monkeypatch.setattr(shm, "_daemon_gid", lambda: None)   # no such group here: the file stays as made
+    assert shm.SharedTensor((4, 16), "uint8", shm_dir=str(tmp_path)).path.stat().st_gid == os.getegid()
