@@ -310,6 +310,9 @@ class BlockStore:
                                        max(config.ssd.capacity // GHOST_BLOCK_BYTES, MIN_GHOST_BLOCKS),
                                        can_evict=self._ssd_can_evict)
         self._ssd_used = 0
+        # blocks with an SSD copy (ON_SSD), kept as they gain and lose it: stats() (every scrape)
+        # must not walk millions of blocks on the event loop to count them
+        self._ssd_blocks = 0
         self._dirty_bytes = 0   # DRAM bytes of sealed blocks without an SSD copy ...
         self._dirty: dict[Block, None] = {}  # ... and those blocks, oldest first (the write-back order)
         self._namespaces: dict[int, NamespaceState] = {}
@@ -1097,6 +1100,7 @@ class BlockStore:
             return
         self._ssd_policy.removed(block, moved=block.in_dram and not leaving)   # still in DRAM, or gone
         block.flags &= ~ON_SSD
+        self._ssd_blocks -= 1
         self._ssd_used -= self._block_bytes(block)
         if block.in_dram and block.sealed:
             self._set_dirty(block)
@@ -1338,6 +1342,7 @@ class BlockStore:
                     self._ssd_backoff_until = self._clock() + 1.0
                 continue
             block.flags |= ON_SSD
+            self._ssd_blocks += 1
             block.check = result   # the bytes it has in DRAM too (pinned meanwhile): a peer gets it unhashed
             if block.in_dram:
                 self._set_clean(block)
@@ -1408,6 +1413,7 @@ class BlockStore:
             block = state.index.insert(rec.key, parent, NO_SLOT)
             block.flags = SEALED | ON_SSD
             block.pins = 0
+            self._ssd_blocks += 1
             self._ssd_used += rec.length
             restored.append(block)
         self._ssd_policy.inserted(restored)  # parents first, as the policies expect
@@ -2187,8 +2193,7 @@ class BlockStore:
         tiers = [TierStats("dram", self._allocator.capacity, self._allocator.used_bytes,
                            dram_blocks, self._n.dram_evictions)]
         if self._ssd is not None:
-            ssd_blocks = sum(1 for s in self._namespaces.values() for b in s.index if b.on_ssd)
-            tiers.append(TierStats("ssd", self._config.ssd.capacity, self._ssd_used, ssd_blocks,
+            tiers.append(TierStats("ssd", self._config.ssd.capacity, self._ssd_used, self._ssd_blocks,
                                    self._n.ssd_evictions, self._n.ssd_write_errors, self._n.ssd_read_errors))
         return StoreStats(self._clock() - self._started, tiers, self._n.lookups,
                           self._n.lookup_blocks, self._n.hit_blocks, self._n.hit_tokens,

@@ -238,6 +238,9 @@ class Fuzz:
             self.fail(f"allocator uses {store._allocator.used_bytes} bytes; blocks hold {used}")
         if store._ssd_used != ssd_bytes:
             self.fail(f"SSD used is {store._ssd_used}; blocks on (or going to) SSD hold {ssd_bytes}")
+        on_ssd = sum(1 for b in blocks if b.flags & ON_SSD)
+        if store.stats().tiers[1].blocks != on_ssd:
+            self.fail(f"stats count {store.stats().tiers[1].blocks} blocks on SSD; {on_ssd} have a copy there")
         if store._ssd_used > self.cfg.ssd.capacity:
             self.fail(f"SSD used {store._ssd_used} exceeds capacity {self.cfg.ssd.capacity}")
         if set(store._dirty) != dirty:

@@ -347,6 +347,9 @@ class Fuzz:
             self.fail(f"{name}: allocator uses {store._allocator.used_bytes} bytes; blocks and landings hold {used}")
         if store._ssd_used != ssd_bytes:
             self.fail(f"{name}: SSD used is {store._ssd_used}; blocks on (or going to) SSD hold {ssd_bytes}")
+        on_ssd = sum(1 for b in blocks if b.flags & ON_SSD)
+        if store.stats().tiers[1].blocks != on_ssd:
+            self.fail(f"{name}: stats count {store.stats().tiers[1].blocks} blocks on SSD; {on_ssd} have a copy there")
         if set(store._dirty) != dirty:
             self.fail(f"{name}: write-back queue {len(store._dirty)} blocks, DRAM-only sealed blocks {len(dirty)}")
         for t in node.tracked.values():
