@@ -71,6 +71,16 @@ def test_systemd_unit_starts_once_the_network_is_up() -> None:
     assert "network-online.target" in _unit_values("After")
 
 
+def test_systemd_unit_leaves_the_gpu_device_nodes_reachable() -> None:
+    """The unit means to keep /dev/nvidia* open to the daemon (cudaHostRegister, CUDA IPC copies
+    into engine buffers), so it sets no PrivateDevices=, DevicePolicy= or DeviceAllow=. But
+    ProtectClock=yes implies DeviceAllow=char-rtc r, and on a systemd older than the fix of
+    systemd/systemd#18142 (#25075, around v252; Ubuntu 22.04 has 249, Debian 11 247) that one
+    allow-list entry closed every other device to the service: the GPU path failed there."""
+    for key in ("ProtectClock", "PrivateDevices", "DevicePolicy", "DeviceAllow"):
+        assert _unit_values(key) in ([], ["no"], ["false"]), key
+
+
 def test_a_directory_the_unit_keeps_read_only_is_documented_where_it_is_configured() -> None:
     """The unit's ProtectSystem=strict leaves only StateDirectory= and ReadWritePaths= writable:
     ``ssd.path`` on its own NVMe mount (the usual set-up; the example config offers the key)
