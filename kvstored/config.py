@@ -151,6 +151,7 @@ def parse_size(text: str | int) -> int:
 
 MAX_BATCH_BLOCKS = 1 << 22      # more block hashes (16 bytes and up each) than one 64 MiB message holds
 MAX_READ_THREADS = 1024
+MAX_MAP_BYTES = 1 << 63         # an LMDB map size is a size_t, and Python's int would overflow it
 # Lease times travel to clients in milliseconds as uint32s (HelloResponse.lease_ttl_ms, ...): a
 # longer one would fail every Hello or Reserve.
 MAX_LEASE_TTL_S = ((1 << 32) - 1) // 1000
@@ -252,6 +253,8 @@ def _validate(cfg: Config) -> None:
         (0 < cfg.dram.writeback_watermark <= 1, "dram.writeback_watermark: must be in (0, 1]"),
         (cfg.ssd.capacity > 0, "ssd.capacity: must be positive"),
         (cfg.ssd.map_slack >= 1.1, "ssd.map_slack: must be at least 1.1"),
+        (cfg.ssd.capacity * cfg.ssd.map_slack < MAX_MAP_BYTES,
+         "ssd.map_slack: ssd.capacity x ssd.map_slack (the size the LMDB index is mapped at) must be under 8 EiB"),
         (0 < cfg.ssd.low_watermark < cfg.ssd.high_watermark <= 1,
          "ssd.low_watermark: must be below ssd.high_watermark, both in (0, 1]"),
         (cfg.dram.policy in POLICIES, f"dram.policy: must be one of {', '.join(POLICIES)}"),

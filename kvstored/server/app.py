@@ -249,6 +249,11 @@ async def serve(cfg: Config) -> int:
                               cfg.ssd.sync, progress=starting.report)
             except InUse as exc:
                 raise StartupError(str(exc)) from None
+            except lmdb.MemoryError as exc:   # mmap of the index refused: more than the address space
+                map_tib = cfg.ssd.capacity * cfg.ssd.map_slack / (1 << 40)
+                raise StartupError(f"cannot open the SSD tier in {cfg.ssd_path}: {exc}: its LMDB index is mapped at "
+                                   f"ssd.capacity x ssd.map_slack = {map_tib:,.1f} TiB of address space (a process has "
+                                   "128 TiB on x86-64): lower ssd.capacity or ssd.map_slack") from None
             except (OSError, lmdb.Error) as exc:
                 raise StartupError(f"cannot open the SSD tier in {cfg.ssd_path}: {exc}") from None
         if _pin_for_cuda(arena, starting):

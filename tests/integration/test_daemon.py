@@ -383,11 +383,23 @@ def test_duplicate_static_peer_ids_are_a_config_error_and_leave_no_arena(tmp_pat
 
 @pytest.mark.parametrize("flags", [("--tcp", "127.0.0.1:65536"), ("--set", "peers.listen=127.0.0.1:99999"),
                                    ("--set", "ssd.read_threads=2.9"), ("--set", "server.shutdown_grace_s=-1"),
-                                   ("--set", "dram.shm_dir=")])
+                                   ("--set", "dram.shm_dir="), ("--set", "ssd.map_slack=1e30")])
 def test_bad_values_from_flags_are_config_errors(tmp_path: Path, flags: tuple[str, str]) -> None:
     proc, _ = _kvstored(tmp_path, *flags)
     assert proc.returncode == 2
     assert proc.stderr.startswith("kvstored: config error: ") and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_an_index_map_larger_than_the_address_space_is_a_startup_error_naming_the_keys(tmp_path: Path) -> None:
+    """The LMDB index is mapped at ssd.capacity x ssd.map_slack: past the address space (128 TiB
+    on x86-64) the start failed with "cannot open the SSD tier in ...: Cannot allocate memory",
+    which names neither key; past 2**64 (ssd.map_slack = 1e30, above) with a traceback."""
+    proc, shm = _kvstored(tmp_path, "--ssd-capacity", "500000TiB")
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = _errors(proc.stderr)
+    assert "ssd.capacity" in line and "ssd.map_slack" in line, line
+    assert list(shm.iterdir()) == []
 
 
 @contextlib.contextmanager
