@@ -11,7 +11,8 @@ Crash safety comes from ordering, done by the one writer thread: a batch's paylo
 ``fdatasync``-ed before the LMDB transaction that makes them visible commits (group commit: one
 sync for everything queued), and a slot freed by a delete is reused only after that delete has
 committed. A crash therefore leaves every visible record pointing at the bytes it was written
-with; slots nobody references are free at the next start. Every read verifies length and checksum
+with; slots nobody references are free at the next start (and the disk space past the highest
+slot in use, or of a size with no block left, goes back). Every read verifies length and checksum
 and reports a mismatch, never returns it. A full disk is an error (``SSDError``), never a crash.
 """
 
@@ -155,12 +156,32 @@ class _SlotFile:
         top = max(used, default=-1) + 1
         self.free = sorted(set(range(top)) - used, reverse=True)
         self.top = top
+        try:
+            if os.fstat(self.buffered).st_size > top * self.stride:
+                # slots past the highest one in use hold nothing anybody references (blocks
+                # that left before the last stop): their disk space goes back
+                os.ftruncate(self.buffered, top * self.stride)
+        except OSError as exc:   # the tier works all the same
+            log.warning("could not cut %s to its slots in use: %s", path, exc)
 
     def take(self) -> int:
         if self.free:
             return self.free.pop()
         self.top += 1
         return self.top - 1
+
+    def give_back(self, slot: int) -> None:
+        """``slot`` is free again (nothing committed references it). When it was the last one in
+        use, the file gives its disk space back: a size whose blocks have all left (a model no
+        longer served, an eviction) does not keep the disk it once took beside the sizes in use."""
+        self.free.append(slot)
+        if len(self.free) == self.top:
+            self.free.clear()
+            self.top = 0
+            try:
+                os.ftruncate(self.buffered, 0)
+            except OSError as exc:   # the slots are free all the same; the space waits for a restart
+                log.warning("could not truncate an empty payload file: %s", exc)
 
     def write(self, slot: int, payload: np.ndarray) -> None:
         fd = self.direct if self.direct is not None and _aligned(payload) else self.buffered
@@ -235,7 +256,8 @@ class SSDTier:
                 if isinstance(item, BlockRecord):
                     used.setdefault(item.length, set()).add(item.slot)
             for length, slots in used.items():
-                self._file(length, slots)
+                self._file(length, slots)   # each cut to its highest slot in use
+            self._remove_unused_files(used)
         except BaseException:   # nothing stays open, the directory's lock included
             for f in self._files.values():
                 f.close()
@@ -263,6 +285,17 @@ class SSDTier:
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstored-ssd-hash")
         self.write_errors = 0
         self.checksum_failures = 0
+
+    def _remove_unused_files(self, used: dict[int, set[int]]) -> None:
+        """Remove the payload files of sizes no record has (all their blocks left before the last
+        stop): nothing would ever open them again, and their disk space stayed taken for good."""
+        for file in self.path.glob("payload-*.dat"):
+            length = file.name[len("payload-"):-len(".dat")]
+            if length.isdigit() and int(length) not in used:
+                try:
+                    file.unlink(missing_ok=True)
+                except OSError as exc:   # the tier works all the same
+                    log.warning("could not remove %s, which no block uses: %s", file, exc)
 
     def _open_env(self, sync: bool) -> lmdb.Environment:
         return lmdb.open(str(self.path), map_size=self.map_size, max_dbs=4, writemap=False, readahead=True,
@@ -401,7 +434,7 @@ class SSDTier:
             try:
                 f.write(slot, op.payload)
             except OSError as exc:
-                f.free.append(slot)
+                f.give_back(slot)
                 failed[id(op)] = SSDError(f"payload write failed: {exc.strerror or exc}")
                 continue
             written[id(op)] = (f, slot)   # first: an unforeseen error below gives the slot back
@@ -443,7 +476,7 @@ class SSDTier:
                 _settle(op.done, failed.get(id(op), error))
             return
         for f, slot in freed:  # reusable only now that no committed record points at them
-            f.free.append(slot)
+            f.give_back(slot)
         self.write_errors += len(failed)
         if failed:
             log.warning("SSD write of %d block(s) failed: %s", len(failed), next(iter(failed.values())))
@@ -477,7 +510,7 @@ class SSDTier:
     @staticmethod
     def _give_back(written: dict[int, tuple[_SlotFile, int]]) -> None:
         for f, slot in written.values():
-            f.free.append(slot)
+            f.give_back(slot)
         written.clear()
 
     def _fail_puts(self, written: dict[int, tuple[_SlotFile, int]], failed: dict[int, Exception],

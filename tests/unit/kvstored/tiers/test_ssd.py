@@ -102,6 +102,44 @@ def test_slots_are_reused_after_delete_and_survive_reopen(tmp_path: Path) -> Non
         again.close()
 
 
+def test_payload_files_give_back_the_disk_space_of_slots_nobody_uses(tmp_path: Path) -> None:
+    """Slot files only ever grew: a block size whose blocks had all left (a model no longer served,
+    ``kvctl evict``, a lowered ssd.capacity or a config that refuses a namespace at restart) kept
+    its file at its largest for good, beside the files of the sizes in use, so the tier's files
+    took far more disk than ssd.capacity and a disk sized for it filled up (every write then
+    failing for ever: the space was the daemon's own). A size with no block left gives its file's
+    space back; at open, each file is cut to its highest used slot, and one with no record goes."""
+    big, small = 64 << 10, 4096
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        for i in range(8):
+            ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
+        for i in range(8):
+            ssd.delete(1, bytes([i]) * 32).result(10)
+        data = tmp_path / f"payload-{big}.dat"
+        assert data.stat().st_blocks == 0, f"a size with no block left keeps {data.stat().st_blocks * 512} bytes"
+        ssd.put(1, b"n" * 32, b"", 0, payload(8)).result(10)   # and the size is written again
+        out = np.empty(big, dtype=np.uint8)
+        ssd.read_into(1, b"n" * 32, out).result(10)
+        assert np.array_equal(out, payload(8))
+        for i in range(8):   # slots 1..8 of 9
+            ssd.put(1, bytes([10 + i]) * 32, b"", 0, payload(10 + i)).result(10)
+        for i in range(4, 8):
+            ssd.delete(1, bytes([10 + i]) * 32).result(10)
+    finally:
+        ssd.close()
+    (tmp_path / f"payload-{small}.dat").write_bytes(b"x" * (16 * small))   # left by a size gone since
+    again = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        assert (tmp_path / f"payload-{big}.dat").stat().st_size == 5 * big   # slots 0..4 still used
+        assert not (tmp_path / f"payload-{small}.dat").exists()
+        for key, seed in [(b"n" * 32, 8), *((bytes([10 + i]) * 32, 10 + i) for i in range(4))]:
+            again.read_into(1, key, out).result(10)
+            assert np.array_equal(out, payload(seed))
+    finally:
+        again.close()
+
+
 def test_writes_are_durable_across_reopen(tmp_path: Path) -> None:
     ssd = SSDTier(str(tmp_path), 64 << 20)
     ssd.put_namespace(5, b'{"model": "m"}').result(10)
