@@ -1350,18 +1350,23 @@ class BlockStore:
         self._n.demotions += written
         return written
 
-    def _make_ssd_room(self, nbytes: float) -> bool:
-        """Evict SSD-only leaves (the SSD policy's victims) so ``nbytes`` more fit under the high watermark."""
+    def _make_ssd_room(self, nbytes: float, progress: Progress | None = None) -> bool:
+        """Evict SSD-only leaves (the SSD policy's victims) so ``nbytes`` more fit under the high
+        watermark; ``progress(what, evicted, 0)`` is called every PROGRESS_EVERY evictions."""
         cfg = self._config.ssd
         if self._ssd_used + nbytes <= cfg.high_watermark * cfg.capacity:
             return True
         target = max(0.0, min(cfg.low_watermark * cfg.capacity, cfg.high_watermark * cfg.capacity - nbytes))
+        evicted = 0
         while self._ssd_used > target:
             victim = self._ssd_policy.victim()
             if victim is None:
                 break
             self._remove(victim)  # untracks it: the next victim is another block
             self._n.ssd_evictions += 1
+            evicted += 1
+            if progress is not None and evicted % PROGRESS_EVERY == 0:
+                progress("restoring blocks from SSD: evicting to fit ssd.capacity", evicted, 0)
         return self._ssd_used + nbytes <= cfg.high_watermark * cfg.capacity
 
     def restore(self, progress: Progress | None = None) -> RestoreReport:
@@ -1419,7 +1424,9 @@ class BlockStore:
         self._ssd_policy.inserted(restored)  # parents first, as the policies expect
         self._n.dropped += dropped
         before = self._n.ssd_evictions
-        self._make_ssd_room(0)   # the capacity may have been lowered since: back under it now
+        # The capacity may have been lowered since: back under it now (a minute for a million
+        # blocks here, told as the other steps are, or systemd takes the start for hung)
+        self._make_ssd_room(0, progress)
         evicted = self._n.ssd_evictions - before
         return RestoreReport(len(self._namespaces), len(restored) - evicted, dropped, evicted)
 

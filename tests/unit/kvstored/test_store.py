@@ -685,6 +685,32 @@ def test_a_restart_under_a_config_that_refuses_a_namespace_does_not_restore_it(
         assert lookup(store, ns, KeyRequest(hashes=chain(2)), lease=True, session_id=s).blocks == 0
 
 
+def test_a_restore_that_evicts_to_fit_a_lowered_capacity_reports_its_progress(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart under a lowered ssd.capacity evicts restored blocks until the tier fits, before
+    serving: ~60 us a block here, so a minute for a million blocks, and it told nobody. systemd
+    heard nothing after the last "indexing" advance (which allows EXTEND_S = 60 s more) and stopped
+    the start as hung (TimeoutStartSec=), into a restart that did the same. Its advance is
+    reported like the other restore steps (every PROGRESS_EVERY blocks)."""
+    import kvstored.store as store_mod
+    keys = chain(12)
+    with _ssd_store(tmp_path) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        save(store, s, ns, keys[:6])
+        assert asyncio.run(store.flush()) == 6
+        save(store, s, ns, keys[6:])
+        assert asyncio.run(store.flush()) == 6
+        asyncio.run(store.drain())
+    monkeypatch.setattr(store_mod, "PROGRESS_EVERY", 2)
+    reports: list[tuple[str, int, int]] = []
+    with _ssd_store(tmp_path, {"ssd": {"capacity": 4 * BLOCK}}) as (store, _):   # restarted, smaller
+        report = store.restore(lambda what, done, total: reports.append((what, done, total)))
+        assert report.evicted >= 8 and report.blocks + report.evicted == 12
+        evicting = [done for what, done, _ in reports if "evict" in what]
+        assert evicting and evicting == sorted(evicting) and evicting[-1] >= 8, reports
+
+
 def test_evicting_the_ssd_tier_keeps_the_copy_of_a_parent_whose_child_stays_on_ssd(tmp_path: Path) -> None:
     """``kvctl evict --tier ssd`` while a peer reads a block (pinned: it stays): its parent, also in
     DRAM, lost its SSD copy, so after a crash the child's SSD record hung under no parent record
