@@ -267,6 +267,10 @@ class SSDTier:
             raise
         self._sync = sync
         self._group_bytes = group_commit_bytes
+        # keys whose delete failed to commit (a full disk): nobody awaits a delete, so the writer
+        # makes it again with the next commit (else the record stayed, its slot taken for good,
+        # and the next start restored the block the store had evicted or found corrupt)
+        self._lost_deletes: dict[bytes, None] = {}
         self._ops: queue.Queue[_Op | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="kvstored-ssd-writer", daemon=True)
         self._writer.start()
@@ -418,6 +422,8 @@ class SSDTier:
     def _commit(self, batch: list[_Op]) -> None:
         written: dict[int, tuple[_SlotFile, int]] = {}   # id(put op) -> where its payload went
         failed: dict[int, Exception] = {}
+        if self._lost_deletes:
+            self._retry_lost_deletes()
         for op in batch:
             if op.kind == "put" and op.check is None:
                 op.check = self._hasher.submit(checksum, op.payload)   # type: ignore[arg-type]
@@ -473,10 +479,17 @@ class SSDTier:
             error = _commit_error(exc)
             log.warning("SSD commit of %d op(s) failed: %s", len(batch), exc)
             for op in batch:
+                if op.kind == "delete":
+                    self._lost_deletes[op.key] = None
+            for op in batch:
                 _settle(op.done, failed.get(id(op), error))
             return
         for f, slot in freed:  # reusable only now that no committed record points at them
             f.give_back(slot)
+        if self._lost_deletes:
+            for op in batch:   # a delete or a put of the block committed now supersedes a lost delete
+                if op.kind == "delete" or id(op) in written:
+                    self._lost_deletes.pop(op.key, None)
         self.write_errors += len(failed)
         if failed:
             log.warning("SSD write of %d block(s) failed: %s", len(failed), next(iter(failed.values())))
@@ -506,6 +519,22 @@ class SSDTier:
                     except Corrupt:
                         pass
         return freed
+
+    def _retry_lost_deletes(self) -> None:
+        """Make the deletes whose commit failed, in a transaction of their own (before the batch:
+        a put of one of those blocks in it then writes a record of its own, which stays)."""
+        keys = list(self._lost_deletes)
+        ops = [_Op("delete", key, b"", None, Future()) for key in keys]
+        try:
+            freed = self._apply(ops, {})
+        except (lmdb.Error, OSError) as exc:   # still no room: the next commit tries again
+            log.debug("deletes whose commit failed are still not made: %s", exc)
+            return
+        for f, slot in freed:
+            f.give_back(slot)
+        for key in keys:
+            self._lost_deletes.pop(key, None)
+        log.info("made %d delete(s) whose commit had failed", len(keys))
 
     @staticmethod
     def _give_back(written: dict[int, tuple[_SlotFile, int]]) -> None:

@@ -325,6 +325,75 @@ def test_a_failed_sync_fails_the_puts_of_a_batch_not_its_deletes(tmp_path: Path,
         ssd.close()
 
 
+def test_a_delete_whose_commit_failed_is_made_by_a_later_one(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a full disk LMDB's commits fail (ENOSPC, then EIO: it needs new pages, for deletes too),
+    and a failed delete was simply lost: nobody awaits one (the store's evictions), so the store
+    counted the space as free while the record stayed on disk, its slot taken for good (the file
+    growing past ssd.capacity once writes resumed), and the next restart brought the evicted or
+    corrupt block back. A delete whose commit failed is made by the next commit that goes through."""
+    real, calls = SSDTier._apply, []
+
+    def full_once(self, batch, written):  # type: ignore[no-untyped-def]
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+        return real(self, batch, written)
+
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        for i in range(4):
+            ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
+        monkeypatch.setattr(SSDTier, "_apply", full_once)
+        with pytest.raises(SSDError):
+            ssd.delete(1, bytes([0]) * 32).result(10)   # the disk is full now
+        ssd.put(1, b"n" * 32, b"", 0, payload(9)).result(10)   # space is back: the next commit
+        keys = {r.key for r in ssd.scan() if isinstance(r, BlockRecord)}
+        assert bytes([0]) * 32 not in keys, "the delete was lost: its record is still on disk"
+        f = ssd._files[64 << 10]
+        assert f.top - len(f.free) == 4, f"slots in use {f.top - len(f.free)}: the deleted block's slot leaked"
+    finally:
+        ssd.close()
+    again = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        assert {r.key for r in again.scan() if isinstance(r, BlockRecord)} == \
+            {bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32, b"n" * 32}
+    finally:
+        again.close()
+
+
+def test_a_lost_delete_does_not_remove_the_record_of_a_later_put_of_the_block(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The delete made again later must not take away the record of the block written again since
+    (the store wrote it back once more, in the commit that made the delete)."""
+    real, full = SSDTier._apply, [True]
+
+    def while_full(self, batch, written):  # type: ignore[no-untyped-def]
+        if full[0]:
+            raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+        return real(self, batch, written)
+
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        ssd.put(1, b"k" * 32, b"", 0, payload(1)).result(10)
+        monkeypatch.setattr(SSDTier, "_apply", while_full)
+        with pytest.raises(SSDError):
+            ssd.delete(1, b"k" * 32).result(10)
+        with pytest.raises(SSDError):
+            ssd.put(1, b"x" * 32, b"", 0, payload(3)).result(10)   # still full
+        full[0] = False
+        ssd.put(1, b"k" * 32, b"", 0, payload(2)).result(10)        # written again, space back
+        ssd.put(1, b"y" * 32, b"", 0, payload(4)).result(10)
+        out = np.empty(64 << 10, dtype=np.uint8)
+        ssd.read_into(1, b"k" * 32, out).result(10)
+        assert np.array_equal(out, payload(2))
+        assert {r.key for r in ssd.scan() if isinstance(r, BlockRecord)} == {b"k" * 32, b"y" * 32}
+        f = ssd._files[64 << 10]
+        assert f.top - len(f.free) == 2
+    finally:
+        ssd.close()
+
+
 def test_ops_of_one_batch_apply_in_the_order_they_were_queued(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch applied every delete before every put: a put then a delete of one key, committed
