@@ -775,6 +775,7 @@ def test_stats_count_the_ssd_blocks_without_walking_the_index(tmp_path: Path,
     with _ssd_store(tmp_path) as (store, _):   # restarted over the same tier
         assert store.restore().blocks == 3
         assert ssd_blocks(store) == 3
+        assert store.evict() == 3 and ssd_blocks(store) == 0   # out of the index: no copy left
 
 
 def test_a_block_written_to_ssd_or_read_from_it_is_served_to_peers_unhashed(tmp_path: Path,
