@@ -71,6 +71,16 @@ def test_systemd_unit_starts_once_the_network_is_up() -> None:
     assert "network-online.target" in _unit_values("After")
 
 
+def test_systemd_unit_does_not_restart_a_config_error(tmp_path: Path) -> None:
+    """(review) A config error exits 2 naming the key; Restart=on-failure started the daemon again
+    every 2 s into the same error until systemd's start limit. The unit stops there, and 2 is what
+    the daemon does exit with on a bad value."""
+    assert _unit_values("RestartPreventExitStatus") == ["2"]
+    proc = subprocess.run([str(BIN / "kvstored"), "--no-config", "--set", "dram.capacity=-1"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "dram.capacity" in proc.stderr, proc.stderr
+
+
 def test_systemd_unit_leaves_the_gpu_device_nodes_reachable() -> None:
     """The unit means to keep /dev/nvidia* open to the daemon (cudaHostRegister, CUDA IPC copies
     into engine buffers), so it sets no PrivateDevices=, DevicePolicy= or DeviceAllow=. But

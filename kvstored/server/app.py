@@ -260,7 +260,11 @@ async def serve(cfg: Config) -> int:
             log.info("DRAM arena pinned for CUDA copies (cudaHostRegister)")
         copy = CopyEngine(arena)
         store = BlockStore(cfg, arena, copy, ssd)
-        report = store.restore(starting.report)
+        try:
+            report = store.restore(starting.report)
+        except (OSError, lmdb.Error) as exc:   # a damaged index, a failing disk: not ours to repair
+            raise StartupError(f"cannot restore the SSD tier's index in {cfg.ssd_path}: {exc} (move "
+                               "the directory aside to start with an empty tier)") from None
         if report.blocks or report.dropped:
             log.info("restored %d block(s) in %d namespace(s) from SSD; dropped %d unusable record(s)",
                      report.blocks, report.namespaces, report.dropped)

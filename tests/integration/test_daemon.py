@@ -402,6 +402,26 @@ def test_an_index_map_larger_than_the_address_space_is_a_startup_error_naming_th
     assert list(shm.iterdir()) == []
 
 
+def test_an_ssd_index_that_cannot_be_read_back_is_a_startup_error(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review) LMDB errors while the index was read back at start (a damaged database, a disk
+    failing under it) ended the start with a traceback, not the one line naming the tier."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import lmdb\nfrom kvstored.tiers import ssd\n"
+        "def namespaces(self):\n"
+        "    raise lmdb.CorruptedError('mdb_cursor_get: MDB_CORRUPTED: Located page was wrong type')\n"
+        "ssd.SSDTier.namespaces = namespaces\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    proc, shm = _kvstored(tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = _errors(proc.stderr)
+    assert f"cannot restore the SSD tier's index in {tmp_path / 'ssd'}" in line and "MDB_CORRUPTED" in line, line
+    assert list(shm.iterdir()) == []
+
+
 @contextlib.contextmanager
 def _busy_port() -> Iterator[int]:
     """A loopback port something else is listening on."""
