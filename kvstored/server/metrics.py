@@ -1,28 +1,39 @@
 """Prometheus metrics: the store's counters and gauges, served over HTTP (``server.metrics``).
 
-The HTTP server is prometheus-client's own, on a thread of its own; a scrape asks the event loop
-for a snapshot of the counters (the store's state belongs to the loop), so a scrape never reads
-them half-updated. Names carry the ``kvstored_`` prefix and base units (bytes, seconds, blocks).
+The HTTP server is prometheus-client's WSGI app on a thread of its own; a scrape asks the event
+loop for a snapshot of the counters (the store's state belongs to the loop), so a scrape never
+reads them half-updated, and a loop that cannot answer in time fails that scrape with HTTP 503
+and one log line. Names carry the ``kvstored_`` prefix and base units (bytes, seconds, blocks).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
+import logging
+import socket
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvstored.store import StoreStats
 
 SCRAPE_TIMEOUT_S = 5.0   # a loop that cannot answer in this time fails the scrape, not the daemon
+log = logging.getLogger(__name__)
+
+
+class ScrapeTimeout(Exception):
+    """The event loop did not hand a scrape its snapshot in time."""
 # Buckets from 100 µs (a lookup) to 30 s (a long stream from a peer), in seconds.
 RPC_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -82,7 +93,13 @@ class StoreCollector(Collector):
     def _take(self) -> Snapshot:
         async def take() -> Snapshot:
             return self._snapshot()
-        return asyncio.run_coroutine_threadsafe(take(), self._loop).result(SCRAPE_TIMEOUT_S)
+        fut = asyncio.run_coroutine_threadsafe(take(), self._loop)
+        try:
+            return fut.result(SCRAPE_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise ScrapeTimeout(f"metrics scrape failed: the event loop did not answer within "
+                                f"{SCRAPE_TIMEOUT_S:g} s (busy or blocked)") from None
 
     def collect(self) -> Iterator[Metric]:
         snap = self._take()
@@ -146,9 +163,34 @@ def serve_metrics(address: str, loop: asyncio.AbstractEventLoop, snapshot: Calla
     from a thread of its own, with ``timer``'s histogram; stop it with ``shutdown()`` then
     ``server_close()``. Raises OSError when the address cannot be bound."""
     host, _, port = address.rpartition(":")
+    host = host.strip("[]")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(loop, snapshot))
     if timer is not None:
         registry.register(timer.histogram)
-    server, _thread = start_http_server(int(port), host.strip("[]"), registry)
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = make_server(host, int(port), _unavailable_on_timeout(make_wsgi_app(registry)), Server,
+                         handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
+
+
+def _unavailable_on_timeout(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+    """``app``, answering a scrape whose snapshot timed out with 503 and one log line (not a
+    500 with a traceback in the journal)."""
+    def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        try:
+            return app(environ, start_response)
+        except ScrapeTimeout as exc:
+            log.warning("%s", exc)
+            start_response("503 Service Unavailable", [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"{exc}\n".encode()]
+    return wrapped
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Requests are not logged (a scrape every few seconds)."""
