@@ -28,7 +28,7 @@ from kvstored.peers.transport import PeerConfigError
 from kvstored.server import heap, logs, sdnotify
 from kvstored.server.metrics import RpcTimer, Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer
-from kvstored.server.startup import StartupProgress
+from kvstored.server.startup import StartupProgress, StartupStopped
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
 from kvstored.tiers.ssd import InUse, SSDTier
@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         log.error("%s", exc)
         return 1
+    except StartupStopped as exc:
+        log.info("%s", exc)
+        return 0
 
 
 def _effective_json(cfg: Config) -> str:
@@ -186,8 +189,12 @@ async def serve(cfg: Config) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     shutting_down = asyncio.Event()
+    starting = StartupProgress()
+    # Until it serves, the daemon runs long steps without yielding to the loop (pre-faulting the
+    # arena, restoring the SSD index): a plain handler marks the stop, and the start ends at its
+    # next report (cleaning up as any failed start does) instead of after the restore.
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        signal.signal(sig, lambda signum, frame: starting.request_stop())
 
     sock_path = Path(cfg.socket_path)
     _prepare_socket(sock_path)
@@ -232,12 +239,12 @@ async def serve(cfg: Config) -> int:
 
         if stale := sweep_stale_arenas(cfg.dram.shm_dir):
             log.info("removed %d arena file(s) left by daemons that died: %s", len(stale), ", ".join(stale))
-        starting = StartupProgress()
         # pre-faulting runs at several GB/s here: 1 GB/s leaves room for a slower host
         starting.step(f"opening the DRAM tier: {cfg.dram.capacity >> 20} MiB arena in {cfg.dram.shm_dir}",
                       expect_s=cfg.dram.capacity / 1e9 if cfg.dram.prefault else 0.0)
         try:
-            arena = Arena(cfg.dram.shm_dir, cfg.dram.capacity, cfg.server.socket_mode, cfg.dram.prefault)
+            arena = Arena(cfg.dram.shm_dir, cfg.dram.capacity, cfg.server.socket_mode, cfg.dram.prefault,
+                          progress=lambda done, total: starting.advance(done >> 20, total >> 20))
         except ArenaTooLarge as exc:
             raise StartupError(str(exc)) from None
         except OSError as exc:
@@ -290,9 +297,14 @@ async def serve(cfg: Config) -> int:
                 raise StartupError(f"cannot serve server.metrics on {cfg.server.metrics}: {exc}") from None
             port = metrics_server.server_address[1]
             log.info("Prometheus metrics on http://%s:%s/metrics", cfg.server.metrics.rpartition(":")[0], port)
+        starting.check()
         await server.start()
         os.chmod(sock_path, cfg.server.socket_mode)
         sock_id = _file_id(sock_path)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if starting.stop_requested:   # came during the last await of the start
+            stop.set()
     except BaseException:
         # Whatever stopped the start-up, leave no arena in the shm dir and no socket nobody serves.
         _stop_metrics(metrics_server)

@@ -5,7 +5,9 @@ large arena can outlast systemd's start timeout (TimeoutStartSec=, 90 s by defau
 kill the daemon and restart it into the same restore for ever. Each step and each advance within
 one sends ``EXTEND_TIMEOUT_USEC``: systemd waits as long as the start keeps moving, and still
 stops a start that hangs (no message within the extension). ``STATUS=`` says what is going on
-(``systemctl status kvstored``), and a long step logs its progress now and then.
+(``systemctl status kvstored``), and a long step logs its progress now and then. A stop asked for
+meanwhile (SIGTERM: ``systemctl stop`` during a long restore) ends the start at its next report,
+so the daemon cleans up and exits within seconds, not after the restore (or SIGKILL).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ NOTIFY_EVERY_S = 1.0     # advances are told to systemd at most this often
 LOG_EVERY_S = 10.0       # and logged at most this often
 
 
+class StartupStopped(Exception):
+    """A stop was asked for (SIGTERM, SIGINT) before the daemon served; says during which step."""
+
+
 class StartupProgress:
     """Reports start-up steps and their advance; ``clock`` (seconds) and ``notify`` (one
     sd_notify message) are injected. Never raises for a failed notification."""
@@ -34,10 +40,22 @@ class StartupProgress:
         self._what = ""
         self._notified = float("-inf")
         self._logged = float("-inf")
+        self.stop_requested = False   # set from a signal handler: read at each step and advance
+
+    def request_stop(self) -> None:
+        """Ask the start to end at its next step or advance (safe from a signal handler)."""
+        self.stop_requested = True
+
+    def check(self) -> None:
+        """Raise :class:`StartupStopped` when a stop was asked for."""
+        if self.stop_requested:
+            raise StartupStopped(f"stopped while starting ({self._what or 'before the first step'})")
 
     def step(self, what: str, expect_s: float = 0.0) -> None:
         """A new step starts: log it and tell systemd, allowing it ``expect_s`` (at least
-        EXTEND_S) before the next message (a step that cannot report its advance)."""
+        EXTEND_S) before the next message (a step that cannot report its advance). Raises
+        StartupStopped when a stop was asked for."""
+        self.check()
         self._what = what
         now = self._clock()
         self._notified = self._logged = now
@@ -46,7 +64,9 @@ class StartupProgress:
 
     def advance(self, done: int, total: int = 0) -> None:
         """The current step has done ``done`` of ``total`` items (0: not known yet): told to
-        systemd at most every NOTIFY_EVERY_S and logged at most every LOG_EVERY_S."""
+        systemd at most every NOTIFY_EVERY_S and logged at most every LOG_EVERY_S. Raises
+        StartupStopped when a stop was asked for."""
+        self.check()
         now = self._clock()
         if now - self._notified < NOTIFY_EVERY_S:
             return

@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,10 +82,15 @@ class Arena:
     """A shared-memory file mapped read-write, locked (shared) while this process has it open so
     that no other daemon's sweep takes it for a dead one's. ``close`` unmaps and unlinks it.
 
+    With ``prefault``, every page is reserved and populated at start, a GiB at a time, calling
+    ``progress(bytes done, capacity)`` after each (reserving counts for the first half); whatever
+    ``progress`` raises ends the start with no file left.
+
     Raises ArenaTooLarge when ``capacity`` exceeds the directory's free space (touching pages
     beyond it would kill the process with SIGBUS), OSError when the file cannot be made."""
 
-    def __init__(self, shm_dir: str, capacity: int, mode: int = 0o660, prefault: bool = True) -> None:
+    def __init__(self, shm_dir: str, capacity: int, mode: int = 0o660, prefault: bool = True,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         free = _free_bytes(shm_dir)
         if free is not None and capacity > free:
             raise ArenaTooLarge(f"dram.capacity of {capacity >> 20} MiB does not fit in {shm_dir}: "
@@ -105,7 +111,10 @@ class Arena:
             os.rename(making, self.path)
             if prefault:
                 # Reserve every page now: a full tmpfs is an error here, not a SIGBUS later.
-                os.posix_fallocate(fd, 0, capacity)
+                for start, end in _chunks(capacity):
+                    os.posix_fallocate(fd, start, end - start)
+                    if progress is not None:
+                        progress(end // 2, capacity)
             else:
                 os.ftruncate(fd, capacity)
             self._mmap = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
@@ -117,18 +126,25 @@ class Arena:
         self._lock_fd = fd
         self.buf = np.frombuffer(self._mmap, dtype=np.uint8)
         if prefault:
-            self._prefault()
+            try:
+                self._prefault(progress)
+            except BaseException:   # a stop asked for meanwhile (``progress`` raised): no arena left
+                self.close()
+                raise
 
-    def _prefault(self) -> None:
+    def _prefault(self, progress: Callable[[int, int], None] | None) -> None:
         # A fresh page costs ~10x a copy into a warm one: pay it once, at start.
         advice = getattr(mmap, "MADV_POPULATE_WRITE", None)
-        if advice is not None:
-            try:
-                self._mmap.madvise(advice)
-                return
-            except OSError:
-                pass
-        self.buf[:: mmap.PAGESIZE] = 0
+        for start, end in _chunks(self.capacity):
+            if advice is not None:
+                try:
+                    self._mmap.madvise(advice, start, end - start)
+                except OSError:
+                    advice = None
+            if advice is None:
+                self.buf[start:end:mmap.PAGESIZE] = 0
+            if progress is not None:
+                progress((self.capacity + end) // 2, self.capacity)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.buf[offset: offset + nbytes]
@@ -141,6 +157,13 @@ class Arena:
             pass  # a view is still alive somewhere; the mapping dies with the process
         self.path.unlink(missing_ok=True)
         os.close(self._lock_fd)
+
+
+PREFAULT_CHUNK = 1 << 30   # reserve and populate the arena a GiB at a time, reporting after each
+
+
+def _chunks(total: int) -> list[tuple[int, int]]:
+    return [(start, min(start + PREFAULT_CHUNK, total)) for start in range(0, total, PREFAULT_CHUNK)]
 
 
 def _free_bytes(directory: str) -> int | None:

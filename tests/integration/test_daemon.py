@@ -578,3 +578,49 @@ def test_a_tcp_listener_on_port_0_says_which_port_it_got(daemon_factory) -> None
     assert m is not None and int(m.group(1)) != 0, serving[0]
     with kvstored.Client(f"127.0.0.1:{m.group(1)}") as c:
         assert c.stats()["version"] == kvstored.__version__
+
+
+SLOW_RESTORE = """
+import time
+from kvstored import store
+_restore = store.BlockStore.restore
+def restore(self, progress=None):
+    for i in range(1, 601):   # 30 s of restoring, reporting as the real one does
+        if progress is not None:
+            progress("restoring blocks from SSD: indexing", i, 600)
+        time.sleep(0.05)
+    return _restore(self, progress)
+store.BlockStore.restore = restore
+"""
+
+
+def test_a_stop_during_a_long_restore_ends_the_start_at_once_and_leaves_nothing(tmp_path: Path) -> None:
+    """(review) SIGTERM during start-up waited for the start to finish (a 12 GiB prefault ignored
+    it for ~45 s; a restore of millions of blocks, minutes): `systemctl stop` then ended in
+    SIGKILL after TimeoutStopSec, leaving the arena in /dev/shm. The start now ends at its next
+    report, cleans up, and exits 0."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_RESTORE)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    d = start_daemon(tmp_path / "d", "--set", "log.level=info", "--set", f"dram.shm_dir={shm}",
+                     env={"PYTHONPATH": path}, wait=False)
+    try:
+        deadline = time.monotonic() + 30
+        while "starting: restoring blocks from SSD" not in d.log() and time.monotonic() < deadline:
+            assert d.proc.poll() is None, d.log()
+            time.sleep(0.05)
+        assert "starting: restoring blocks from SSD" in d.log(), d.log()
+        asked = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=10) == 0, d.log()
+        assert time.monotonic() - asked < 5, "the start ran on after SIGTERM"
+    finally:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait(10)
+    assert "stopped while starting (restoring blocks from SSD: indexing)" in d.log(), d.log()
+    assert list(shm.iterdir()) == [], "the arena was left behind"
+    assert not Path(d.socket).exists(), "the socket was left behind"

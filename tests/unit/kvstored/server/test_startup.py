@@ -51,3 +51,15 @@ def test_report_starts_a_new_step_when_what_changes() -> None:
     assert [m.split("\n")[0] for m in sent] == [
         "STATUS=starting: reading records", "STATUS=starting: reading records: 8,192",
         "STATUS=starting: indexing"]
+
+
+def test_a_stop_asked_for_ends_the_start_at_its_next_step_or_advance() -> None:
+    progress, _, sent = _reporter()
+    progress.step("restoring blocks from SSD: indexing")
+    progress.advance(10, 100)
+    progress.request_stop()
+    with pytest.raises(startup.StartupStopped, match=r"stopped while starting \(restoring blocks from SSD"):
+        progress.advance(20, 100)
+    with pytest.raises(startup.StartupStopped):
+        progress.step("joining the cluster")
+    assert len(sent) == 1   # nothing told to systemd once the stop was asked for
