@@ -380,6 +380,7 @@ class SSDTier:
                 batch = []
                 op = self._ops.get()
                 if op is None:
+                    self._last_lost_deletes()
                     return
                 # An op is started as it is taken: one cancelled before is dropped (its caller may
                 # already reuse the payload), one taken can no longer be cancelled.
@@ -406,6 +407,7 @@ class SSDTier:
                     for failed in batch:
                         _settle(failed.done, SSDError(f"SSD write failed: {exc!r}"))
                 if stop:
+                    self._last_lost_deletes()
                     return
         except BaseException:  # never die silently: queued callers would wait forever
             log.exception("SSD writer thread failed")
@@ -535,6 +537,18 @@ class SSDTier:
         for key in keys:
             self._lost_deletes.pop(key, None)
         log.info("made %d delete(s) whose commit had failed", len(keys))
+
+    def _last_lost_deletes(self) -> None:
+        """At close no commit follows to make the deletes whose commit failed: one more try, else
+        the next start restored the blocks the store had evicted or found corrupt."""
+        if self._lost_deletes:
+            try:
+                self._retry_lost_deletes()
+            except Exception:   # an error nobody foresaw: the close goes on
+                log.exception("the deletes whose commit failed could not be made at close")
+        if self._lost_deletes:
+            log.warning("%d delete(s) whose commit failed could not be made before close: their "
+                        "blocks come back at the next start", len(self._lost_deletes))
 
     @staticmethod
     def _give_back(written: dict[int, tuple[_SlotFile, int]]) -> None:

@@ -394,6 +394,37 @@ def test_a_lost_delete_does_not_remove_the_record_of_a_later_put_of_the_block(
         ssd.close()
 
 
+def test_a_delete_whose_commit_failed_is_made_at_close_when_no_commit_follows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lost delete was made only by the next commit; at a close with none left to come (the
+    space back, nothing more written) it was lost after all, and the next start restored the
+    block the store had evicted or found corrupt."""
+    real, calls = SSDTier._apply, []
+
+    def full_once(self, batch, written):  # type: ignore[no-untyped-def]
+        calls.append(len(batch))
+        if len(calls) == 1:
+            raise lmdb.DiskError("mdb_txn_commit: No space left on device")
+        return real(self, batch, written)
+
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        for i in range(2):
+            ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
+        monkeypatch.setattr(SSDTier, "_apply", full_once)
+        with pytest.raises(SSDError):
+            ssd.delete(1, bytes([0]) * 32).result(10)   # the disk is full now, then space is back
+    finally:
+        ssd.close()   # no commit after the failed one
+    monkeypatch.setattr(SSDTier, "_apply", real)
+    again = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        assert {r.key for r in again.scan() if isinstance(r, BlockRecord)} == {bytes([1]) * 32}, \
+            "the delete whose commit failed was lost at close: its block comes back"
+    finally:
+        again.close()
+
+
 def test_ops_of_one_batch_apply_in_the_order_they_were_queued(tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch applied every delete before every put: a put then a delete of one key, committed
