@@ -44,6 +44,10 @@ FIRST_WINDOW = 64          # keys peers are asked about before a fetch starts
 MAX_FETCH_KEYS = 4096      # keys per fetch request after the first window
 IDLE_CONNECTIONS = 4       # kept open per peer
 MAX_LOOKUP_KEYS = Limits().max_keys   # keys per LOOKUP request: a longer chain is asked in parts
+# Keys queued by push_later for one peer before further pushes to it are dropped (counted as
+# failures): a peer slower than the saves, or one gone silent (each queued chain then waits out
+# peers.deadline_s), must not make the queue, and this daemon's memory, grow for as long as it lasts.
+MAX_QUEUED_PUSH_KEYS = 1 << 16
 
 
 def auth_from_config(cfg: PeersConfig) -> PeerAuth:
@@ -108,6 +112,8 @@ class _Peer:
     queue: asyncio.Queue[tuple[int, list[bytes]]] | None = None
     worker: asyncio.Task[None] | None = None
     pushing: bool = False   # the worker is pushing a chain it took off the queue
+    queued_keys: int = 0    # keys of the chains waiting in ``queue``
+    refusing: bool = False  # pushes are being dropped for a full queue (logged once until it empties)
 
 
 class PeerNode:
@@ -443,11 +449,23 @@ class PeerNode:
         if peer.queue is None:
             peer.queue = asyncio.Queue()
             peer.worker = asyncio.ensure_future(self._push_worker(peer, peer.queue))
+        if peer.queued_keys and peer.queued_keys + len(chain) > MAX_QUEUED_PUSH_KEYS:
+            self.failures += 1
+            if not peer.refusing:
+                peer.refusing = True
+                log.warning("push of %d block(s) to %s dropped: %d block(s) are already queued for it (it is "
+                            "slower than the saves, or not answering); further pushes to it are dropped "
+                            "until its queue empties", len(chain), node_id, peer.queued_keys)
+            return
+        peer.queued_keys += len(chain)
         peer.queue.put_nowait((namespace_id, chain))
 
     async def _push_worker(self, peer: _Peer, queue: asyncio.Queue[tuple[int, list[bytes]]]) -> None:
         while True:
             namespace_id, chain = await queue.get()
+            peer.queued_keys -= len(chain)
+            if not peer.queued_keys:
+                peer.refusing = False
             peer.pushing = True
             try:
                 stored, result = await self.push_chain(peer.member.node_id, namespace_id, b"", chain, skip_held=True)

@@ -205,6 +205,29 @@ def test_queued_pushes_to_a_node_that_leaves_are_counted_not_dropped_silently() 
     run(main())
 
 
+def test_pushes_queued_for_a_silent_peer_are_bounded_and_the_excess_counted() -> None:
+    # push_later queued every chain for good: with the peer silent (each queued chain waits out
+    # peers.deadline_s) or merely slower than the saves, the queue, and the daemon's memory, grew
+    # for as long as that lasted, and the pushes that could not go out were counted nowhere.
+    async def main() -> None:
+        async with node_with_a_silent_peer(NS, deadline_s=30.0, lookup_timeout_s=1.0) as b:
+            keys = chain(64)
+            chains = 2048                       # 131,072 keys; the bound is 65,536 (MAX_QUEUED_PUSH_KEYS)
+            before = b.peers.failures
+            for _ in range(chains):
+                b.peers.push_later("x", b.namespace_id, keys)
+            peer = b.peers._peers["x"]
+            assert peer.queue is not None
+            assert peer.queue.qsize() * len(keys) <= 65_536
+            assert b.peers.failures - before == chains - peer.queue.qsize()
+            await asyncio.sleep(0)              # the worker takes the first chain: there is room again
+            b.peers.push_later("x", b.namespace_id, keys)
+            assert peer.queue.qsize() * len(keys) <= 65_536
+            assert b.peers.failures - before == chains - peer.queue.qsize()
+
+    run(main())
+
+
 def test_a_drain_sends_around_a_node_that_leaves_the_cluster_midway() -> None:
     # Regression: push_chain looked the node up with _peer, which raises NotFound: a drain (or a
     # migration) whose target left the cluster after it started failed with NotFound, instead of
