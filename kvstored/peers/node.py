@@ -503,14 +503,18 @@ class PeerNode:
                 peer.pushed += result.stored
                 self.pushed += result.stored
                 if not result.complete:
-                    self._mark(peer, f"push stopped: {result.detail}")
+                    # MISSING: this node no longer holds the next block (evicted since the push was
+                    # queued): the peer answered every exchange, it is not down for that
+                    self._mark(peer, "" if result.stop is Stop.MISSING else f"push stopped: {result.detail}")
                     return done, result
                 parent = chunk[-1]
             self._mark(peer)
             return done, PushResult(len(keys), len(keys), Stop.COMPLETE)
-        except (PeerError, NotFound) as exc:
+        except PeerError as exc:
             self._mark(peer, str(exc))
-            return done, PushResult(0, 0, Stop.UNREACHABLE if isinstance(exc, PeerError) else Stop.MISSING, str(exc))
+            return done, PushResult(0, 0, Stop.UNREACHABLE, str(exc))
+        except NotFound as exc:   # this node forgot the namespace: not the peer's fault
+            return done, PushResult(0, 0, Stop.MISSING, str(exc))
         finally:
             if conn is not None:
                 self._give_back(peer, conn)

@@ -228,6 +228,27 @@ def test_pushes_queued_for_a_silent_peer_are_bounded_and_the_excess_counted() ->
     run(main())
 
 
+def test_a_push_whose_blocks_left_this_node_does_not_mark_the_peer_down() -> None:
+    # A chain queued by push_later (or a migration's run) whose blocks were evicted here before it
+    # went out stops with MISSING: this node's shortage. The peer, which answered every exchange,
+    # was marked down with "push stopped: ... no longer held here" (kvctl peers showed a healthy
+    # node as down) and a peer failure was counted.
+    async def main() -> None:
+        async with cluster({"a": 8, "b": 8}) as nodes:
+            a = nodes["a"]
+            keys = chain(2)
+            save(a.store, keys)
+            assert a.store.evict() == 2            # gone here before the push goes out
+            before = a.peers.failures
+            stored, result = await a.peers.push_chain("b", NS.identity(), b"", keys, skip_held=True)
+            assert stored == 0 and result.stop is transport.Stop.MISSING, result
+            peer = a.peers._peers["b"]
+            assert peer.state == "up" and not peer.last_error, (peer.state, peer.last_error)
+            assert a.peers.failures == before
+
+    run(main())
+
+
 def test_a_drain_sends_around_a_node_that_leaves_the_cluster_midway() -> None:
     # Regression: push_chain looked the node up with _peer, which raises NotFound: a drain (or a
     # migration) whose target left the cluster after it started failed with NotFound, instead of
