@@ -1364,6 +1364,7 @@ class BlockStore:
                 break
             self._remove(victim)  # untracks it: the next victim is another block
             self._n.ssd_evictions += 1
+            self._n.dropped += 1   # SSD-only: its last copy
             evicted += 1
             if progress is not None and evicted % PROGRESS_EVERY == 0:
                 progress("restoring blocks from SSD: evicting to fit ssd.capacity", evicted, 0)

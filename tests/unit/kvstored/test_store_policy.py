@@ -1203,3 +1203,19 @@ def test_a_promoted_block_that_goes_back_down_before_its_batch_lands_keeps_its_r
         finally:
             gate.set()
         assert store._ssd_policy.reuses(head) == 3      # its two, and the lookup through its child
+
+
+def test_a_block_evicted_from_ssd_with_no_copy_elsewhere_counts_as_dropped(tmp_path: Path) -> None:
+    """(review) ``dropped_blocks`` ("blocks lost: evicted with no copy elsewhere, or corrupt")
+    counted DRAM-only blocks evicted from DRAM, but not SSD-only blocks evicted from SSD, which
+    lose their last copy just the same: a node shedding its SSD tier under churn said 0 lost."""
+    with make_store(tmp_path, dram="lru", ssd="lru") as (store, clock):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        for i in range(16):   # through an SSD tier of 8 blocks, each moved down to SSD only
+            clock.now += 1.0
+            _to_ssd_only(store, s, ns, chain(1, 1000 * i))
+        st = store.stats()
+        assert st.tiers[1].evictions > 0
+        assert st.dropped_blocks == st.tiers[1].evictions   # moves to SSD are no loss; these are
+        assert st.index_blocks == 16 - st.dropped_blocks
