@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 from clock import Clock
@@ -35,3 +37,26 @@ def open_store(tmp_path: Path, values: dict[str, dict[str, object]],
             tier.close()
         copy.close()
         arena.close()
+
+
+def gate_ssd_read(store: BlockStore, key: bytes) -> threading.Event:
+    """Hold the SSD read of ``key`` until the returned event is set; other reads run as usual."""
+    assert store._ssd is not None
+    real, gate = store._ssd.read_into, threading.Event()
+
+    def gated(namespace_id: int, k: bytes, dst):  # type: ignore[no-untyped-def]
+        if k != key:
+            return real(namespace_id, k, dst)
+        out: Future[int] = Future()
+
+        def later() -> None:
+            gate.wait(10)
+            try:
+                out.set_result(real(namespace_id, k, dst).result(10))
+            except Exception as exc:
+                out.set_exception(exc)
+        threading.Thread(target=later, daemon=True).start()
+        return out
+
+    store._ssd.read_into = gated  # type: ignore[method-assign]
+    return gate

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvstored.index import Block
-from kvstored.policy.leafheap import LeafHeap, Priority, index_leaf
+from kvstored.policy.leafheap import LeafHeap, Priority, index_leaf, track_stored
 from kvstored.policy.usage import Use, UseLog
 
 DEFAULT_TAU_S = 300.0
@@ -107,28 +107,21 @@ class CreditPolicy:
         now = self._clock()
         if reuses is not None:
             assert len(reuses) == len(blocks), "one reuse count per block"
-        entries: list[tuple[Block, Priority]] = []
-        shared: dict[int, Priority] = {}   # one priority object per class: ~80 B a block less
+        bases: list[int] = []
         for i, block in enumerate(blocks):
             base = self._returning(block.key)
             if reuses is not None and reuses[i] > base:   # moved here: its reuses in the other tier count
                 base = reuses[i]   # all of them, past the top class: they go back with it (lfu counts on)
             self._ghost.pop(block.key, None)
-            use = self._uses.stored(block, now, base=base)
-            c = min(base, self._top)
-            prio = shared.get(c)
-            if prio is None:
-                prio = shared[c] = self._priority(use)
-            entries.append((block, prio))
-        self._heap.set_many(entries)
+            bases.append(base)
+        top = self._top
+        track_stored(self._heap, self._uses, blocks, now, bases, self._priority, share=lambda b: min(b, top))
 
     def reuses(self, block: Block) -> int | None:
-        use = self._uses.get(block)
-        return None if use is None else use.base + use.hits
+        return self._uses.reuses(block)
 
     def pending_hits(self, block: Block) -> int:
-        use = self._uses.get(block)
-        return 0 if use is None else use.hits
+        return self._uses.pending_hits(block)
 
     def hit(self, blocks: Sequence[Block]) -> None:
         self._uses.hit(blocks, self._clock())  # untracked blocks (not stored through this policy) are skipped

@@ -72,6 +72,16 @@ class UseLog:
                 use.hits += 1
                 return
 
+    def reuses(self, block: Block) -> int | None:
+        """A tracked block's reuses: those it entered with, and its hits (see BlockPolicy.reuses)."""
+        use = self._uses.get(block)
+        return None if use is None else use.base + use.hits
+
+    def pending_hits(self, block: Block) -> int:
+        """The hits on a tracked block not folded into its ancestors yet (0 when untracked)."""
+        use = self._uses.get(block)
+        return 0 if use is None else use.hits
+
     def forget(self, block: Block) -> Use | None:
         """Drop ``block``'s record and fold its hits into its parent's, when the parent is
         tracked (each of those hits went through the parent). Returns the dropped record."""

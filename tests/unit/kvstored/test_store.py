@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from clock import Clock
-from store_harness import open_store
+from store_harness import gate_ssd_read, open_store
 
 from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstored.policy.credit import DEFAULT_TAU_S
@@ -984,38 +984,13 @@ def _ssd_blocks_and_engine(store: BlockStore, n: int):  # type: ignore[no-untype
     return s, ns, keys, engine, buffers
 
 
-def _gate_ssd_read(store: BlockStore, key: bytes) -> threading.Event:
-    """Hold the SSD read of ``key`` until the returned event is set; other reads run as usual."""
-    from concurrent.futures import Future
-
-    assert store._ssd is not None
-    real, gate = store._ssd.read_into, threading.Event()
-
-    def gated(namespace_id: int, k: bytes, dst):  # type: ignore[no-untyped-def]
-        if k != key:
-            return real(namespace_id, k, dst)
-        out: Future[int] = Future()
-
-        def later() -> None:
-            gate.wait(10)
-            try:
-                out.set_result(real(namespace_id, k, dst).result(10))
-            except Exception as exc:
-                out.set_exception(exc)
-        threading.Thread(target=later, daemon=True).start()
-        return out
-
-    store._ssd.read_into = gated  # type: ignore[method-assign]
-    return gate
-
-
 def test_a_load_copies_blocks_out_while_later_ones_are_still_read_from_ssd(tmp_path: Path) -> None:
     """LoadBlocks of a prompt on SSD: the first blocks are in the engine's buffers while the last
     is still being read (disk and copy overlap); the layers are reported done only once every
     block is in place, and every block holds its own bytes."""
     with _ssd_store(tmp_path) as (store, _):
         s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
-        gate = _gate_ssd_read(store, keys[2])
+        gate = gate_ssd_read(store, keys[2])
         rows = engine.numpy()
         layers_done: list[bool] = []   # per report: were all blocks in place?
 
@@ -1051,7 +1026,7 @@ def test_a_load_that_meets_a_corrupt_block_on_ssd_copies_only_the_prefix_before_
     with _ssd_store(tmp_path) as (store, _):
         s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 4)
         _corrupt_on_disk(store, ns, keys[1])
-        gate = _gate_ssd_read(store, keys[1])   # the blocks after it land first
+        gate = gate_ssd_read(store, keys[1])   # the blocks after it land first
         threading.Timer(0.2, gate.set).start()
         try:
             tiers = asyncio.run(store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1, 2, 3]))
@@ -1070,7 +1045,7 @@ def test_a_stream_into_engine_buffers_hands_over_blocks_while_later_ones_are_rea
     while block 2 is still being read, so decoding can start on the first block."""
     with _ssd_store(tmp_path) as (store, _):
         s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
-        gate = _gate_ssd_read(store, keys[2])
+        gate = gate_ssd_read(store, keys[2])
         rows = engine.numpy()
         arrived: list[tuple[int, bool]] = []   # (index, its bytes in place when reported)
 
@@ -1114,7 +1089,7 @@ def test_an_arena_stream_hands_over_blocks_while_later_ones_are_read_from_ssd(tm
     being read; the end names the same lease, which holds all three blocks."""
     with _ssd_store(tmp_path) as (store, _):
         s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)   # saved through buffers, then on SSD only
-        gate = _gate_ssd_read(store, keys[2])
+        gate = gate_ssd_read(store, keys[2])
         leases: list[int] = []
         arrived: list[tuple[int, int, bool]] = []   # (index, lease known then, its bytes in its slot)
 
@@ -1148,7 +1123,7 @@ def test_an_arena_stream_whose_lease_ends_during_its_ssd_reads_hands_over_nothin
     free to go) are not handed over."""
     with _ssd_store(tmp_path) as (store, _):
         s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)
-        gate = _gate_ssd_read(store, keys[1])
+        gate = gate_ssd_read(store, keys[1])
         arrived: list[int] = []
 
         async def main() -> None:
@@ -1177,7 +1152,7 @@ def test_an_arena_stream_keeps_its_lease_while_later_blocks_are_read_from_ssd(tm
     from kvstored.index import Tier
     with _ssd_store(tmp_path) as (store, clock):
         s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)
-        gate = _gate_ssd_read(store, keys[2])
+        gate = gate_ssd_read(store, keys[2])
         leases: list[int] = []
         arrived: list[int] = []
 
@@ -1249,7 +1224,7 @@ def test_a_stream_whose_session_closes_mid_lookup_asks_no_peer(tmp_path: Path, c
     with _ssd_store(tmp_path) as (store, _):
         s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
         wanted = keys + chain(1, 50_000)   # block 3 is not cached on this node (the buffers hold 4)
-        gate = _gate_ssd_read(store, keys[1])
+        gate = gate_ssd_read(store, keys[1])
         calls: list[int] = []
         arrived: list[int] = []
         fetcher = _counting_fetcher(calls)
@@ -1291,7 +1266,7 @@ def test_an_arena_stream_whose_lease_is_released_mid_lookup_says_so(tmp_path: Pa
     (the end said "missing" and the rest was fetched from peers)."""
     with _ssd_store(tmp_path) as (store, _):
         s, ns, keys, engine, _ = _ssd_blocks_and_engine(store, 3)
-        gate = _gate_ssd_read(store, keys[2])
+        gate = gate_ssd_read(store, keys[2])
         leases: list[int] = []
         arrived: list[int] = []
         calls: list[int] = []
@@ -1328,7 +1303,7 @@ def test_a_stream_whose_lookup_outlasts_the_lease_ttl_still_delivers_every_block
     complete with every cached block, and no peer is asked (was: it stopped at "lease_ended")."""
     with _ssd_store(tmp_path) as (store, clock):
         s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
-        gate = _gate_ssd_read(store, keys[2])
+        gate = gate_ssd_read(store, keys[2])
         calls: list[int] = []
         arrived: list[int] = []
 
@@ -1422,7 +1397,7 @@ def test_a_read_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing
     behind, and every block can be evicted again."""
     with _ssd_store(tmp_path) as (store, _):
         s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
-        gate = _gate_ssd_read(store, keys[2])
+        gate = gate_ssd_read(store, keys[2])
         rows = engine.numpy()
         arrived: list[int] = []
 
@@ -1462,7 +1437,7 @@ def test_a_read_whose_lease_ends_during_its_ssd_reads_copies_nothing_more(tmp_pa
     and a stream counted them as delivered)."""
     with _ssd_store(tmp_path) as (store, _):
         s, ns, keys, engine, buffers = _ssd_blocks_and_engine(store, 3)
-        gate = _gate_ssd_read(store, keys[0])
+        gate = gate_ssd_read(store, keys[0])
         rows = engine.numpy()
 
         async def main() -> object:

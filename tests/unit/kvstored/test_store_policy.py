@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 from clock import Clock
-from store_harness import open_store
+from store_harness import gate_ssd_read, open_store
 
 from kvstored.errors import ResourceExhausted
 from kvstored.index import Tier
@@ -36,29 +35,6 @@ def make_store(tmp_path: Path, dram: str, ssd: str | None = None, ssd_blocks: in
                 "high_watermark": 0.95, "low_watermark": 0.5, "sync": False, "admission": admission}}
     with open_store(tmp_path, values, ssd is not None) as made:
         yield made
-
-
-def _gate_ssd_read(store: BlockStore, key: bytes) -> threading.Event:
-    """Hold the SSD read of ``key`` until the returned event is set; other reads run as usual."""
-    assert store._ssd is not None
-    real, gate = store._ssd.read_into, threading.Event()
-
-    def gated(namespace_id: int, k: bytes, dst):  # type: ignore[no-untyped-def]
-        if k != key:
-            return real(namespace_id, k, dst)
-        out: Future[int] = Future()
-
-        def later() -> None:
-            gate.wait(10)
-            try:
-                out.set_result(real(namespace_id, k, dst).result(10))
-            except Exception as exc:
-                out.set_exception(exc)
-        threading.Thread(target=later, daemon=True).start()
-        return out
-
-    store._ssd.read_into = gated  # type: ignore[method-assign]
-    return gate
 
 
 def chain(n: int, start: int = 0) -> list[bytes]:
@@ -336,6 +312,16 @@ def _hit_on_ssd(store: BlockStore, ns: int, keys: list[bytes]) -> None:
 def _to_ssd_only(store: BlockStore, s: str, ns: int, keys: list[bytes]) -> None:
     """Store ``keys`` and leave them on SSD only (written down, then dropped from DRAM)."""
     save(store, s, ns, keys)
+    asyncio.run(store.flush())
+    store.evict(tier=Tier.DRAM)
+
+
+def _reused_then_to_ssd_only(store: BlockStore, clock: Clock, s: str, ns: int, keys: list[bytes]) -> None:
+    """Store ``keys``, hit the whole prefix twice in DRAM (a second apart), then leave it on SSD only."""
+    save(store, s, ns, keys)
+    for _ in range(2):
+        clock.now += 1.0
+        assert cached(store, ns, keys) == len(keys)
     asyncio.run(store.flush())
     store.evict(tier=Tier.DRAM)
 
@@ -983,12 +969,7 @@ def test_a_block_reused_in_dram_keeps_its_reuses_on_ssd(tmp_path: Path, policy: 
         s = store.open_session("t", 1).session_id
         ns = store.open_namespace(Namespace()).namespace_id
         hot = chain(1, 999_000)
-        save(store, s, ns, hot)
-        for _ in range(2):
-            clock.now += 1.0
-            assert cached(store, ns, hot) == 1          # hits in DRAM
-        asyncio.run(store.flush())
-        store.evict(tier=Tier.DRAM)                     # SSD only now, with its two reuses
+        _reused_then_to_ssd_only(store, clock, s, ns, hot)   # SSD only now, with its two reuses
         for i in range(16):                             # never-hit blocks through SSD, twice its size
             clock.now += 1.0
             assert save(store, s, ns, chain(1, 1000 * i)) == 1
@@ -1100,12 +1081,7 @@ def test_a_block_whose_promotion_read_fails_keeps_its_reuses_on_ssd(tmp_path: Pa
         s = store.open_session("t", 1).session_id
         state = store.open_namespace(Namespace())
         keys = chain(1)
-        save(store, s, state.namespace_id, keys)
-        for _ in range(2):
-            clock.now += 1.0
-            assert cached(store, state.namespace_id, keys) == 1
-        asyncio.run(store.flush())
-        store.evict(tier=Tier.DRAM)                     # SSD only now, with its two reuses
+        _reused_then_to_ssd_only(store, clock, s, state.namespace_id, keys)   # with its two reuses
         block = state.index.get(keys[0])
         assert block is not None and store._ssd_policy.reuses(block) == 2
         ssd = store._ssd
@@ -1171,16 +1147,11 @@ def test_a_promoted_block_that_goes_back_down_before_its_batch_lands_keeps_its_r
         state = store.open_namespace(Namespace())
         ns = state.namespace_id
         keys = chain(2)
-        save(store, s, ns, keys)
-        for _ in range(2):
-            clock.now += 1.0
-            assert cached(store, ns, keys) == 2
-        asyncio.run(store.flush())
-        store.evict(tier=Tier.DRAM)
+        _reused_then_to_ssd_only(store, clock, s, ns, keys)
         head, tail = (state.index.get(k) for k in keys)
         assert head is not None and tail is not None
         assert store._ssd_policy.reuses(head) == 2
-        gate = _gate_ssd_read(store, keys[1])
+        gate = gate_ssd_read(store, keys[1])
 
         async def main() -> None:
             clock.now += 1.0

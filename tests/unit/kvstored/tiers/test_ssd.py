@@ -325,13 +325,8 @@ def test_a_failed_sync_fails_the_puts_of_a_batch_not_its_deletes(tmp_path: Path,
         ssd.close()
 
 
-def test_a_delete_whose_commit_failed_is_made_by_a_later_one(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a full disk LMDB's commits fail (ENOSPC, then EIO: it needs new pages, for deletes too),
-    and a failed delete was simply lost: nobody awaits one (the store's evictions), so the store
-    counted the space as free while the record stayed on disk, its slot taken for good (the file
-    growing past ssd.capacity once writes resumed), and the next restart brought the evicted or
-    corrupt block back. A delete whose commit failed is made by the next commit that goes through."""
+def _fail_the_next_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier's next commit fails as on a full disk; the ones after go through."""
     real, calls = SSDTier._apply, []
 
     def full_once(self, batch, written):  # type: ignore[no-untyped-def]
@@ -340,11 +335,21 @@ def test_a_delete_whose_commit_failed_is_made_by_a_later_one(tmp_path: Path,
             raise lmdb.DiskError("mdb_txn_commit: No space left on device")
         return real(self, batch, written)
 
+    monkeypatch.setattr(SSDTier, "_apply", full_once)
+
+
+def test_a_delete_whose_commit_failed_is_made_by_a_later_one(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a full disk LMDB's commits fail (ENOSPC, then EIO: it needs new pages, for deletes too),
+    and a failed delete was simply lost: nobody awaits one (the store's evictions), so the store
+    counted the space as free while the record stayed on disk, its slot taken for good (the file
+    growing past ssd.capacity once writes resumed), and the next restart brought the evicted or
+    corrupt block back. A delete whose commit failed is made by the next commit that goes through."""
     ssd = SSDTier(str(tmp_path), 64 << 20)
     try:
         for i in range(4):
             ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
-        monkeypatch.setattr(SSDTier, "_apply", full_once)
+        _fail_the_next_commit(monkeypatch)
         with pytest.raises(SSDError):
             ssd.delete(1, bytes([0]) * 32).result(10)   # the disk is full now
         ssd.put(1, b"n" * 32, b"", 0, payload(9)).result(10)   # space is back: the next commit
@@ -399,24 +404,16 @@ def test_a_delete_whose_commit_failed_is_made_at_close_when_no_commit_follows(
     """The lost delete was made only by the next commit; at a close with none left to come (the
     space back, nothing more written) it was lost after all, and the next start restored the
     block the store had evicted or found corrupt."""
-    real, calls = SSDTier._apply, []
-
-    def full_once(self, batch, written):  # type: ignore[no-untyped-def]
-        calls.append(len(batch))
-        if len(calls) == 1:
-            raise lmdb.DiskError("mdb_txn_commit: No space left on device")
-        return real(self, batch, written)
-
     ssd = SSDTier(str(tmp_path), 64 << 20)
     try:
         for i in range(2):
             ssd.put(1, bytes([i]) * 32, b"", 0, payload(i)).result(10)
-        monkeypatch.setattr(SSDTier, "_apply", full_once)
+        _fail_the_next_commit(monkeypatch)
         with pytest.raises(SSDError):
             ssd.delete(1, bytes([0]) * 32).result(10)   # the disk is full now, then space is back
     finally:
         ssd.close()   # no commit after the failed one
-    monkeypatch.setattr(SSDTier, "_apply", real)
+    monkeypatch.undo()   # the real commits again
     again = SSDTier(str(tmp_path), 64 << 20)
     try:
         assert {r.key for r in again.scan() if isinstance(r, BlockRecord)} == {bytes([1]) * 32}, \
