@@ -606,6 +606,10 @@ class Client:
             row_type = None if dtype is None else np.dtype(dtype)
         except TypeError as exc:
             raise InvalidArgument(f"dtype: {exc}") from None
+        if row_type is not None and (row_type.itemsize == 0 or row_type.hasobject):
+            # a view of the rows as these is impossible (ZeroDivisionError, TypeError from numpy)
+            raise InvalidArgument(f"dtype: {row_type} is not a fixed-size type of numbers that rows of bytes "
+                                  "can be viewed as")
         if out_rows is not None and spec.block_bytes and out_rows.shape[1] != spec.block_bytes:
             raise InvalidArgument(f"out has rows of {out_rows.shape[1]} bytes; blocks of this namespace have "
                                   f"{spec.block_bytes}")

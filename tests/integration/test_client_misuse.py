@@ -633,3 +633,17 @@ def test_unregistering_buffers_as_the_daemon_dies_is_quiet(daemon_factory) -> No
     finally:
         c.close()
         engine.close()
+
+
+def test_a_load_dtype_that_bytes_cannot_be_viewed_as_is_invalid_argument(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: ZeroDivisionError (a dtype of no size: str, "V0") or numpy's TypeError (object), on a
+    hit and on a miss; the docstring promises InvalidArgument and nothing leased."""
+    ns = Namespace(model="load-dtype")
+    tokens = np.arange(16 * 3)
+    client.save(tokens, rows(3, 256), namespace=ns)
+    for bad in (str, "V0", object):
+        for prompt in (tokens, np.arange(9000, 9016)):   # a hit and a miss
+            with pytest.raises(kvstored.InvalidArgument, match="dtype"):
+                client.load(prompt, dtype=bad, namespace=ns)
+    assert active_leases(client) == 0
+    assert client.load(tokens, dtype=np.float32, namespace=ns).data.shape == (3, 64)
