@@ -1197,6 +1197,9 @@ class BlockStream:
         finally:
             if self.outcome is None:
                 self._call.cancel()   # left early: the daemon drops the rest
+                # the caller's doing, as close(): a later loop or wait() over this stream ends as
+                # closed, not with the CANCELLED of a stopping daemon (DaemonNotRunning)
+                self._cancelled = True
                 if self._stream_id:
                     self._client._end_stream(self._session_id, self._stream_id)
             if lease_id and (self.outcome is None or self._arena is None or not self._keep_data

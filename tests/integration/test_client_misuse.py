@@ -647,3 +647,22 @@ def test_a_load_dtype_that_bytes_cannot_be_viewed_as_is_invalid_argument(client)
                 client.load(prompt, dtype=bad, namespace=ns)
     assert active_leases(client) == 0
     assert client.load(tokens, dtype=np.float32, namespace=ns).data.shape == (3, 64)
+
+
+def test_a_stream_left_early_then_waited_on_is_closed_not_a_stopping_daemon(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: after a ``break`` out of the loop, looping again or ``wait()`` raised
+    DaemonNotRunning ("cancelled the call: it is stopping") from the SDK's own cancellation, and
+    an engine took the daemon for down."""
+    ns = Namespace(model="left-early")
+    tokens = np.arange(16 * 4)
+    client.save(tokens, rows(4, 256), namespace=ns)
+    stream = client.stream(tokens, namespace=ns)
+    for _ in stream:
+        break
+    assert stream.outcome is None
+    assert list(stream) == []
+    with pytest.raises(kvstored.KVStoreError, match="closed before its end") as info:
+        stream.wait()
+    assert not isinstance(info.value, kvstored.DaemonNotRunning)
+    assert active_leases(client) == 0
+    assert client.lookup(tokens, namespace=ns).blocks == 4   # the daemon is fine
