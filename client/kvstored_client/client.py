@@ -660,9 +660,24 @@ class Client:
         A block's payload is each tensor indexed at the block along ``block_dim``, in order. The
         daemon maps them and copies blocks itself in ``save_blocks``/``load_blocks``.
         """
-        dims = [block_dim] * len(tensors) if isinstance(block_dim, int) else list(block_dim)
+        if isinstance(tensors, (np.ndarray, shm.SharedTensor)) or hasattr(tensors, "data_ptr") \
+                or hasattr(tensors, "__cuda_array_interface__"):
+            # iterated, its slices along dimension 0 (vLLM's K and V halves) would each be
+            # registered as a tensor of its own: a layout of other blocks than the engine's
+            raise InvalidArgument("tensors must be a list of tensors (one buffer of all layers too: "
+                                  f"[buffer]), got a single {type(tensors).__name__}")
+        try:
+            tensors = list(tensors)
+            dims = [block_dim] * len(tensors) if isinstance(block_dim, (int, np.integer)) else list(block_dim)
+        except TypeError as exc:
+            raise InvalidArgument(f"tensors must be a list of tensors and block_dim an int or one per tensor: "
+                                  f"{exc}") from None
         if len(dims) != len(tensors):
             raise InvalidArgument("one block_dim per tensor")
+        for i, dim in enumerate(dims):
+            if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
+                raise InvalidArgument(f"block_dim of tensors[{i}] must be an int, got {dim!r}")
+        dims = [int(dim) for dim in dims]
         descs, layouts = [], []
         for i, (t, dim) in enumerate(zip(tensors, dims)):
             try:

@@ -666,3 +666,22 @@ def test_a_stream_left_early_then_waited_on_is_closed_not_a_stopping_daemon(clie
     assert not isinstance(info.value, kvstored.DaemonNotRunning)
     assert active_leases(client) == 0
     assert client.lookup(tokens, namespace=ns).blocks == 4   # the daemon is fine
+
+
+def test_one_buffer_not_in_a_list_is_refused_not_registered_as_its_slices(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: ``register_buffers(buffer, 1)`` (one buffer of all layers, not wrapped in a list)
+    registered the buffer's K and V halves as two tensors, with block_dim 1 of each (the tokens
+    of a block): 16 "blocks" of 256 bytes that are no block of the engine's, saved and loaded
+    without a word. And block_dim True or 1.0 raised protobuf's TypeError."""
+    buf = kvstored.shm.empty((2, 8, 16, 2, 4), "float16")
+    ns = Namespace(model="one-buffer")
+    for single in (buf.numpy(), buf.torch()):
+        with pytest.raises(kvstored.InvalidArgument, match="list of tensors"):
+            client.register_buffers(single, block_dim=1, namespace=ns)
+    with pytest.raises(kvstored.InvalidArgument, match="list of tensors"):
+        client.register_buffers(buf, block_dim=1, namespace=ns)   # type: ignore[arg-type]
+    for bad in (True, 1.0, [1.0], "1"):
+        with pytest.raises(kvstored.InvalidArgument, match="block_dim"):
+            client.register_buffers([buf.numpy()], block_dim=bad, namespace=ns)   # type: ignore[arg-type]
+    b = client.register_buffers((t for t in [buf.torch()]), block_dim=np.int64(1), namespace=ns)
+    assert (b.num_blocks, b.block_bytes, b.num_tensors) == (8, 2 * 16 * 2 * 4 * 2, 1)
