@@ -805,7 +805,7 @@ class Client:
         request = pb.SaveBlocksRequest(session_id=session, namespace_id=ns_id,
                                        buffers_id=self._buffers_id(buffers, session), push_to=push_to)
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
-        _set_block_ids(request, block_ids, buffers, self._packed_keys)
+        _set_block_ids(request, _block_id_sequence(block_ids), buffers, self._packed_keys)
         resp = self._call(self._stub.SaveBlocks, request)
         return SaveResult(resp.present_blocks, resp.stored_blocks, spec.block_size)
 
@@ -823,7 +823,7 @@ class Client:
         request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns_id,
                                        buffers_id=self._buffers_id(buffers, session))
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
-        _set_block_ids(request, block_ids, buffers, self._packed_keys)
+        _set_block_ids(request, _block_id_sequence(block_ids), buffers, self._packed_keys)
         if not wait:
             try:
                 call = self._stub.LoadBlocksStream(request, timeout=self._timeout)
@@ -868,6 +868,8 @@ class Client:
                                          peers=peers, stream_id=next(self._stream_ids)
                                          if buffers is not None and self._takes_end_stream else 0)
         n_blocks = self._keys(request.keys, spec, tokens, hashes, cache_salt)
+        if block_ids is not None:
+            block_ids = _block_id_sequence(block_ids)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
         _set_block_ids(request, [] if block_ids is None else block_ids, buffers, self._packed_keys)
@@ -1327,6 +1329,27 @@ def _writable_rows(out: Any) -> np.ndarray:
     return rows
 
 
+def _block_id_sequence(block_ids: Any) -> Any:
+    """``block_ids`` as :func:`_set_block_ids` (and ``len``) take them: a torch tensor as numpy, any
+    other iterable of ids as a list (an iterator would be used up before a bad id could be
+    named). InvalidArgument when it is not a one-dimensional sequence."""
+    if hasattr(block_ids, "detach"):   # torch tensor
+        block_ids = block_ids.detach().cpu().numpy()
+    if isinstance(block_ids, np.ndarray):
+        if block_ids.ndim != 1:
+            raise InvalidArgument(f"block_ids must be one-dimensional, got shape {block_ids.shape}")
+        return block_ids
+    if isinstance(block_ids, (bytes, bytearray, str)):
+        raise InvalidArgument("block_ids must be a sequence of ints, one per block")
+    if isinstance(block_ids, (list, tuple, range, array.array)):
+        return block_ids
+    try:
+        return list(block_ids)
+    except TypeError:
+        raise InvalidArgument(f"block_ids must be a sequence of ints, one per block; got "
+                              f"{type(block_ids).__name__}") from None
+
+
 def _set_block_ids(request: Any, block_ids: Sequence[int], buffers: Buffers | None, packed: bool = True) -> None:
     """Put ``block_ids`` (ints: numpy and torch integers too, and bools as the ints they are)
     into ``request.packed_block_ids``, little-endian uint32s: one field, not 8,192 varints for a
@@ -1347,7 +1370,7 @@ def _set_block_ids(request: Any, block_ids: Sequence[int], buffers: Buffers | No
             if not isinstance(b, (int, np.integer)) or not 0 <= b < limit:
                 raise InvalidArgument(f"block_ids[{i}] = {b!r} is not a block of the buffers "
                                       f"(0..{limit - 1})") from None
-        raise
+        raise InvalidArgument("block_ids must be a sequence of ints, one per block") from None
     if not packed:
         request.block_ids.extend(ids)
         return

@@ -685,3 +685,27 @@ def test_one_buffer_not_in_a_list_is_refused_not_registered_as_its_slices(client
             client.register_buffers([buf.numpy()], block_dim=bad, namespace=ns)   # type: ignore[arg-type]
     b = client.register_buffers((t for t in [buf.torch()]), block_dim=np.int64(1), namespace=ns)
     assert (b.num_blocks, b.block_bytes, b.num_tensors) == (8, 2 * 16 * 2 * 4 * 2, 1)
+
+
+def test_block_ids_that_are_no_sequence_of_ints_are_invalid_argument(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: an iterator of ids with a bad one raised OverflowError (the iterator was used up
+    before the bad id could be named), None or an int as block_ids TypeError, and stream() took
+    an iterator's len()."""
+    import torch
+
+    tokens = np.arange(48)
+    layers = [kvstored.shm.empty((2, 8, 16, 2, 8), "float16") for _ in range(2)]
+    bufs = client.register_buffers([t.numpy() for t in layers], 1, namespace=Namespace(model="id-kinds"))
+    with pytest.raises(kvstored.InvalidArgument, match=r"block_ids\[2\] = -3"):
+        client.save_blocks(bufs, (i for i in [0, 1, -3]), tokens)
+    for bad in (None, 3, np.array([[0, 1, 2]]), torch.tensor([0.0, 1.0, 2.0])):
+        with pytest.raises(kvstored.InvalidArgument, match="block_ids"):
+            client.save_blocks(bufs, bad, tokens)   # type: ignore[arg-type]
+        with pytest.raises(kvstored.InvalidArgument, match="block_ids"):
+            client.load_blocks(bufs, bad, tokens)   # type: ignore[arg-type]
+    assert client.save_blocks(bufs, (i for i in [0, 1, 2]), tokens).stored == 3
+    assert client.load_blocks(bufs, iter([3, 4, 5]), tokens).blocks == 3
+    assert client.load_blocks(bufs, torch.tensor([3, 4, 5]), tokens).blocks == 3
+    stream = client.stream(tokens, buffers=bufs, block_ids=(i for i in [5, 6, 7]))
+    assert [a.index for a in stream] == [0, 1, 2] and stream.outcome is not None and stream.outcome.complete
+    assert (layers[0].numpy()[:, 5:8] == layers[0].numpy()[:, 0:3]).all()
