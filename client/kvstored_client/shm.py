@@ -30,8 +30,10 @@ _live: weakref.WeakValueDictionary[int, SharedTensor] = weakref.WeakValueDiction
 class SharedTensor:
     """A zero-filled buffer in a shared-memory file, viewable as numpy or (CPU) torch.
 
-    The file is unlinked when the object is closed or collected; keep it alive as long as the
-    daemon may copy into it (i.e. until ``unregister_buffers`` or the client closes).
+    The file is unlinked when the object is closed or collected, and views from :meth:`numpy`
+    and :meth:`torch` keep it alive: ``shm.empty(...).torch()`` alone is a tensor that
+    ``register_buffers`` finds (and registers again after a daemon restart) for as long as the
+    tensor lives.
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: str, shm_dir: str = SHM_DIR) -> None:
@@ -64,21 +66,37 @@ class SharedTensor:
         _live[self.base_address] = self
         self._finalizer = weakref.finalize(self, _unlink, self.path)
 
+    def _kept_bytes(self) -> np.ndarray:
+        """The buffer's bytes as an array whose base holds this object (views of the mmap alone
+        did not: the object, and with it the file and the entry :func:`describe` finds, went
+        while the engine's tensors lived on)."""
+        return np.asarray(_Keeper(self))
+
     def numpy(self) -> np.ndarray:
         """The whole buffer as a numpy array (bfloat16 and float8 as same-width unsigned ints)."""
         np_dtype = np.dtype(self.dtype) if self.dtype not in ("bfloat16", "float8_e4m3fn", "float8_e5m2") \
             else np.dtype(f"u{DTYPE_SIZES[self.dtype]}")
-        return self.bytes.view(np_dtype).reshape(self.shape)
+        return self._kept_bytes().view(np_dtype).reshape(self.shape)
 
     def torch(self) -> Any:
         """The whole buffer as a CPU torch tensor sharing this memory (needs torch)."""
         import torch
 
-        t = torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.nbytes)
+        t = torch.from_numpy(self._kept_bytes())   # holds the array, which holds this object
         return t.view(getattr(torch, self.dtype)).view(self.shape)
 
     def close(self) -> None:
         self._finalizer()
+
+
+class _Keeper:
+    """A SharedTensor's bytes for numpy to view (``__array_interface__``): an array made from it
+    keeps it as its base, and it keeps the SharedTensor (not the other way round: no cycle)."""
+
+    def __init__(self, owner: SharedTensor) -> None:
+        self.owner = owner
+        self.__array_interface__ = {"shape": (owner.nbytes,), "typestr": "|u1", "version": 3,
+                                    "data": (owner.base_address, False)}
 
 
 def _daemon_gid() -> int | None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvstored_client import shm
@@ -101,3 +102,29 @@ def test_a_buffer_file_belongs_to_the_daemons_group(tmp_path: Path, monkeypatch:
     assert t.path.stat().st_gid == gid
     monkeypatch.setattr(shm, "_daemon_gid", lambda: None)   # no such group here: the file stays as made
     assert shm.SharedTensor((4, 16), "uint8", shm_dir=str(tmp_path)).path.stat().st_gid == os.getegid()
+
+
+def test_views_keep_their_buffer_and_its_file(tmp_path: Path) -> None:
+    """Was: ``shm.empty(...).torch()`` (or ``.numpy()``) alone lost its SharedTensor at once: its
+    file was unlinked and ``describe`` (register_buffers) said "not in shared memory: allocate it
+    with kvstored.shm.empty()" of a tensor so allocated; a view kept after the SharedTensor was
+    dropped could not be registered again after a daemon restart."""
+    import gc
+
+    import torch
+
+    views = [shm.SharedTensor((2, 4, 16, 2, 4), dtype, str(tmp_path)).torch() for dtype in ("bfloat16", "float16")]
+    arrays = [shm.SharedTensor((3, 8), "float32", str(tmp_path)).numpy()]
+    gc.collect()
+    assert len(list(tmp_path.iterdir())) == 3
+    for v in views:
+        place = shm.describe(v, 1)
+        assert (tmp_path / place.shm_name).exists() and place.layout.num_blocks == 4
+    v = views[1]
+    v[1, 2] = torch.ones(v.shape[2:])
+    raw = np.memmap(tmp_path / shm.describe(v, 1).shm_name, dtype=np.float16, mode="r").reshape(v.shape)
+    assert (raw[1, 2] == 1).all() and raw.sum() == v[1, 2].numel()
+    assert shm.describe(arrays[0], 0).layout.shape == (3, 8)
+    del views, arrays, v, raw
+    gc.collect()
+    assert list(tmp_path.iterdir()) == []   # the last view gone, the file goes too
