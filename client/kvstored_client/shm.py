@@ -7,10 +7,12 @@ array or tensor view lives in, so ``Client.register_buffers`` can describe it to
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import math
 import mmap
 import os
+import re
 import secrets
 import weakref
 from dataclasses import dataclass
@@ -25,6 +27,8 @@ SHM_DIR = os.environ.get("KVSTORED_SHM_DIR", "/dev/shm")
 # The daemon's group under the systemd unit (systemd/kvstored.sysusers): engines join it.
 DAEMON_GROUP = "kvstored"
 _live: weakref.WeakValueDictionary[int, SharedTensor] = weakref.WeakValueDictionary()
+_BUFFER_NAME = re.compile(r"^kvstored-buf-(\d+)-[0-9a-f]+$")
+_swept: set[str] = set()   # directories this process swept of dead engines' buffer files
 
 
 class SharedTensor:
@@ -33,7 +37,9 @@ class SharedTensor:
     The file is unlinked when the object is closed or collected, and views from :meth:`numpy`
     and :meth:`torch` keep it alive: ``shm.empty(...).torch()`` alone is a tensor that
     ``register_buffers`` finds (and registers again after a daemon restart) for as long as the
-    tensor lives.
+    tensor lives. The file is locked (shared) while this process lives; files of processes that
+    died without closing theirs (kill -9, an OOM kill) are removed by the next allocation in
+    their directory (:func:`sweep_stale_buffers`).
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: str, shm_dir: str = SHM_DIR) -> None:
@@ -44,10 +50,17 @@ class SharedTensor:
             raise ValueError(f"shape {self.shape} has a negative dimension")
         self.dtype = dtype
         self.nbytes = math.prod(self.shape) * DTYPE_SIZES[dtype]
+        if shm_dir not in _swept:
+            _swept.add(shm_dir)
+            sweep_stale_buffers(shm_dir)
         self.name = f"kvstored-buf-{os.getpid()}-{secrets.token_hex(6)}"
         self.path = Path(shm_dir) / self.name
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        # Made under a name the sweep ignores, locked, then renamed: no sweep sees it unlocked.
+        making = Path(shm_dir) / f".{self.name}.new"
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)   # held (fd open) until the file is unlinked
+            os.rename(making, self.path)
             _share_with_the_daemon(fd)
             os.ftruncate(fd, max(self.nbytes, 1))
             # Reserve every page: on a full tmpfs the file would stay sparse (MAP_POPULATE does not
@@ -57,14 +70,14 @@ class SharedTensor:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(fd, max(self.nbytes, 1), flags=flags)
         except BaseException:
-            _unlink(self.path)   # no finalizer yet: the file would stay behind
-            raise
-        finally:
+            _unlink(making)   # no finalizer yet: the file would stay behind
+            _unlink(self.path)
             os.close(fd)
+            raise
         self.bytes = np.frombuffer(self._mmap, dtype=np.uint8, count=self.nbytes)
         self.base_address = self.bytes.ctypes.data
         _live[self.base_address] = self
-        self._finalizer = weakref.finalize(self, _unlink, self.path)
+        self._finalizer = weakref.finalize(self, _unlink_and_close, self.path, fd)
 
     def _kept_bytes(self) -> np.ndarray:
         """The buffer's bytes as an array whose base holds this object (views of the mmap alone
@@ -121,6 +134,54 @@ def _share_with_the_daemon(fd: int) -> None:
 
 def _unlink(path: Path) -> None:
     path.unlink(missing_ok=True)
+
+
+def _unlink_and_close(path: Path, fd: int) -> None:
+    _unlink(path)
+    os.close(fd)   # and the lock with it
+
+
+def sweep_stale_buffers(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink buffer files left by processes that died without closing them (kill -9, an OOM
+    kill: GiBs of an engine's KV pool stayed in ``/dev/shm`` for good): files named like ours,
+    owned by this user, whose creating process no longer exists and that no process holds locked
+    (a live engine in another PID namespace has a pid this one cannot see). Returns their names."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(shm_dir))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _BUFFER_NAME.match(entry.name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            if _unlink_if_unlocked(entry.path):
+                removed.append(entry.name)
+        except OSError:
+            continue   # alive under another user (EPERM), or the file vanished
+    return removed
+
+
+def _unlink_if_unlocked(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # fails while its process lives
+    except OSError:
+        return False
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def empty(shape: tuple[int, ...] | list[int], dtype: str = "float16") -> SharedTensor:

@@ -128,3 +128,55 @@ def test_views_keep_their_buffer_and_its_file(tmp_path: Path) -> None:
     del views, arrays, v, raw
     gc.collect()
     assert list(tmp_path.iterdir()) == []   # the last view gone, the file goes too
+
+
+def test_buffer_files_of_dead_processes_are_swept_live_ones_kept(tmp_path: Path) -> None:
+    """Was: an engine killed with SIGKILL (or OOM-killed) left its whole KV pool in /dev/shm for
+    good; nothing ever removed it (the daemon sweeps only its own arenas)."""
+    import fcntl
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    allocate = (f"from kvstored_client import shm; t = shm.SharedTensor((1 << 16,), 'uint8', {str(tmp_path)!r}); "
+                "import os, signal, sys; print(t.name, flush=True); ")
+    killed = subprocess.run([sys.executable, "-c", allocate + "os.kill(os.getpid(), signal.SIGKILL)"],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    dead_name = killed.stdout.split()[0]
+    assert (tmp_path / dead_name).exists()
+    live = subprocess.Popen([sys.executable, "-c", allocate + "sys.stdin.read()"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert live.stdout is not None
+        live_name = live.stdout.readline().split()[0]
+        # a dead pid's file that a process still holds locked (one in another PID namespace)
+        locked = tmp_path / f"kvstored-buf-{killed_pid_never_alive()}-00aa11bb22cc"
+        locked.write_bytes(b"x")
+        holder = os.open(locked, os.O_RDONLY)
+        fcntl.flock(holder, fcntl.LOCK_SH)
+        try:
+            # the first allocation of a new process (an engine starting) in the directory
+            mine = subprocess.run([sys.executable, "-c", allocate + "print(*os.listdir(os.path.dirname(t.path)))"],
+                                  capture_output=True, text=True, env=env, timeout=60)
+            first, names = mine.stdout.splitlines()
+            assert dead_name not in names.split()
+            assert {live_name, locked.name, first} <= set(names.split())
+        finally:
+            os.close(holder)
+        assert not (tmp_path / first).exists()   # its own exit removed it
+    finally:
+        assert live.stdin is not None
+        live.stdin.close()
+        live.wait(30)
+    deadline = time.monotonic() + 10
+    while (tmp_path / live_name).exists() and time.monotonic() < deadline:   # its exit unlinks it
+        time.sleep(0.05)
+    assert not (tmp_path / live_name).exists()
+
+
+def killed_pid_never_alive() -> int:
+    """A pid no process has now: one of a child that has exited and been reaped."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, timeout=60)
+    return int(proc.stdout)
