@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import operator
 from dataclasses import asdict, dataclass
 
 from kvstored_client.hashing import ALGORITHMS, DEFAULT_ALGO, DEFAULT_SEED
@@ -27,6 +28,18 @@ class Namespace:
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
+        for name in _TEXT_FIELDS:
+            if not isinstance(getattr(self, name), str):
+                # (the checks below met it as "argument of type 'int' is not iterable", or not at all)
+                raise ValueError(f"namespace.{name} must be a str, got {getattr(self, name)!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            try:
+                operator.index(value)
+            except TypeError:
+                raise ValueError(f"namespace.{name} must be an int, got {value!r}") from None
+            if isinstance(value, bool):
+                raise ValueError(f"namespace.{name} must be an int, got {value!r}")
         if not self.model:
             raise ValueError("namespace.model must not be empty")
         if not 1 <= self.block_size <= 4096:
@@ -38,7 +51,7 @@ class Namespace:
             raise ValueError(f"namespace.tp_rank {self.tp_rank} is not a rank of tp_size {self.tp_size}")
         if self.block_bytes < 0:
             raise ValueError("namespace.block_bytes must not be negative")
-        for name in ("model", "revision", "kv_dtype", "layout", "hash_algo", "hash_seed"):
+        for name in _TEXT_FIELDS:
             # identity() joins the fields with this character: a field holding it could make two
             # different namespaces share an id (and their blocks)
             value = getattr(self, name)
@@ -55,3 +68,7 @@ class Namespace:
     @property
     def digest_size(self) -> int:
         return 32 if self.hash_algo == "sha256_cbor" else 16
+
+
+_TEXT_FIELDS = ("model", "revision", "kv_dtype", "layout", "hash_algo", "hash_seed")
+_INT_FIELDS = ("block_size", "tp_rank", "tp_size", "block_bytes")
