@@ -858,6 +858,13 @@ class Client:
         arrival carries the block's bytes. After the loop, ``outcome`` says how far it got and why
         it stopped; a short stream is not an error (the engine recomputes the rest).
         """
+        if buffers is not None and namespace is not None and \
+                dataclasses.replace(namespace, layout=buffers.layout, block_bytes=0) != \
+                dataclasses.replace(buffers.namespace, block_bytes=0):
+            # the buffers' namespace is the one streamed: another one (another block size, model,
+            # shard) was ignored without a word
+            raise InvalidArgument(f"namespace {namespace} is not the buffers' namespace {buffers.namespace}; "
+                                  "a stream into buffers uses theirs (leave namespace out)")
         ns = buffers.namespace if buffers is not None else namespace
         # the arena before the call starts, and with the session: offsets go with this mapping
         session, arena = self._session_arena(buffers is None)

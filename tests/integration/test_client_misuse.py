@@ -709,3 +709,19 @@ def test_block_ids_that_are_no_sequence_of_ints_are_invalid_argument(client) -> 
     stream = client.stream(tokens, buffers=bufs, block_ids=(i for i in [5, 6, 7]))
     assert [a.index for a in stream] == [0, 1, 2] and stream.outcome is not None and stream.outcome.complete
     assert (layers[0].numpy()[:, 5:8] == layers[0].numpy()[:, 0:3]).all()
+
+
+def test_a_stream_into_buffers_refuses_a_namespace_that_is_not_theirs(client) -> None:  # type: ignore[no-untyped-def]
+    """Was: ``stream(..., buffers=b, namespace=ns)`` hashed and streamed in the buffers' namespace
+    whatever ``ns`` said (another block size, another model) without a word."""
+    ns = Namespace(model="stream-ns", block_size=16)
+    layers = [kvstored.shm.empty((2, 8, 16, 2, 8), "float16") for _ in range(2)]
+    bufs = client.register_buffers([t.numpy() for t in layers], 1, namespace=ns)
+    tokens = np.arange(48)
+    client.save_blocks(bufs, [0, 1, 2], tokens)
+    for other in (Namespace(model="stream-ns", block_size=8), Namespace(model="elsewhere")):
+        with pytest.raises(kvstored.InvalidArgument, match="not the buffers' namespace"):
+            client.stream(tokens, buffers=bufs, block_ids=[3, 4, 5], namespace=other)
+    for same in (ns, bufs.namespace):   # the engine's own namespace, with or without the layout
+        outcome = client.stream(tokens, buffers=bufs, block_ids=[3, 4, 5], namespace=same).wait()
+        assert outcome.complete and outcome.blocks == 3
