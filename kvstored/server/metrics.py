@@ -170,10 +170,15 @@ def serve_metrics(address: str, loop: asyncio.AbstractEventLoop, snapshot: Calla
     if timer is not None:
         registry.register(timer.histogram)
 
-    class Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # The family the address resolves to, as prometheus-client's own server chose it: a host name
+    # may resolve to IPv6 only (a name without a ':' is not necessarily IPv4).
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
 
-    server = make_server(host, int(port), _unavailable_on_timeout(make_wsgi_app(registry)), Server,
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    server = make_server(str(sockaddr[0]), int(port), _unavailable_on_timeout(make_wsgi_app(registry)), Server,
                          handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

@@ -61,3 +61,29 @@ def test_a_scrape_the_loop_answers_reports_the_snapshot() -> None:
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
         loop.close()
+
+
+def test_a_host_name_is_bound_in_the_family_it_resolves_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review) server.metrics may name a host ("node1.example:9100"). prometheus-client's server,
+    used before, bound it in the family the name resolves to; our own server took every address
+    without a ':' for IPv4, so a name that resolves to IPv6 only (an IPv6-only cluster's node names)
+    no longer bound and the daemon refused to start."""
+    import socket
+
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: object, *args: object, **kwargs: object) -> list[tuple[object, ...]]:
+        if host == "v6-only.invalid":
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0))]
+        return real(host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    loop = asyncio.new_event_loop()
+    stats = StoreStats(1.0, [], *([0] * 12))
+    server = metrics.serve_metrics("v6-only.invalid:0", loop, lambda: metrics.Snapshot(stats))
+    try:
+        assert server.socket.family == socket.AF_INET6 and server.server_address[0] == "::1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        loop.close()
