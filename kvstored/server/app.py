@@ -279,10 +279,12 @@ async def serve(cfg: Config) -> int:
             log.info("evicted %d restored block(s) to fit ssd.capacity (%d MiB)", report.evicted,
                      cfg.ssd.capacity >> 20)
         if cfg.peers.listen or cfg.peers.static or cfg.peers.etcd:
+            starting.step("joining the cluster")
             try:
                 peers = PeerNode(cfg, store)
                 await peers.start()
             except (ConfigError, PeerConfigError, MembershipError, OSError, ValueError) as exc:
+                starting.check()   # asked to stop while joining: a stop, not a failed start
                 raise StartupError(f"cannot join the cluster: {exc}") from None
             log.info("peers: node %s, block channel on %s, membership %s, %d peer(s) known", peers.node_id,
                      peers.listen or "(not listening)", peers.membership_name, len(peers.known_peers))
@@ -297,7 +299,7 @@ async def serve(cfg: Config) -> int:
                 raise StartupError(f"cannot serve server.metrics on {cfg.server.metrics}: {exc}") from None
             port = metrics_server.server_address[1]
             log.info("Prometheus metrics on http://%s:%s/metrics", cfg.server.metrics.rpartition(":")[0], port)
-        starting.check()
+        starting.step("starting the gRPC server")
         await server.start()
         os.chmod(sock_path, cfg.server.socket_mode)
         sock_id = _file_id(sock_path)
