@@ -74,7 +74,7 @@ def _extras_tail(i: int, extras: Sequence[Extras] | None, lora_name: str | None,
         keys.append(lora_name)
     if extras is not None and i < len(extras) and extras[i] is not None:
         keys.extend(extras[i])  # type: ignore[arg-type]
-    if cache_salt is not None and i == 0:
+    if cache_salt and i == 0:   # an empty salt is no salt, as in vLLM
         keys.append(cache_salt)
     return cbor2.dumps(tuple(keys), canonical=True) if keys else b"\xf6"
 
@@ -92,7 +92,7 @@ def block_hashes(
     """Hash every whole block of ``token_ids`` into a chain of keys.
 
     ``extras`` gives block i's extra keys (a tuple, or None); ``lora_name`` joins every block's
-    extras first and ``cache_salt`` joins block 0's last, as vLLM orders them. Raises ValueError
+    extras first and ``cache_salt`` (unless empty) joins block 0's last, as vLLM orders them. Raises ValueError
     for an unknown algorithm, a non-positive block size or a token id outside uint32.
     """
     return ChainHasher(block_size, seed, algo, memo_blocks=0).hashes(
@@ -131,7 +131,7 @@ class ChainHasher:
         if n_blocks == 0:
             return []
         tails = [_extras_tail(i, extras, lora_name, cache_salt) for i in range(n_blocks)] \
-            if (extras is not None or lora_name is not None or cache_salt is not None) else None
+            if (extras is not None or lora_name is not None or cache_salt) else None
         out: list[bytes] = []
         parent = self._root
         memo = self._memo

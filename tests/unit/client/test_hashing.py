@@ -41,6 +41,15 @@ def test_seed_salt_and_algo_change_keys() -> None:
     assert len(fast) == 2 and all(len(h) == 16 for h in fast)
 
 
+def test_an_empty_salt_is_no_salt_as_in_vllm() -> None:
+    """(review) vLLM adds a request's cache_salt to block 0's extra keys only when it is
+    non-empty; block_hashes(cache_salt="") added "" and so keyed every block apart from the
+    engine's own hashes (and from the daemon's, which already took "" as no salt)."""
+    tokens = list(range(32))
+    assert block_hashes(tokens, cache_salt="") == block_hashes(tokens)
+    assert block_hashes(tokens, cache_salt="", lora_name="l") == block_hashes(tokens, lora_name="l")
+
+
 def test_prefix_property() -> None:
     a = block_hashes(list(range(64)))
     b = block_hashes([*range(48), *range(100, 116)])
