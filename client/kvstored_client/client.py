@@ -928,7 +928,10 @@ class Client:
         (and no ``to``) everything goes to the peers and the local copies are dropped. Yields
         progress dicts (total_blocks, pushed_blocks, failed_blocks, dropped_blocks, detail, done).
 
-        A migration may take any time, but the daemon reports progress every few seconds: when
+        A generator: the migration starts when it is first iterated and runs while it is, so
+        iterate it to its end (``for p in client.migrate(...)``, or ``list(...)``); closing it or
+        dropping it before ``done`` cancels the migration (what was pushed stays pushed). A
+        migration may take any time, but the daemon reports progress every few seconds: when
         nothing comes for ``timeout_s`` (at least 15 s), DeadlineExceeded (the migration is
         cancelled)."""
         self._check_open()
@@ -1017,7 +1020,8 @@ class Client:
 
     def flushing(self, model: str = "") -> Iterator[dict[str, Any]]:
         """:meth:`flush`, yielding progress dicts (written_blocks, left_blocks: still only in DRAM,
-        done) before the first write, after each write round and at the end. A flush may take any
+        done) before the first write, after each write round and at the end. A generator: the
+        flush runs while it is iterated, and closing or dropping it early cancels the flush. A flush may take any
         time, but the daemon reports progress every few seconds: when nothing comes for
         ``timeout_s`` (at least 15 s), DeadlineExceeded (the flush is cancelled; what was written
         stays written). A daemon from before FlushStream flushes in one call under ``timeout_s``
