@@ -16,7 +16,7 @@ from kvstored.buffers import BlockIds, TensorSource
 from kvstored.errors import Cancelled, FailedPrecondition, InvalidArgument, KVError
 from kvstored.index import Tier
 from kvstored.peers.node import MigrateProgress, PeerNode
-from kvstored.server.status import code_for, mapped
+from kvstored.server.status import abort, mapped
 from kvstored.server.streams import RunningStreams
 from kvstored.store import Arrival, BlockStore, Fetcher, FlushProgress, KeyRequest, StreamEnd
 from kvstored.tiers.dram import Arena
@@ -302,7 +302,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 yield event
             await task  # raises the domain error, if any
         except KVError as exc:
-            await context.abort(code_for(exc), str(exc))
+            await abort(context, exc)
         finally:
             if not task.done():
                 task.cancel()
@@ -346,7 +346,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if request.stream_id and not self._streams.start(request.session_id, request.stream_id, task):
                 raise Cancelled("the stream was ended before it started (EndStream)")
         except KVError as refused:
-            await context.abort(code_for(refused), str(refused))
+            await abort(context, refused)
         loop = asyncio.get_running_loop()
         started = loop.time()
         first = first_message = True
@@ -368,7 +368,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         if msg.blocks:
                             yield msg   # the blocks already in place still reach the client
                         if isinstance(item, KVError):
-                            await context.abort(code_for(item), str(item))
+                            await abort(context, item)
                         raise item
                     if isinstance(item, StreamEnd):
                         msg.end.CopyFrom(pb.BlockStreamEnd(
@@ -415,7 +415,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             async for message in _with_heartbeat(progress, _migrate_pb):
                 yield message
         except KVError as exc:
-            await context.abort(code_for(exc), str(exc))
+            await abort(context, exc)
 
     @mapped
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
@@ -438,7 +438,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             async for message in _with_heartbeat(self._store.flushing(request.model), _flush_pb):
                 yield message
         except KVError as exc:
-            await context.abort(code_for(exc), str(exc))
+            await abort(context, exc)
 
     @mapped
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:

@@ -256,3 +256,19 @@ def test_a_seal_refused_for_its_push_target_leaves_a_read_lease_of_that_id_alone
     raw.expect(grpc.StatusCode.FAILED_PRECONDITION, "peers are off", raw.stub.Seal,
                pb.SealRequest(session_id=raw.session, reservation_id=lease.lease_id, push_to="decode-0"))
     raw.stub.Release(pb.ReleaseRequest(session_id=raw.session, lease_id=lease.lease_id), timeout=10)
+
+
+def test_a_status_message_echoing_a_long_field_still_reaches_the_client(raw: Raw) -> None:
+    """(review) A refusal's message echoes request fields (a model name) and lists the node's
+    models; past the client's metadata limit (16 KiB of percent-encoded grpc-message) the client
+    got RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" in place of the status
+    sent: an Evict or Flush of an unknown model raised ResourceExhausted, not NotFound, and one
+    namespace opened with a long model name did that to every unknown-model refusal after it."""
+    for model in ("z" * 20000, "é" * 3000):
+        raw.expect(grpc.StatusCode.NOT_FOUND, "no namespace of model", raw.stub.Evict, pb.EvictRequest(model=model))
+        raw.expect(grpc.StatusCode.NOT_FOUND, "characters cut", raw.stub.Flush, pb.FlushRequest(model=model))
+    raw.stub.OpenNamespace(pb.OpenNamespaceRequest(spec=pb.NamespaceSpec(model="m" * 100000, block_size=16)),
+                           timeout=10)
+    raw.expect(grpc.StatusCode.NOT_FOUND, "models here", raw.stub.Evict, pb.EvictRequest(model="nope"))
+    with pytest.raises(kvstored.NotFound, match="no namespace of model 'nope'"):
+        raw.client.evict(model="nope")
