@@ -553,11 +553,19 @@ class PeerNode:
             self._peer(to)
         elif not drain:
             raise InvalidArgument("migrate needs a destination node (to)")
+        if prefix is None and namespace_id:
+            # namespace_id names the prefix's namespace; alone it was ignored, and every
+            # namespace of every model moved (with drain, left this node)
+            raise InvalidArgument("namespace_id names the namespace of a prefix: give the prefix too "
+                                  "(or model, for whole namespaces)")
         targets = [to] if to else sorted(self._peers)
         if not targets:
             raise FailedPrecondition("no peers to drain onto")
         if prefix is not None:   # one chain; a prefix of no whole block moves nothing
-            _, chain = self._store.resolve_keys(namespace_id, prefix)
+            state, chain = self._store.resolve_keys(namespace_id, prefix)
+            if model and state.spec.model != model:
+                raise InvalidArgument(f"the prefix is in namespace {namespace_id} of model {state.spec.model!r}, "
+                                      f"not of model {model!r}")
             held = chain[: self._store.held(namespace_id, chain)]
             runs = [(namespace_id, b"", held)] if held else []
         else:

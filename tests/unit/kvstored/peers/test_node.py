@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
 from loopback import free_ports
 from silent_peer import node_with_a_silent_peer
 
 from kvstored import config
 from kvstored.cluster.membership import Member
 from kvstored.copy import CopyEngine
+from kvstored.errors import InvalidArgument
 from kvstored.peers import transport
 from kvstored.peers.node import PeerNode
 from kvstored.store import BlockStore, KeyRequest
@@ -351,5 +353,28 @@ def test_a_fetch_cut_short_by_the_callers_deadline_is_a_timeout_and_blames_no_pe
             assert loop.time() - until < 1.0
             assert end.blocks == 0 and end.stop == "timeout", end
             assert b.peers.failures == 0 and b.peers._peers["x"].state != "down", b.peers._peers["x"].last_error
+
+    run(main())
+
+
+def test_a_migration_naming_a_namespace_without_a_prefix_is_refused() -> None:
+    # (review) MigrateRequest.namespace_id names the prefix's namespace; without a prefix it was
+    # ignored and the migration took every namespace of every model: a raw client draining one
+    # namespace dropped this node's copies of all of them. A prefix of another model than the one
+    # named was moved all the same, the model ignored.
+    other = Namespace(model="other", block_bytes=BLOCK)
+
+    async def main() -> None:
+        async with cluster({"a": 16, "b": 16}) as nodes:
+            a = nodes["a"].store
+            other_ns = a.open_namespace(other).namespace_id
+            save(a, chain(2))
+            save(a, chain(2, 5000), ns=other_ns)
+            with pytest.raises(InvalidArgument, match="give the prefix too"):
+                _ = [p async for p in nodes["a"].peers.migrate("", namespace_id=other_ns, drain=True)]
+            with pytest.raises(InvalidArgument, match="not of model 'm'"):
+                _ = [p async for p in nodes["a"].peers.migrate(
+                    "b", model="m", namespace_id=other_ns, prefix=KeyRequest(hashes=chain(2, 5000)))]
+            assert a.stats().index_blocks == 4 and nodes["b"].store.stats().index_blocks == 0
 
     run(main())
