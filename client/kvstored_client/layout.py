@@ -88,7 +88,13 @@ class TensorLayout:
                 raise ValueError(f"dimensions before block_dim must collapse into one stride ({self.strides})")
         if height > 1 and pitch < width:
             raise ValueError("rows of a block overlap")
-        return BlockRegion(width, height, pitch, self.strides[d] * item)
+        block_stride = self.strides[d] * item
+        if self.num_blocks > 1 and block_stride < width:
+            # (a broadcast tensor's stride 0, say) every copy into block b would also write into
+            # block b + 1: a load into distinct blocks overwrites one with the next
+            raise ValueError(f"blocks overlap: the stride of block_dim ({self.strides[d]}) is smaller than "
+                             f"a row of a block ({width // item} elements)")
+        return BlockRegion(width, height, pitch, block_stride)
 
 
 @dataclass(frozen=True, slots=True)

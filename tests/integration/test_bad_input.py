@@ -150,6 +150,10 @@ def test_bad_namespace_spec(raw: Raw) -> None:
     (dict(shm_name="SHM", shape=[400, 16], strides=[16, 1], dtype="float16"), "extends to byte"),
     (dict(shm_name="SHM", shape=[4, 16], strides=[16, -1], dtype="float16"), "non-negative"),
     (dict(shm_name="SHM", shape=[4, 8], strides=[8, 1], dtype="float16"), "512 bytes; got 16"),
+    # (review) blocks sharing bytes were taken: a load into blocks 0 and 1 overwrote one with the other
+    (dict(shm_name="SHM", shape=[4, 256], strides=[0, 1], dtype="float16"), "blocks overlap"),
+    (dict(shm_name="SHM", shape=[4, 256], strides=[128, 1], dtype="float16"), "blocks overlap"),
+    (dict(shm_name="SHM", shape=[2, 4, 128], strides=[128, 64, 1], dtype="float16", block_dim=1), "blocks overlap"),
 ])
 def test_invalid_buffer_descriptors(raw: Raw, tensor: dict[str, Any], needle: str) -> None:
     buf = kvstored.shm.empty((4, 256), "float16")  # 2 KiB file
