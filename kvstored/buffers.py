@@ -68,6 +68,11 @@ def allocate_pages(fd: int, offset: int, length: int) -> bool:
         raise OSError(err, os.strerror(err))
 
 
+# Failures of open/mmap that are the daemon's limits (its descriptors, the system's, its address
+# space), not the client's input: RESOURCE_EXHAUSTED, as a full tier is.
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSource:
     """Where one registered tensor lives: a shm file name and byte offset, or (CUDA) an IPC handle
@@ -152,6 +157,9 @@ class RegisteredBuffers:
             fd = os.open(Path(shm_dir) / name, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
             self.close()
+            if exc.errno in _OUT_OF_RESOURCES:
+                raise ResourceExhausted(f"{where}.shm_name: cannot open {name!r}: {exc.strerror} (the daemon's "
+                                        "open files or memory: unregister buffers no longer used)") from None
             raise InvalidArgument(f"{where}.shm_name: cannot open {name!r}: {exc.strerror}") from None
         try:
             size = os.fstat(fd).st_size
@@ -176,6 +184,9 @@ class RegisteredBuffers:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
             except OSError as exc:
                 self.close()
+                if exc.errno in _OUT_OF_RESOURCES:
+                    raise ResourceExhausted(f"{where}: cannot map {name!r}: {exc.strerror} (the daemon's open "
+                                            "files or memory: unregister buffers no longer used)") from None
                 raise InvalidArgument(f"{where}: cannot map {name!r}: {exc.strerror or exc}") from None
         finally:
             os.close(fd)

@@ -120,3 +120,31 @@ def test_a_file_on_a_filesystem_without_fallocate_is_not_written_by_the_registra
             buffers.close()
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_a_registration_past_the_daemons_open_file_limit_is_resource_exhausted(tmp_path: Path) -> None:
+    """(RPC review) With the daemon's descriptors used up (two engines' worth of tensors under the
+    soft RLIMIT_NOFILE of 1024), opening a tensor's file failed with EMFILE and the client was told
+    INVALID_ARGUMENT "cannot open ...": its input was fine, the daemon was out of a resource. Run
+    in a child, under a low limit of its own."""
+    code = f"""
+import resource, sys
+from kvstored.buffers import RegisteredBuffers, TensorSource
+from kvstored.errors import KVError
+from kvstored_client.layout import TensorLayout
+layout = TensorLayout((4, 16, 8), (128, 8, 1), "float16", 0)
+for i in range(64):
+    with open({str(tmp_path)!r} + f"/buf{{i}}", "wb") as fh:
+        fh.write(bytes(layout.extent_bytes))
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+try:
+    RegisteredBuffers(1, {str(tmp_path)!r}, [TensorSource(f"buf{{i}}", 0, layout) for i in range(64)])
+except KVError as exc:
+    print("refused:", type(exc).__name__, exc)
+    sys.exit(0)
+print("registered")
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    assert out.stdout.startswith("refused: ResourceExhausted"), out.stdout
