@@ -48,7 +48,7 @@ class LeaseTable:
         self._leases: dict[int, Lease] = {}
         self._next_id = 1
         self._expired: deque[int] = deque(maxlen=remember)
-        self._expired_set: set[int] = set()
+        self._expired_of: dict[int, tuple[str, LeaseKind]] = {}   # id -> its session and kind
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -78,16 +78,22 @@ class LeaseTable:
         if session is not None:
             session.leases.discard(lease.lease_id)
 
-    def was_expired(self, lease_id: int) -> bool:
-        return lease_id in self._expired_set
+    def was_expired(self, lease_id: int, session_id: str, kind: LeaseKind | None = None) -> LeaseKind | None:
+        """The kind of ``lease_id`` if it expired as a lease of ``session_id`` (and of ``kind``,
+        when given); None otherwise: another session's id is unknown to this one, whatever
+        became of it."""
+        ended = self._expired_of.get(lease_id)
+        if ended is None or ended[0] != session_id or (kind is not None and ended[1] != kind):
+            return None
+        return ended[1]
 
     def expired(self) -> list[Lease]:
         """Leases whose deadline has passed, as of the clock now (not removed)."""
         now = self._clock()
         return [lease for lease in self._leases.values() if lease.expires_at <= now]
 
-    def mark_expired(self, lease_id: int) -> None:
+    def mark_expired(self, lease: Lease) -> None:
         if len(self._expired) == self._expired.maxlen:
-            self._expired_set.discard(self._expired[0])
-        self._expired.append(lease_id)
-        self._expired_set.add(lease_id)
+            self._expired_of.pop(self._expired[0], None)
+        self._expired.append(lease.lease_id)
+        self._expired_of[lease.lease_id] = (lease.session_id, lease.kind)

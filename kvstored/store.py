@@ -845,7 +845,12 @@ class BlockStore:
         lease = self._leases.get(lease_id)
         if lease is None or lease.session_id != session_id \
                 or (reservation_only and lease.kind != LeaseKind.RESERVATION):
-            if self._leases.was_expired(lease_id):
+            kind = self._leases.was_expired(lease_id, session_id,
+                                            LeaseKind.RESERVATION if reservation_only else None)
+            if kind is LeaseKind.RESERVATION:
+                raise FailedPrecondition(f"reservation {lease_id} expired before it was released "
+                                         f"(ttl {self._config.leases.reservation_ttl_s:g}s); nothing was stored")
+            if kind is LeaseKind.READ:
                 raise FailedPrecondition(f"lease {lease_id} expired before it was released "
                                          f"(ttl {self._config.leases.ttl_s:g}s); bytes read under it "
                                          "may be stale")
@@ -1138,7 +1143,7 @@ class BlockStore:
         session = self._session(session_id)
         lease = self._leases.get(reservation_id)
         if lease is None or lease.kind != LeaseKind.RESERVATION or lease.session_id != session_id:
-            if self._leases.was_expired(reservation_id):
+            if self._leases.was_expired(reservation_id, session_id, LeaseKind.RESERVATION):
                 raise FailedPrecondition(f"reservation {reservation_id} expired before it was sealed "
                                          f"(ttl {self._config.leases.reservation_ttl_s:g}s); "
                                          "nothing was stored")
@@ -1192,7 +1197,7 @@ class BlockStore:
         # pinned meanwhile anyway, and a stream renews the lease it hands over at its end.
         expired = [lease for lease in self._leases.expired() if lease.lease_id not in self._busy]
         for lease in expired:
-            self._leases.mark_expired(lease.lease_id)
+            self._leases.mark_expired(lease)
             self._end(lease, self._sessions.get(lease.session_id), aborted=True)
         return len(expired)
 

@@ -276,3 +276,38 @@ def test_a_status_message_echoing_a_long_field_still_reaches_the_client(raw: Raw
     raw.expect(grpc.StatusCode.NOT_FOUND, "models here", raw.stub.Evict, pb.EvictRequest(model="nope"))
     with pytest.raises(kvstored.NotFound, match="no namespace of model 'nope'"):
         raw.client.evict(model="nope")
+
+
+def test_an_expired_id_is_told_as_what_it_was_and_only_to_its_own_session(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """(review) The daemon remembered expired ids without their session or kind: a Release of an
+    expired reservation said "lease N expired ... (ttl of read leases); bytes read under it may
+    be stale", a Seal naming an expired read lease said "reservation N expired before it was
+    sealed", and another session's expired id was FAILED_PRECONDITION "expired" (the SDK's
+    LeaseExpired) where any other id of another session is NOT_FOUND."""
+    d = daemon_factory("--set", "leases.ttl_s=0.2", "--set", "leases.reservation_ttl_s=0.3",
+                       "--set", "leases.reap_interval_s=0.05")
+    raw, other = Raw(d.socket), Raw(d.socket)
+    try:
+        res = raw.stub.Reserve(pb.ReserveRequest(session_id=raw.session, namespace_id=raw.ns,
+                                                 keys=keys(2), block_bytes=512), timeout=10)
+        lease = raw.stub.Lookup(pb.LookupRequest(namespace_id=raw.ns, lease=True, session_id=raw.session,
+                                                 keys=pb.BlockKeys(hashes=kvstored.block_hashes(np.arange(64)))),
+                                timeout=10)
+        assert res.reservation_id and lease.lease_id
+        time.sleep(0.8)
+        raw.expect(grpc.StatusCode.FAILED_PRECONDITION,
+                   f"reservation {res.reservation_id} expired before it was released (ttl 0.3s); nothing was stored",
+                   raw.stub.Release,
+                   pb.ReleaseRequest(session_id=raw.session, lease_id=res.reservation_id))
+        raw.expect(grpc.StatusCode.NOT_FOUND, f"unknown reservation {lease.lease_id}", raw.stub.Seal,
+                   pb.SealRequest(session_id=raw.session, reservation_id=lease.lease_id))
+        for lease_id in (res.reservation_id, lease.lease_id):
+            other.expect(grpc.StatusCode.NOT_FOUND, f"unknown lease {lease_id}", other.stub.Release,
+                         pb.ReleaseRequest(session_id=other.session, lease_id=lease_id))
+        other.expect(grpc.StatusCode.NOT_FOUND, "unknown reservation", other.stub.Seal,
+                     pb.SealRequest(session_id=other.session, reservation_id=res.reservation_id))
+        raw.expect(grpc.StatusCode.FAILED_PRECONDITION, "expired before it was released (ttl 0.2s)", raw.stub.Release,
+                   pb.ReleaseRequest(session_id=raw.session, lease_id=lease.lease_id))
+    finally:
+        raw.client.close()
+        other.client.close()
