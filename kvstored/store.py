@@ -1977,6 +1977,10 @@ class BlockStore:
         state, chain = self.resolve_keys(namespace_id, keys)
         if buffers is not None:
             self._check_block_ids(buffers, chain, block_ids)
+        elif len(block_ids):
+            # (they were ignored: the blocks went to the arena, none to the engine's buffers)
+            raise InvalidArgument("block_ids name blocks of engine buffers: give buffers_id too, or no "
+                                  "block_ids for a stream through the arena")
         ttl = self._config.leases.ttl_s
         with buffers.in_use() if buffers is not None else contextlib.nullcontext():
             pull = emit is None

@@ -879,6 +879,9 @@ class Client:
             block_ids = _block_id_sequence(block_ids)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
+        if buffers is None and block_ids is not None and len(block_ids):
+            # (they were ignored: each block came back as bytes, none went to the engine's buffers)
+            raise InvalidArgument("block_ids name blocks of registered buffers: give buffers too")
         _set_block_ids(request, [] if block_ids is None else block_ids, buffers, self._packed_keys)
         started = time.monotonic()
         try:

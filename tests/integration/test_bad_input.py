@@ -311,3 +311,19 @@ def test_an_expired_id_is_told_as_what_it_was_and_only_to_its_own_session(daemon
     finally:
         raw.client.close()
         other.client.close()
+
+
+def test_a_stream_with_block_ids_but_no_buffers_is_refused(raw: Raw) -> None:
+    """(review) StreamBlocks with block_ids and no buffers_id streamed through the arena, the ids
+    ignored without a word: a client that left out (or zeroed) buffers_id got no block in its
+    engine's buffers while each arrival said the block was in place. LoadBlocks refuses it."""
+    chain = pb.BlockKeys(hashes=kvstored.block_hashes(np.arange(64)))
+    for request in (pb.StreamBlocksRequest(session_id=raw.session, namespace_id=raw.ns, keys=chain,
+                                           block_ids=[0, 1, 2, 3]),
+                    pb.StreamBlocksRequest(session_id=raw.session, namespace_id=raw.ns, keys=chain,
+                                           packed_block_ids=np.arange(4, dtype="<u4").tobytes())):
+        raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "give buffers_id too",
+                   lambda r, timeout: list(raw.stub.StreamBlocks(r, timeout=timeout)), request)
+    with pytest.raises(kvstored.InvalidArgument, match="give buffers too"):
+        raw.client.stream(np.arange(64), block_ids=[0, 1, 2, 3])
+    assert [a.index for a in raw.client.stream(np.arange(64))] == [0, 1, 2, 3]   # the arena's way
