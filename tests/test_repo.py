@@ -43,6 +43,25 @@ def test_sdk_import_loads_no_daemon_dependencies() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+@pytest.mark.parametrize("args", [("--help",), ("-h",), ("--quick",)])
+def test_gpu_check_with_arguments_runs_nothing(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """``tools/gpu-check --help`` ran the whole check, pip-installing what the interpreter lacked
+    (cupy, grpcio, ...) into it: help prints its description, any other argument is refused, and
+    neither reaches the interpreter."""
+    marker = tmp_path / "python-ran"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "OUT": str(tmp_path / "out")}
+    out = subprocess.run([str(ROOT / "tools" / "gpu-check"), *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=30, env=env)
+    if args[0] in ("--help", "-h"):
+        assert out.returncode == 0 and "CUDA IPC tests" in out.stdout and "Usage:" in out.stdout, out
+    else:
+        assert out.returncode == 2 and "takes no arguments" in out.stderr, out
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_systemd_unit_verifies(tmp_path: Path) -> None:
     unit = (ROOT / "systemd" / "kvstored.service").read_text()
