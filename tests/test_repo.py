@@ -221,3 +221,59 @@ def test_readme_sdk_snippets_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         for tensor in ns.get("layers", []):
             tensor.close()
         assert daemon.stop() == 0, daemon.log()[-2000:]
+
+
+def test_readme_prefill_decode_snippet_runs(tmp_path: Path) -> None:
+    """The README's prefill/decode snippet against two daemons that are each other's peers: the
+    prefill half on one (its own ``buffers``), the decode half on the other; then, with the decode
+    node emptied, its ``pull`` alone brings the prompt back. As written before, ``decode.pull(prompt)``
+    looked in the client's namespace, not the buffers' where ``save_blocks`` had put the blocks, and
+    pulled nothing (stop "no_room": the namespace's block size unknown there)."""
+    pytest.importorskip("torch")
+    import numpy as np
+    from loopback import free_ports
+
+    import kvstored
+    from conftest import start_daemon
+
+    snippet = re.findall(r"```python\n(.*?)```", _readme_section("Using the SDK"), re.S)[2]
+    prefill_part, decode_part, pull_part = re.split(r"^(?=# decode node|# or, ahead of the request)", snippet,
+                                                    flags=re.M)
+    ports = free_ports(2)
+    static = f"prefill=127.0.0.1:{ports[0]},decode-0=127.0.0.1:{ports[1]}"
+    daemons = [start_daemon(tmp_path / name, "--set", f"peers.listen=127.0.0.1:{port}", "--set",
+                            f"peers.node_id={name}", "--set", f"peers.static={static}", "--set", "peers.token=t")
+               for name, port in zip(["prefill", "decode-0"], ports)]
+    ns_model = kvstored.Namespace(model="readme-pd", kv_dtype="bfloat16")
+    tensors: list[Any] = []
+    clients: list[Any] = []
+    try:
+        def engine(socket: str) -> tuple[Any, Any]:
+            client = kvstored.Client(socket, namespace=ns_model)
+            clients.append(client)
+            layers = [kvstored.shm.empty((2, 32, 16, 2, 64), "bfloat16") for _ in range(2)]
+            tensors.extend(layers)
+            return client, client.register_buffers([t.torch() for t in layers], block_dim=1)
+
+        prefill, prefill_buffers = engine(daemons[0].socket)
+        decode, decode_buffers = engine(daemons[1].socket)
+        prompt = np.arange(16 * 12 + 5)   # 12 whole blocks
+        recomputed: list[int] = []
+        env: dict[str, Any] = {"prefill": prefill, "decode": decode, "prompt": prompt, "chunk_ids": list(range(12)),
+                               "end": len(prompt), "ids": list(range(20, 32)), "recompute_from": recomputed.append}
+        exec(compile(prefill_part, "README prefill half", "exec"), {**env, "buffers": prefill_buffers})
+        decode_env = {**env, "buffers": decode_buffers}
+        exec(compile(decode_part, "README decode half", "exec"), decode_env)
+        assert decode_env["stream"].outcome.complete and recomputed == []
+        assert decode.evict() == 12
+        exec(compile(pull_part, "README pull", "exec"), decode_env)
+        outcome = decode_env["outcome"]
+        assert (outcome.stop, outcome.blocks, outcome.tokens) == ("complete", 12, 12 * 16), outcome
+        assert decode.lookup(prompt, namespace=decode_buffers.namespace).per_tier == {"dram": 12}
+    finally:
+        for c in clients:
+            c.close()
+        for t in tensors:
+            t.close()
+        for d in daemons:
+            assert d.stop() == 0, d.log()[-2000:]
