@@ -201,8 +201,8 @@ class Client:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise DaemonNotRunning(
                     f"no kvstored daemon answers on {self.socket}. Start one with `kvstored` "
-                    "(or `systemctl start kvstored`), or point KVSTORED_SOCKET or "
-                    "Client(socket=...) at a running one.") from None
+                    "(or `systemctl start kvstored`), or point KVSTORED_SOCKET, Client(socket=...) or "
+                    "`kvctl --socket` at a running one.") from None
             raise from_rpc_error(exc) from None
         self.daemon_version = self._hello.version
         # whether the daemon takes packed keys: renewed with each session (a restart may bring

@@ -45,6 +45,7 @@ def test_stats_without_daemon_says_how_to_start(tmp_path) -> None:  # type: igno
     out = kvctl(str(tmp_path / "none.sock"), "stats")
     assert out.returncode == 1
     assert "Start one with `kvstored`" in out.stderr
+    assert "`kvctl --socket`" in out.stderr   # it named only KVSTORED_SOCKET and Client(socket=...)
 
 
 def test_a_daemon_that_accepts_but_does_not_answer_yet_is_not_reported_as_none(tmp_path) -> None:  # type: ignore[no-untyped-def]
