@@ -277,3 +277,23 @@ def test_readme_prefill_decode_snippet_runs(tmp_path: Path) -> None:
             t.close()
         for d in daemons:
             assert d.stop() == 0, d.log()[-2000:]
+
+
+def test_readme_block_hashes_signature_is_the_sdks() -> None:
+    """README's ``kvstored.block_hashes(...)`` names every parameter with its default (it left
+    out the keyword-only cache_salt and lora_name that vLLM compatibility needs)."""
+    import inspect
+
+    import kvstored
+
+    m = re.search(r"`kvstored\.block_hashes\(([^`]*)\)`", README)
+    assert m is not None
+    documented = " ".join(m.group(1).split())
+    params = []
+    star = False
+    for p in inspect.signature(kvstored.block_hashes).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not star:
+            params.append("*")
+            star = True
+        params.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}".replace("'", '"'))
+    assert documented == ", ".join(params)
