@@ -145,7 +145,8 @@ def evict(socket: str | None, model: str, tier: str) -> None:
     """Drop cached blocks (leased blocks stay)."""
     with _client(socket) as client:
         n = client.evict(model, None if tier == "all" else tier)
-    click.echo(f"evicted {n} block(s)" + (f" of {model}" if model else "") + f" from {tier}")
+    where = "the cache (every tier)" if tier == "all" else tier
+    click.echo(f"evicted {n} block(s)" + (f" of {model}" if model else "") + f" from {where}")
 
 
 @cli.command()
