@@ -143,16 +143,24 @@ def _unlink_and_close(path: Path, fd: int) -> None:
 
 def sweep_stale_buffers(shm_dir: str = SHM_DIR) -> list[str]:
     """Unlink buffer files left by processes that died without closing them (kill -9, an OOM
-    kill: GiBs of an engine's KV pool stayed in ``/dev/shm`` for good): files named like ours,
-    owned by this user, whose creating process no longer exists and that no process holds locked
-    (a live engine in another PID namespace has a pid this one cannot see). Returns their names."""
+    kill: GiBs of an engine's KV pool stayed in ``/dev/shm`` for good); see
+    :func:`sweep_dead_owners`. Returns their names."""
+    return sweep_dead_owners(shm_dir, _BUFFER_NAME)
+
+
+def sweep_dead_owners(directory: str, pattern: re.Pattern[str]) -> list[str]:
+    """Unlink the files of ``directory`` whose name matches ``pattern`` (group 1: the creating
+    process's pid), owned by this user, whose creator no longer exists and that no process holds
+    locked (flock: a live owner in another PID namespace has a pid this one cannot see, and a
+    pid reused since by another process is still taken for alive). Returns their names. Shared
+    by the SDK's buffer files and the daemon's arenas, which are made and locked the same way."""
     removed: list[str] = []
     try:
-        entries = list(os.scandir(shm_dir))
+        entries = list(os.scandir(directory))
     except OSError:
         return removed
     for entry in entries:
-        m = _BUFFER_NAME.match(entry.name)
+        m = pattern.match(entry.name)
         if m is None or int(m.group(1)) == os.getpid():
             continue
         try:
@@ -173,7 +181,7 @@ def _unlink_if_unlocked(path: str) -> bool:
     except OSError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # fails while its process lives
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # fails while its owner lives
     except OSError:
         return False
     else:

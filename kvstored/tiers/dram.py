@@ -7,7 +7,6 @@ plain memory copies on the node. It is split into pages; a page serves slots of 
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import mmap
 import os
@@ -18,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from kvstored_client.shm import sweep_dead_owners
 
 SLOT_ALIGN = 64  # a cache line: keeps every slot's copies aligned
 
@@ -33,45 +34,10 @@ _ARENA_NAME = re.compile(r"^kvstored-(\d+)-[0-9a-f]+$")
 def sweep_stale_arenas(shm_dir: str) -> list[str]:
     """Unlink arena files left by daemons that died without ``close`` (kill -9, OOM kill): files
     named like ours, owned by this user, whose creating process no longer exists and that no
-    process holds locked. Returns their names. A file whose pid is alive (whoever runs under it
-    now) is left alone, and so is one a live daemon locks: a daemon in another PID namespace
-    (a container sharing the directory) has a pid this one cannot see."""
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(shm_dir))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _ARENA_NAME.match(entry.name)
-        if m is None or int(m.group(1)) == os.getpid():
-            continue
-        try:
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            if _unlink_if_unlocked(entry.path):
-                removed.append(entry.name)
-        except OSError:
-            continue   # alive under another user (EPERM), or the file vanished
-    return removed
-
-
-def _unlink_if_unlocked(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # fails while its daemon lives
-    except OSError:
-        return False
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return True
-    finally:
-        os.close(fd)
+    process holds locked (:func:`kvstored_client.shm.sweep_dead_owners`). Returns their names.
+    A daemon in another PID namespace (a container sharing the directory) keeps its arena: it
+    holds it locked."""
+    return sweep_dead_owners(shm_dir, _ARENA_NAME)
 
 
 class ArenaTooLarge(ValueError):
