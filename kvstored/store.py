@@ -546,6 +546,9 @@ class BlockStore:
             lost = self._leases.get(held.lease_id) is not held or held.lease_id in self._doomed
             if hits and not lost:
                 lease_id = held.lease_id
+                if any(t is not Tier.DRAM for t in tiers):
+                    # the reply says the reader has ``ttl`` from now: the reads took some of it
+                    self._leases.renew(held, ttl)
             else:
                 hits, tiers = [], []
                 if self._leases.get(held.lease_id) is held:

@@ -1455,3 +1455,36 @@ def test_a_read_whose_lease_ends_during_its_ssd_reads_copies_nothing_more(tmp_pa
         finally:
             gate.set()
             engine.close()
+
+
+def test_a_leased_lookup_from_ssd_gives_its_reader_the_whole_ttl_it_reports(tmp_path: Path) -> None:
+    """(review) A leased lookup of blocks on SSD took its lease before the reads and reported the
+    full ``lease_ttl`` once they were done: a raw client that timed the lease from the response,
+    as told, found it reaped early by as long as the reads took."""
+    with _ssd_store(tmp_path) as (store, clock):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        keys = chain(2)
+        _to_ssd_only(store, s, ns, keys)
+        ttl = store._config.leases.ttl_s
+        gate = gate_ssd_read(store, keys[1])
+
+        async def main() -> int:
+            task = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s))
+            for _ in range(200):   # block 1's read held: the lookup waits for it
+                await asyncio.sleep(0.005)
+                if store._promoting:
+                    break
+            clock.now += 0.9 * ttl   # the reads take most of the ttl
+            gate.set()
+            got = await task
+            assert got.blocks == 2 and got.lease_ttl_s == ttl
+            return got.lease_id
+
+        try:
+            lease_id = asyncio.run(main())
+        finally:
+            gate.set()
+        clock.now += 0.5 * ttl   # well within the ttl the response reported
+        assert store.reap() == 0, "the lease was reaped before the ttl its reader was told"
+        store.release(s, lease_id)
