@@ -12,7 +12,10 @@ Crash safety comes from ordering, done by the one writer thread: a batch's paylo
 sync for everything queued), and a slot freed by a delete is reused only after that delete has
 committed. A crash therefore leaves every visible record pointing at the bytes it was written
 with; slots nobody references are free at the next start (and the disk space past the highest
-slot in use, or of a size with no block left, goes back). Every read verifies length and checksum
+slot in use, or of a size with no block left, goes back). A file keeps the disk space of an eighth
+of its slots while they are free, for churn to rewrite; the space of free slots beyond that is
+punched out, so a size that shrinks while another grows (a model change) gives its disk back as it
+goes. Every read verifies length and checksum
 and reports a mismatch, never returns it. A full disk is an error (``SSDError``), never a crash.
 """
 
@@ -36,6 +39,8 @@ import lmdb
 import numpy as np
 import xxhash
 
+from kvstored.tiers.holes import punch_hole
+
 log = logging.getLogger("kvstored.ssd")
 
 FORMAT_VERSION = 2
@@ -44,6 +49,10 @@ ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the devic
 # for small blocks a read's thread hand-offs and GIL waits cost more than the read (64 KiB blocks
 # came up at half the speed); a 2 MiB block is read alone.
 MERGE_BYTES = 1 << 20
+# A payload file keeps the disk space of up to 1/KEPT_FREE_DIVISOR of its slots while they are free
+# (the store evicts from the high to the low watermark, 10% of the tier, before writing again);
+# free slots beyond that are punched out (their space goes back) until written again.
+KEPT_FREE_DIVISOR = 8
 PROGRESS_EVERY = 4096   # records between progress reports of a long scan
 Progress = Callable[[str, int, int], None]   # (what, done, total or 0 when not known)
 # version, namespace id, depth, length, checksum, slot, parent length, then the parent hash
@@ -134,6 +143,17 @@ def decode_meta(raw: bytes, key: bytes) -> BlockRecord:
     return BlockRecord(ns, bytes(key[8:]), parent, depth, length, check, slot)
 
 
+def _runs(slots: list[int]) -> Iterator[tuple[int, int]]:
+    """``(first, count)`` of each run of consecutive numbers in the ascending ``slots``."""
+    i = 0
+    while i < len(slots):
+        j = i + 1
+        while j < len(slots) and slots[j] == slots[j - 1] + 1:
+            j += 1
+        yield slots[i], j - i
+        i = j
+
+
 def _stride(length: int) -> int:
     return -(-length // ALIGN) * ALIGN
 
@@ -154,8 +174,12 @@ class _SlotFile:
         except OSError:  # a filesystem without O_DIRECT (e.g. tmpfs): buffered I/O only
             self.direct = None
         top = max(used, default=-1) + 1
+        # free slots, each list taken from its end (lowest slot first): those that hold disk
+        # space, taken before those punched out (a write into a hole allocates it again)
         self.free = sorted(set(range(top)) - used, reverse=True)
+        self.punched: list[int] = []
         self.top = top
+        self.holes = True   # until the filesystem says it cannot punch them
         try:
             if os.fstat(self.buffered).st_size > top * self.stride:
                 # slots past the highest one in use hold nothing anybody references (blocks
@@ -163,25 +187,68 @@ class _SlotFile:
                 os.ftruncate(self.buffered, top * self.stride)
         except OSError as exc:   # the tier works all the same
             log.warning("could not cut %s to its slots in use: %s", path, exc)
+        # free slots beyond the share a file keeps (the last run may have stopped in the middle
+        # of a model change): the ones taken last give their space back now
+        surplus = len(self.free) - self._kept_free()
+        if surplus > 0:
+            extra = self.free[:surplus]
+            if all(self._punch(first, count) for first, count in _runs(sorted(extra))):
+                self.punched, self.free = extra, self.free[surplus:]
+
+    @property
+    def free_slots(self) -> int:
+        return len(self.free) + len(self.punched)
+
+    def _kept_free(self) -> int:
+        """How many free slots keep their disk space: more than the churn between the store's
+        watermarks (10% of the tier by default) frees, so that steady churn rewrites allocated
+        slots and never pays for allocating them again."""
+        return self.top // KEPT_FREE_DIVISOR
+
+    def _punch(self, slot: int, count: int = 1) -> bool:
+        """Give the disk space of ``count`` slots from ``slot`` back; False when the filesystem
+        cannot (and from then on without asking it again: the space is only reused, as before)
+        or the call failed."""
+        if not self.holes:
+            return False
+        try:
+            self.holes = punch_hole(self.buffered, slot * self.stride, count * self.stride)
+        except OSError as exc:   # the slots are free all the same; their space is reused later
+            log.warning("could not give back the disk space of %d free slot(s) in a payload file: %s", count, exc)
+            return False
+        if not self.holes:
+            log.info("this filesystem cannot punch holes: free payload slots keep their disk space until reused")
+        return self.holes
 
     def take(self) -> int:
         if self.free:
             return self.free.pop()
+        if self.punched:
+            return self.punched.pop()
         self.top += 1
         return self.top - 1
 
     def give_back(self, slot: int) -> None:
         """``slot`` is free again (nothing committed references it). When it was the last one in
         use, the file gives its disk space back: a size whose blocks have all left (a model no
-        longer served, an eviction) does not keep the disk it once took beside the sizes in use."""
-        self.free.append(slot)
-        if len(self.free) == self.top:
+        longer served, an eviction) does not keep the disk it once took beside the sizes in use.
+        A free slot beyond the share a file keeps (:meth:`_kept_free`) gives its space back at
+        once (a hole), so a size that shrinks while another grows does not hold both at their
+        largest."""
+        if self.free_slots + 1 == self.top:
             self.free.clear()
+            self.punched.clear()
             self.top = 0
             try:
                 os.ftruncate(self.buffered, 0)
             except OSError as exc:   # the slots are free all the same; the space waits for a restart
                 log.warning("could not truncate an empty payload file: %s", exc)
+        elif len(self.free) >= self._kept_free() and self._punch(slot):
+            # more free slots than churn needs: this size is shrinking (another replaces it, or
+            # evictions), so the slot's disk space goes back now, not when the file empties
+            self.punched.append(slot)
+        else:
+            self.free.append(slot)
 
     def write(self, slot: int, payload: np.ndarray) -> None:
         fd = self.direct if self.direct is not None and _aligned(payload) else self.buffered

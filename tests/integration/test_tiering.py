@@ -17,6 +17,7 @@ import pytest
 
 import kvstored
 from conftest import Daemon, start_daemon
+from fsprobe import can_punch_holes
 
 WIDTH = 256 << 10  # bytes per block: the 64 MiB test arena holds 256
 
@@ -236,6 +237,35 @@ def test_churn_of_3x_capacity_stays_under_capacity(daemon_factory) -> None:  # t
     # Freed slots are reused, so the file stays near capacity: at most the slots whose deletes were
     # still queued (one write-back round, the gap between the watermarks) beyond it.
     assert payload.stat().st_size <= int(1.25 * (32 << 20))
+
+
+def test_a_model_change_keeps_the_ssd_files_near_capacity(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """The slot files of a block size gave disk space back only at their end, so while a model
+    with another block size replaced the cached one, the old size's file stayed at its largest
+    beside the new one's: up to twice ssd.capacity on disk (a README known limit). Free slots
+    are punched out now, and the tier's files stay near capacity all through the change."""
+    capacity = 32 << 20
+    d = daemon_factory("--ssd-capacity", "32MiB", "--set", "dram.writeback_watermark=0.1")
+    ssd_dir = Path(d.socket).parent / "kv-ssd"
+    if not can_punch_holes(ssd_dir):
+        pytest.skip("the test directory's filesystem cannot punch holes")
+    old, new = kvstored.Namespace(model="old"), kvstored.Namespace(model="new")
+    half = WIDTH // 2
+
+    def payload_disk_bytes() -> int:
+        return sum(f.stat().st_blocks * 512 for f in ssd_dir.glob("payload-*.dat"))
+
+    with kvstored.Client(d.socket) as c:
+        for i in range(16):   # 64 MiB of the old model's blocks through a 32 MiB SSD tier
+            c.save(prompt(i), content(prompt(i)), namespace=old)
+        assert wait_for(lambda: c.stats()["tiers"][1]["used_bytes"] > capacity // 2)
+        peak = 0
+        for i in range(48):   # 96 MiB of the new model's (half as large) replace them
+            c.save(prompt(100 + i), content(prompt(100 + i), half), namespace=new)
+            peak = max(peak, payload_disk_bytes())
+        assert c.lookup(prompt(0), namespace=old).blocks < 16   # the old model's blocks did leave
+        assert np.array_equal(c.load(prompt(147), namespace=new).data, content(prompt(147), half))
+    assert peak <= 1.3 * capacity, f"the payload files took {peak / capacity:.2f}x ssd.capacity on disk"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
