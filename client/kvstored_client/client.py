@@ -163,6 +163,9 @@ class Client:
     whose block payload size is fixed by its first save. Engines pass their own
     :class:`Namespace` (model, dtype, block size, layout, shard) so their blocks never mix with
     anyone else's. Token counts that are not whole blocks are fine: the partial tail is ignored.
+    ``cache_salt`` salts the keys of every call that passes tokens (a call's own ``cache_salt``
+    replaces it; ``""`` is no salt), so tenants cannot probe each other's prefixes; calls that pass
+    an engine's ``hashes`` take them as they are (the engine hashed with its salt).
     Raises :class:`DaemonNotRunning` when nothing answers on the socket.
     """
 
@@ -439,11 +442,12 @@ class Client:
         copied in cost more than the rest of a 128k-token request): as ``packed_hashes``, one field
         instead of one per block, when the daemon takes them, else as ``hashes``. Returns how many
         blocks. InvalidArgument for bad tokens or hashes."""
-        salt = cache_salt if cache_salt is not None else self._cache_salt
         if hashes is not None:
             if tokens is not None:
                 raise InvalidArgument("give tokens or hashes, not both")
-            if salt:
+            # the client's own salt (from its construction) is for the calls that pass tokens: a
+            # salted client's hashes= calls work; a salt given with the hashes themselves is a mistake
+            if cache_salt:
                 raise InvalidArgument("cache_salt applies to tokens; engine hashes already include it")
             if isinstance(hashes, (bytes, bytearray, str)):
                 raise InvalidArgument("hashes must be a sequence of bytes objects, one per block")
@@ -463,6 +467,7 @@ class Client:
             return len(chain)
         if tokens is None:
             raise InvalidArgument("give tokens or hashes")
+        salt = cache_salt if cache_salt is not None else self._cache_salt
         hasher_key = (spec.block_size, spec.hash_seed, spec.hash_algo)
         hasher = self._hashers.get(hasher_key)
         if hasher is None:

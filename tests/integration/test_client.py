@@ -72,6 +72,21 @@ def test_tenant_salt_isolates_prefixes(daemon) -> None:  # type: ignore[no-untyp
         assert b.lookup(list(range(32))).blocks == 0
 
 
+def test_a_salted_client_takes_engine_hashes(daemon) -> None:  # type: ignore[no-untyped-def]
+    """(review) A client salted at construction refused every hashes= call ("cache_salt applies
+    to tokens") unless each passed cache_salt="": the salt is for the calls that hash tokens, an
+    engine's hashes carry the salt it hashed with. A salt passed with the hashes is still refused."""
+    tokens = list(range(48))
+    with kvstored.Client(daemon.socket, cache_salt="tenant-a") as a:
+        a.save(tokens, rows(3))
+        salted = kvstored.block_hashes(tokens, cache_salt="tenant-a")
+        assert a.lookup(hashes=salted).blocks == 3
+        assert np.array_equal(a.load(hashes=salted).data, rows(3))
+        assert a.lookup(hashes=kvstored.block_hashes(tokens)).blocks == 0   # unsalted keys: not the tenant's
+        with pytest.raises(kvstored.InvalidArgument, match="cache_salt applies to tokens"):
+            a.lookup(hashes=salted, cache_salt="tenant-a")
+
+
 @pytest.mark.parametrize("layout", ["vllm_flash", "block_first", "sglang_pages"])
 def test_registered_buffers_save_and_load_blocks(client, layout: str) -> None:  # type: ignore[no-untyped-def]
     layers, nblocks, bs, heads, dim = 3, 12, 16, 2, 8
