@@ -12,10 +12,10 @@ Crash safety comes from ordering, done by the one writer thread: a batch's paylo
 sync for everything queued), and a slot freed by a delete is reused only after that delete has
 committed. A crash therefore leaves every visible record pointing at the bytes it was written
 with; slots nobody references are free at the next start (and the disk space past the highest
-slot in use, or of a size with no block left, goes back). A file keeps the disk space of an eighth
-of its slots while they are free, for churn to rewrite; the space of free slots beyond that is
-punched out, so a size that shrinks while another grows (a model change) gives its disk back as it
-goes. Every read verifies length and checksum
+slot in use, or of a size with no block left, goes back). Free slots keep their disk space for
+churn to rewrite in place, as long as the slots that hold disk space stay within the tier's
+capacity; past it (one block size shrinking while another grows: a model change) free slots are
+punched out, so the files stay near the capacity. Every read verifies length and checksum
 and reports a mismatch, never returns it. A full disk is an error (``SSDError``), never a crash.
 """
 
@@ -49,10 +49,6 @@ ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the devic
 # for small blocks a read's thread hand-offs and GIL waits cost more than the read (64 KiB blocks
 # came up at half the speed); a 2 MiB block is read alone.
 MERGE_BYTES = 1 << 20
-# A payload file keeps the disk space of up to 1/KEPT_FREE_DIVISOR of its slots while they are free
-# (the store evicts from the high to the low watermark, 10% of the tier, before writing again);
-# free slots beyond that are punched out (their space goes back) until written again.
-KEPT_FREE_DIVISOR = 8
 PROGRESS_EVERY = 4096   # records between progress reports of a long scan
 Progress = Callable[[str, int, int], None]   # (what, done, total or 0 when not known)
 # version, namespace id, depth, length, checksum, slot, parent length, then the parent hash
@@ -143,17 +139,6 @@ def decode_meta(raw: bytes, key: bytes) -> BlockRecord:
     return BlockRecord(ns, bytes(key[8:]), parent, depth, length, check, slot)
 
 
-def _runs(slots: list[int]) -> Iterator[tuple[int, int]]:
-    """``(first, count)`` of each run of consecutive numbers in the ascending ``slots``."""
-    i = 0
-    while i < len(slots):
-        j = i + 1
-        while j < len(slots) and slots[j] == slots[j - 1] + 1:
-            j += 1
-        yield slots[i], j - i
-        i = j
-
-
 def _stride(length: int) -> int:
     return -(-length // ALIGN) * ALIGN
 
@@ -187,38 +172,34 @@ class _SlotFile:
                 os.ftruncate(self.buffered, top * self.stride)
         except OSError as exc:   # the tier works all the same
             log.warning("could not cut %s to its slots in use: %s", path, exc)
-        # free slots beyond the share a file keeps (the last run may have stopped in the middle
-        # of a model change): the ones taken last give their space back now
-        surplus = len(self.free) - self._kept_free()
-        if surplus > 0:
-            extra = self.free[:surplus]
-            if all(self._punch(first, count) for first, count in _runs(sorted(extra))):
-                self.punched, self.free = extra, self.free[surplus:]
 
     @property
     def free_slots(self) -> int:
         return len(self.free) + len(self.punched)
 
-    def _kept_free(self) -> int:
-        """How many free slots keep their disk space: more than the churn between the store's
-        watermarks (10% of the tier by default) frees, so that steady churn rewrites allocated
-        slots and never pays for allocating them again."""
-        return self.top // KEPT_FREE_DIVISOR
+    @property
+    def allocated_bytes(self) -> int:
+        """Payload bytes of the slots that hold disk space (in use, or free and not punched)."""
+        return (self.top - len(self.punched)) * self.length
 
-    def _punch(self, slot: int, count: int = 1) -> bool:
-        """Give the disk space of ``count`` slots from ``slot`` back; False when the filesystem
-        cannot (and from then on without asking it again: the space is only reused, as before)
-        or the call failed."""
-        if not self.holes:
-            return False
-        try:
-            self.holes = punch_hole(self.buffered, slot * self.stride, count * self.stride)
-        except OSError as exc:   # the slots are free all the same; their space is reused later
-            log.warning("could not give back the disk space of %d free slot(s) in a payload file: %s", count, exc)
-            return False
-        if not self.holes:
-            log.info("this filesystem cannot punch holes: free payload slots keep their disk space until reused")
-        return self.holes
+    def punch_free(self, nbytes: int) -> int:
+        """Punch out free slots until ``nbytes`` of payload slots gave their disk space back, or
+        none is left to punch; the bytes given back. 0 where the filesystem cannot punch holes
+        (logged once; the space is then only reused, as before)."""
+        done = 0
+        while done < nbytes and self.free and self.holes:
+            slot = self.free[-1]
+            try:
+                self.holes = punch_hole(self.buffered, slot * self.stride, self.stride)
+            except OSError as exc:   # the slot is free all the same; its space is reused later
+                log.warning("could not give back the disk space of a free payload slot: %s", exc)
+                break
+            if not self.holes:
+                log.info("this filesystem cannot punch holes: free payload slots keep their disk space until reused")
+                break
+            self.punched.append(self.free.pop())
+            done += self.length
+        return done
 
     def take(self) -> int:
         if self.free:
@@ -231,10 +212,7 @@ class _SlotFile:
     def give_back(self, slot: int) -> None:
         """``slot`` is free again (nothing committed references it). When it was the last one in
         use, the file gives its disk space back: a size whose blocks have all left (a model no
-        longer served, an eviction) does not keep the disk it once took beside the sizes in use.
-        A free slot beyond the share a file keeps (:meth:`_kept_free`) gives its space back at
-        once (a hole), so a size that shrinks while another grows does not hold both at their
-        largest."""
+        longer served, an eviction) does not keep the disk it once took beside the sizes in use."""
         if self.free_slots + 1 == self.top:
             self.free.clear()
             self.punched.clear()
@@ -243,10 +221,6 @@ class _SlotFile:
                 os.ftruncate(self.buffered, 0)
             except OSError as exc:   # the slots are free all the same; the space waits for a restart
                 log.warning("could not truncate an empty payload file: %s", exc)
-        elif len(self.free) >= self._kept_free() and self._punch(slot):
-            # more free slots than churn needs: this size is shrinking (another replaces it, or
-            # evictions), so the slot's disk space goes back now, not when the file empties
-            self.punched.append(slot)
         else:
             self.free.append(slot)
 
@@ -295,10 +269,14 @@ class SSDTier:
     return futures."""
 
     def __init__(self, path: str, map_size: int, read_threads: int = 2, sync: bool = True,
-                 group_commit_bytes: int = 64 << 20, progress: Progress | None = None) -> None:
+                 group_commit_bytes: int = 64 << 20, progress: Progress | None = None,
+                 disk_budget: int | None = None) -> None:
         """Open (or create) the tier in ``path``, reading its index for the slots in use;
-        ``progress(what, records read, 0)`` is called every PROGRESS_EVERY records."""
+        ``progress(what, records read, 0)`` is called every PROGRESS_EVERY records.
+        ``disk_budget``: payload bytes the slots that hold disk space may add up to (the store's
+        capacity) before free slots are punched out; None: free slots keep their space."""
         self.path = Path(path)
+        self._disk_budget = disk_budget
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _lock_directory(self.path)
         # The index needs ~150 bytes a block; the map is sparse address space, so generous is free.
@@ -325,6 +303,7 @@ class SSDTier:
             for length, slots in used.items():
                 self._file(length, slots)   # each cut to its highest slot in use
             self._remove_unused_files(used)
+            self._trim_to_budget()   # a run that stopped in the middle of a model change
         except BaseException:   # nothing stays open, the directory's lock included
             for f in self._files.values():
                 f.close()
@@ -555,6 +534,7 @@ class SSDTier:
             return
         for f, slot in freed:  # reusable only now that no committed record points at them
             f.give_back(slot)
+        self._trim_to_budget()
         if self._lost_deletes:
             for op in batch:   # a delete or a put of the block committed now supersedes a lost delete
                 if op.kind == "delete" or id(op) in written:
@@ -588,6 +568,21 @@ class SSDTier:
                     except Corrupt:
                         pass
         return freed
+
+    def _trim_to_budget(self) -> None:
+        """Past the disk budget, free slots give their disk space back (punched out), those of
+        the files with most free slots first: while one block size replaces another, the old
+        size's free slots no longer hold disk beside the new size's, which held up to about twice
+        the capacity. Within it they keep it, so that steady churn rewrites slots in place."""
+        if self._disk_budget is None:
+            return
+        with self._files_lock:
+            files = list(self._files.values())
+        over = sum(f.allocated_bytes for f in files) - self._disk_budget
+        for f in sorted(files, key=lambda f: len(f.free), reverse=True):
+            if over <= 0:
+                return
+            over -= f.punch_free(over)
 
     def _retry_lost_deletes(self) -> None:
         """Make the deletes whose commit failed, in a transaction of their own (before the batch:

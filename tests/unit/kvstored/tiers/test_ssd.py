@@ -148,12 +148,13 @@ def _disk_bytes(path: Path) -> int:
     return path.stat().st_blocks * 512
 
 
-def test_a_shrinking_size_gives_the_disk_space_of_its_free_slots_back(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Slot files gave disk space back only at their end (or when empty), so while one block size
-    replaced another (a model change) both files stayed at their largest: up to twice
-    ssd.capacity on disk. Free slots beyond an eighth of a file are now punched out as they are
-    freed, and at open for those a stopped daemon left; the blocks left read back unchanged and
-    the punched slots are written again like any other."""
+def test_free_slots_past_the_disk_budget_give_their_space_back(tmp_path: Path) -> None:
+    """Slot files gave disk space back only at their end (or when a size emptied), so while one
+    block size replaced another (a model change) both files stayed at their largest: up to twice
+    ssd.capacity on disk. Past the disk budget, free slots are now punched out, as they are freed
+    and at open (for those a run without a budget left); within it they keep their space (churn
+    rewrites them in place). The blocks left read back unchanged; punched slots are written again
+    like any other."""
     if not can_punch_holes(tmp_path):
         pytest.skip("this filesystem cannot punch holes")
     size, n = 64 << 10, 64
@@ -166,40 +167,40 @@ def test_a_shrinking_size_gives_the_disk_space_of_its_free_slots_back(tmp_path: 
             tier.read_into(1, keys[i], out).result(10)
             assert np.array_equal(out, payload(i)), f"block {i} changed"
 
-    ssd = SSDTier(str(tmp_path), 64 << 20)
+    def disk_bytes() -> int:
+        return data.stat().st_blocks * 512
+
+    ssd = SSDTier(str(tmp_path), 64 << 20, disk_budget=24 * size)
     try:
         for i in range(n):
             ssd.put(1, keys[i], b"", 0, payload(i)).result(10)
-        assert _disk_bytes(data) >= n * size
+        assert disk_bytes() >= n * size   # over the budget, but every slot is in use
         for i in range(n - 8):   # the oldest go first: the file's highest slots stay in use
             ssd.delete(1, keys[i]).result(10)
-        assert data.stat().st_size == n * size                 # the slots are where they were ...
-        assert _disk_bytes(data) <= (8 + n // 8 + 1) * size    # ... but only 8 + an eighth hold disk
+        assert data.stat().st_size == n * size       # the slots are where they were ...
+        # ... but only the budget's hold disk: 8 in use, 16 free ones kept for churn to rewrite
+        assert 24 * size <= disk_bytes() <= 25 * size
         check(ssd, range(n - 8, n))
-        for i in range(8):   # punched slots are written again
+        for i in range(24):   # the 16 free slots that kept their space, then punched ones, are written again
             ssd.put(1, keys[i], b"", 0, payload(i)).result(10)
-        check(ssd, range(8))
+        check(ssd, range(24))
+        assert data.stat().st_size == n * size
     finally:
         ssd.close()
 
-    # A daemon that could not punch (or stopped first) left free slots in the middle: at open
-    # they give their space back too
-    import kvstored.tiers.ssd as ssd_module
-    monkeypatch.setattr(ssd_module, "punch_hole", lambda fd, offset, length: False)
-    ssd = SSDTier(str(tmp_path), 64 << 20)
+    unbounded = SSDTier(str(tmp_path), 64 << 20)   # no budget: free slots keep their space
     try:
-        for i in range(8, n - 8):
-            ssd.put(1, keys[i], b"", 0, payload(i)).result(10)
-        for i in range(8, n - 8):
-            ssd.delete(1, keys[i]).result(10)
-        assert _disk_bytes(data) >= (n - 8) * size   # nothing punched
+        for i in range(24, n - 8):
+            unbounded.put(1, keys[i], b"", 0, payload(i)).result(10)
+        for i in range(24, n - 8):
+            unbounded.delete(1, keys[i]).result(10)
+        assert disk_bytes() >= (n - 8) * size
     finally:
-        ssd.close()
-    monkeypatch.undo()
-    again = SSDTier(str(tmp_path), 64 << 20)
+        unbounded.close()
+    again = SSDTier(str(tmp_path), 64 << 20, disk_budget=24 * size)   # at open: back within the budget
     try:
-        assert _disk_bytes(data) <= (16 + n // 8 + 1) * size
-        check(again, range(8))
+        assert disk_bytes() <= 33 * size   # 32 slots in use
+        check(again, range(24))
         check(again, range(n - 8, n))
     finally:
         again.close()
