@@ -729,12 +729,14 @@ class BlockStore:
         """Count a failed read of a block's SSD copy (slotless: its DRAM slot, if it had one for
         the read, is already released). A corrupt copy is dropped; after any other error (the
         disk, the pool shutting down) the copy stays and goes back to the SSD policy, with the
-        ``reuses`` it had there when a promotion took it out."""
+        ``reuses`` it had there when a promotion took it out. A block is counted dropped once,
+        however many reads of its copy fail (peers reading it at once into buffers of their own)."""
         self._n.ssd_read_errors += 1
         if isinstance(exc, Corrupt):
-            log.warning("dropping block %s: %s", block.key.hex()[:16], exc)
-            self._drop_ssd_copy(block)
-            self._n.dropped += 1
+            if block.on_ssd:   # else an earlier failed read of this copy dropped it (and counted it)
+                log.warning("dropping block %s: %s", block.key.hex()[:16], exc)
+                self._drop_ssd_copy(block)
+                self._n.dropped += 1
         else:
             log.warning("SSD read of %s failed: %s", block.key.hex()[:16], exc)
             if block not in self._ssd_policy:

@@ -1085,3 +1085,26 @@ def test_no_copy_into_engine_buffers_starts_after_the_callers_deadline(env: tupl
         assert buffers.busy == 0
     finally:
         engine.close()
+
+
+def test_a_corrupt_block_two_peers_read_at_once_is_dropped_and_counted_once(
+        ssd_env: tuple[BlockStore, Clock]) -> None:
+    """Two peers fetch the same block while every DRAM slot is leased: each checkout reads its
+    SSD copy into a buffer of its own, and both reads fail its checksum. The block is one block
+    lost, but each failed read counted it as dropped again: `kvctl stats` said 2 dropped blocks
+    (and any read more, one more) for one copy gone."""
+    store, _ = ssd_env
+    ns = store.open_namespace(NS).namespace_id
+    a = chain(1)
+
+    async def main() -> list[Any]:
+        await _on_ssd_with_dram_leased(store, ns, a, 8)   # no DRAM slot: read into buffers of their own
+        _corrupt_on_disk(store, ns, a[0])
+        return list(await asyncio.gather(store.checkout(ns, a[0]), store.checkout(ns, a[0])))
+
+    assert asyncio.run(main()) == [None, None]
+    stats = store.stats()
+    assert stats.tiers[1].read_errors == 2                       # two reads did fail ...
+    assert stats.dropped_blocks == 1, stats.dropped_blocks        # ... of one block, lost once
+    assert stats.tiers[1].blocks == 0 and stats.tiers[1].used_bytes == 0
+    assert store.held(ns, a) == 0
