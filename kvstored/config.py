@@ -66,6 +66,14 @@ class SSDConfig:
     sync: bool = True                # fsync each group commit (off: faster, loses recent writes on power loss)
     reader_check_interval_s: float = 30.0
 
+    @property
+    def disk_budget(self) -> int:
+        """Payload bytes the SSD tier's slot files may hold disk space for before free slots
+        are punched out: the capacity plus the gap between the watermarks, since a write-back
+        round takes fresh slots for up to that gap before its evictions' deletes free theirs
+        (within it, steady churn never punches a slot it is about to write again)."""
+        return int(self.capacity * (1 + self.high_watermark - self.low_watermark))
+
 
 @dataclass(frozen=True, slots=True)
 class LeaseConfig:

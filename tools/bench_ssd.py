@@ -87,7 +87,8 @@ def cold(ssd: SSDTier, base: Path, capacity: int, read_threads: int) -> SSDTier:
     index once, as the daemon's restore does at start: payload reads are cold, the index is not."""
     ssd.close()
     drop_cache(base / "lmdb")
-    ssd = SSDTier(str(base / "lmdb"), int(capacity * 1.5), read_threads, disk_budget=capacity)
+    ssd = SSDTier(str(base / "lmdb"), int(capacity * 1.5), read_threads,
+                  disk_budget=SSDConfig(capacity=capacity).disk_budget)   # as the daemon opens it
     for _ in ssd.scan():
         pass
     return ssd
@@ -409,7 +410,7 @@ def main() -> int:
     dst_deep = [aligned(BLOCK) for _ in range(depth)]
     out_deep = [np.frombuffer(aligned(BLOCK), dtype=np.uint8) for _ in range(depth)]
     capacity = args.blocks * BLOCK
-    ssd = SSDTier(str(base / "lmdb"), int(capacity * 1.5), depth, disk_budget=capacity)
+    ssd = SSDTier(str(base / "lmdb"), int(capacity * 1.5), depth, disk_budget=SSDConfig(capacity=capacity).disk_budget)
     rows: dict[str, list[float]] = {k: [] for k in ("raw write", "tier write", "raw read", "tier read",
                                                       "raw read, the daemon's depth", "tier read, the daemon's depth",
                                                       "tier write after churn", "raw read after churn",

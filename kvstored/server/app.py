@@ -253,7 +253,7 @@ async def serve(cfg: Config) -> int:
             starting.step(f"opening the SSD tier: {cfg.ssd.capacity >> 20} MiB in {cfg.ssd_path}")
             try:
                 ssd = SSDTier(cfg.ssd_path, int(cfg.ssd.capacity * cfg.ssd.map_slack), cfg.ssd.read_threads,
-                              cfg.ssd.sync, progress=starting.report, disk_budget=cfg.ssd.capacity)
+                              cfg.ssd.sync, progress=starting.report, disk_budget=cfg.ssd.disk_budget)
             except InUse as exc:
                 raise StartupError(str(exc)) from None
             except lmdb.MemoryError as exc:   # mmap of the index refused: more than the address space
