@@ -7,16 +7,22 @@ Wire format (all integers big-endian; one connection carries any number of reque
 
 * ``HELLO`` client -> server: ``magic "KVPB", version, flags, token length`` then the token (may be
   empty). ``WELCOME`` server -> client: ``magic, version, status, message length`` then a UTF-8
-  message; any status but OK is followed by the server closing the connection.
+  message; any status but OK is followed by the server closing the connection. HELLO flag BIND:
+  the client binds frame checksums (below); a server that does too answers version 2 (BOUND), and
+  the connection binds them both ways. A node that predates binding ignores the flag and answers
+  version 1: its connections check payloads only, so old and new nodes still talk.
 * ``REQUEST`` client -> server: ``op, flags, 0, key count, namespace id, body bytes`` then the body:
   each key as ``u8 length ‖ key`` (FETCH, PUSH, LOOKUP), or the namespace's description (NAMESPACE).
   PUSH with flag PARENT: the first key names the parent of the pushed chain and has no frame.
   LOOKUP and NAMESPACE are answered with one ACK frame (LOOKUP: ``index`` = how many leading keys
   the peer holds) or an ERROR frame.
-* ``FRAME`` either way: ``kind, key length, 0, index, length, xxh3-64 checksum`` then the key, then
+* ``FRAME`` either way: ``kind, key length, 0, index, length, checksum`` then the key, then
   ``length`` payload bytes. Kinds: BLOCK (payload = the block), MISSING (the sender does not have
   ``keys[index]``; the transfer ends), END (all blocks sent), ERROR (payload = a UTF-8 message; the
-  transfer ends), ACK (push: ``index`` = blocks the receiver stored).
+  transfer ends), ACK (push: ``index`` = blocks the receiver stored). A BLOCK's checksum is its
+  payload's xxh3-64; on a bound connection, the xxh3-64 of ``namespace id ‖ that ‖ key``
+  (:func:`bound_checksum`), so that a request whose namespace id or key was damaged on the way is
+  not answered with a block (of another namespace, or another key) that passes its check.
 
 Contract:
 
@@ -56,11 +62,13 @@ log = logging.getLogger("kvstored.peers")
 
 MAGIC = b"KVPB"
 VERSION = 1
+BOUND = 2            # WELCOME's version when the connection binds frame checksums
 
 _HELLO = struct.Struct(">4sBBH")     # magic, version, flags, token length; then the token
 _WELCOME = struct.Struct(">4sBBH")   # magic, version, status, message length; then the message
 _REQUEST = struct.Struct(">BBHIQI")  # op, flags, 0, key count, namespace id, body bytes; then the body
 _FRAME = struct.Struct(">BBHIQQ")    # kind, key length, 0, index, length, checksum; then key, payload
+_BIND = struct.Struct(">QQ")         # namespace id, payload checksum; then the key (bound_checksum)
 
 OP_FETCH = 1
 OP_PUSH = 2
@@ -69,6 +77,7 @@ OP_NAMESPACE = 4
 
 FLAG_PARENT = 1          # PUSH: keys[0] is the parent of the pushed chain, not a pushed block
 FLAG_FIXED = 2           # the body is one length byte, then the keys back to back (all that long)
+HELLO_BIND = 1           # HELLO: this client binds frame checksums to their namespace id and key
 MAX_NAMESPACE_BYTES = 64 << 10
 
 BLOCK = 1
@@ -305,6 +314,13 @@ def checksum(data: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def bound_checksum(payload_checksum: int, namespace_id: int, key: bytes) -> int:
+    """A BLOCK frame's checksum on a bound connection: the payload's xxh3-64 bound to the namespace
+    id and key it is sent under. One small hash per block on top of the payload's (which a store
+    may have computed once for all its peers)."""
+    return xxhash.xxh3_64_intdigest(_BIND.pack(namespace_id, payload_checksum) + key)
+
+
 def _as_bytes_view(buf: memoryview) -> memoryview:
     view = memoryview(buf)
     if view.format != "B" or view.ndim != 1:
@@ -340,6 +356,7 @@ class _Stream(asyncio.BufferedProtocol):
         self._eof = False
         self._error: BaseException | None = None
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.bound = False   # both sides agreed (HELLO, WELCOME) to bind frame checksums
 
     # protocol callbacks -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -776,7 +793,7 @@ class BlockServer:
                     await stream.read_some(sink)
 
     async def _hello(self, stream: _Stream) -> bool:
-        magic, version, _flags, token_len = _HELLO.unpack(await stream.read_exact(_HELLO.size, "reading hello"))
+        magic, version, flags, token_len = _HELLO.unpack(await stream.read_exact(_HELLO.size, "reading hello"))
         if magic != MAGIC or version != VERSION:   # e.g. a TLS client on a plain listener: answer at once
             return await self._refuse(stream, WELCOME_BAD_VERSION, f"unsupported peer protocol {magic!r} v{version}")
         token = await stream.read_exact(token_len, "reading hello")
@@ -786,7 +803,8 @@ class BlockServer:
             if not hmac.compare_digest(token, self._auth.token.encode()):
                 log.warning("peer from %s presented a wrong token", _peername(stream))
                 return await self._refuse(stream, WELCOME_AUTH_REJECTED, "shared token rejected")
-        stream.write(_WELCOME.pack(MAGIC, VERSION, WELCOME_OK, 0))
+        stream.bound = bool(flags & HELLO_BIND)
+        stream.write(_WELCOME.pack(MAGIC, BOUND if stream.bound else VERSION, WELCOME_OK, 0))
         await stream.drain()
         return True
 
@@ -831,7 +849,10 @@ class BlockServer:
                         upcoming = (keys[i + 1], self._serve_ahead(namespace_id, keys[i + 1]))
                     known = raw[1] if isinstance(raw, tuple) else None
                     view = _as_bytes_view(raw[0] if isinstance(raw, tuple) else raw)
-                    stream.write(_frame(BLOCK, key, i, view.nbytes, checksum(view) if known is None else known), view)
+                    check = checksum(view) if known is None else known
+                    if stream.bound:
+                        check = bound_checksum(check, namespace_id, key)
+                    stream.write(_frame(BLOCK, key, i, view.nbytes, check), view)
                     await stream.drain()
                 finally:
                     self._release(namespace_id, key)
@@ -910,13 +931,14 @@ class BlockServer:
                 if landing is not None:
                     landing.abort()
                 raise
-            if hasher.intdigest() != check:
+            digest = hasher.intdigest()
+            if (bound_checksum(digest, namespace_id, key) if stream.bound else digest) != check:
                 if landing is not None:
                     landing.abort()
                 log.warning("pushed block %d (%s) failed its checksum: dropped", i, key.hex()[:16])
                 await self._ack(stream, stored, ERROR, f"block {i} failed its checksum: dropped")
                 return False
-            ok: bool | Awaitable[bool] = landing.commit(check) if landing is not None else \
+            ok: bool | Awaitable[bool] = landing.commit(digest) if landing is not None else \
                 self._store_block(namespace_id, parent, key, view)
             if inspect.isawaitable(ok):
                 ok = await ok
@@ -1003,8 +1025,8 @@ class PeerConnection:
         s = self._stream
         where = f"peer {self._addr[0]}:{self._addr[1]}"
         try:
-            s.write(_HELLO.pack(MAGIC, VERSION, 0, len(token)) + token)
-            magic, _version, status, mlen = _WELCOME.unpack(await s.read_exact(_WELCOME.size, "authenticating"))
+            s.write(_HELLO.pack(MAGIC, VERSION, HELLO_BIND, len(token)) + token)
+            magic, version, status, mlen = _WELCOME.unpack(await s.read_exact(_WELCOME.size, "authenticating"))
             message = (await s.read_exact(mlen, "authenticating")).decode(errors="replace")
         except (_Closed, ConnectionError, ssl.SSLError) as exc:
             cause = exc.__cause__ or exc
@@ -1020,6 +1042,7 @@ class PeerConnection:
             raise PeerAuthError(f"{where} does not speak the kvstored peer protocol{hint}")
         if status != WELCOME_OK:
             raise PeerAuthError(f"{where} refused the connection: {message}")
+        s.bound = version == BOUND
         s.idle()   # read on until the first exchange: an early answer or close is noticed
 
     def close(self) -> None:
@@ -1093,7 +1116,8 @@ class PeerConnection:
                     dest = await self._destination(i, length, into)
                     hasher = xxhash.xxh3_64()
                     await s.read_into(dest, f"reading block {i}", hasher)
-                    if hasher.intdigest() != check:
+                    digest = hasher.intdigest()
+                    if (bound_checksum(digest, namespace_id, keys[i]) if s.bound else digest) != check:
                         self._break()
                         log.warning("block %d (%s) from %s:%d failed its checksum: dropped", i, keys[i].hex()[:16],
                                     *self._addr)
@@ -1201,7 +1225,10 @@ class PeerConnection:
                 for i, (key, payload) in enumerate(blocks):
                     view = _as_bytes_view(memoryview(payload))
                     known = None if checksums is None else checksums[i]
-                    s.write(_frame(BLOCK, key, i, view.nbytes, checksum(view) if known is None else known), view)
+                    check = checksum(view) if known is None else known
+                    if s.bound:
+                        check = bound_checksum(check, namespace_id, key)
+                    s.write(_frame(BLOCK, key, i, view.nbytes, check), view)
                     await s.drain()
                     sent = i + 1
                 s.write(_frame(END))
