@@ -1831,6 +1831,13 @@ class BlockStore:
         assert block is not None and block.pins > 0, "checkin of a block that is not checked out"
         block.pins -= 1
 
+    def checkin_unsent(self, namespace_id: int, key: bytes) -> None:
+        """:meth:`checkin` of a block :meth:`serve` (or checkout, ``served``) returned that never
+        reached the peer whole (checked out ahead, then the transfer ended; or cut while it was
+        written): it is not counted as served after all."""
+        self.checkin(namespace_id, key)
+        self._n.peer_served -= 1
+
     def adopt(self, namespace_id: int, parent: bytes, key: bytes, payload: memoryview) -> bool:
         """Store a block a peer pushed (checksum already verified) under ``parent`` (b"" = the
         chain's root). True when it is stored now or was already; False, storing nothing, when the

@@ -147,7 +147,8 @@ class PeerNode:
             host, port = parse_address(self._cfg.listen)
             store = self._store
             self._server = BlockServer(host, port, self._auth, store.serve, release_block=store.checkin,
-                                       store_block=store.adopt, land_block=store.land, count_blocks=store.held,
+                                       release_unsent=store.checkin_unsent, store_block=store.adopt,
+                                       land_block=store.land, count_blocks=store.held,
                                        open_namespace=store.learn_namespace, why_refused=store.refusal,
                                        limits=Limits(transfer_timeout_s=self._cfg.deadline_s,
                                                      # no larger block can be stored here: a frame

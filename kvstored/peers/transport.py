@@ -597,7 +597,9 @@ class BlockServer:
     The view must stay valid and unchanged until ``release_block(namespace_id, key)`` is called
     for it: exactly once per non-None view, once its bytes are in the kernel or the transfer was
     abandoned. While block ``i`` is being written, ``serve_block`` for ``i + 1`` already runs,
-    so a slow tier (SSD) overlaps with the network.
+    so a slow tier (SSD) overlaps with the network. ``release_unsent(namespace_id, key)``
+    (optional) is called instead of ``release_block`` for a view whose bytes did not all reach the
+    kernel (served ahead, then the transfer ended; or the connection failed while it was written).
 
     ``store_block(namespace_id, parent, key, payload)`` (optional) takes a pushed block whose
     checksum was verified (``parent``: the key before it in the chain, b"" at the root);
@@ -618,7 +620,8 @@ class BlockServer:
     """
 
     def __init__(self, host: str, port: int, auth: PeerAuth, serve_block: ServeBlock, *,
-                 release_block: ReleaseBlock | None = None, store_block: StoreBlock | None = None,
+                 release_block: ReleaseBlock | None = None, release_unsent: ReleaseBlock | None = None,
+                 store_block: StoreBlock | None = None,
                  land_block: LandBlock | None = None, count_blocks: CountBlocks | None = None,
                  open_namespace: OpenNamespace | None = None, why_refused: WhyRefused | None = None,
                  limits: Limits | None = None) -> None:
@@ -627,6 +630,7 @@ class BlockServer:
         self._auth = auth
         self._serve_block = serve_block
         self._release_block = release_block
+        self._release_unsent = release_unsent
         self._store_block = store_block
         self._land_block = land_block
         self._count_blocks = count_blocks
@@ -844,6 +848,7 @@ class BlockServer:
                     stream.write(_frame(MISSING, key, i))
                     await stream.drain()
                     return True
+                sent = False
                 try:
                     if i + 1 < len(keys):
                         upcoming = (keys[i + 1], self._serve_ahead(namespace_id, keys[i + 1]))
@@ -854,8 +859,9 @@ class BlockServer:
                         check = bound_checksum(check, namespace_id, key)
                     stream.write(_frame(BLOCK, key, i, view.nbytes, check), view)
                     await stream.drain()
+                    sent = True
                 finally:
-                    self._release(namespace_id, key)
+                    self._release(namespace_id, key, sent)
             stream.write(_frame(END))
             await stream.drain()
             return True
@@ -883,14 +889,15 @@ class BlockServer:
             fut.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             if await fut is not None:
-                self._release(namespace_id, key)
+                self._release(namespace_id, key, sent=False)
 
-    def _release(self, namespace_id: int, key: bytes) -> None:
-        if self._release_block is not None:
+    def _release(self, namespace_id: int, key: bytes, sent: bool) -> None:
+        release = self._release_block if sent or self._release_unsent is None else self._release_unsent
+        if release is not None:
             try:
-                self._release_block(namespace_id, key)
+                release(namespace_id, key)
             except Exception:
-                log.exception("release_block failed")
+                log.exception("releasing a served block failed")
 
     async def _answer(self, stream: _Stream, outcome: str | Awaitable[str], index: int) -> None:
         """One ACK frame (``index``), or an ERROR frame when ``outcome`` is a refusal message."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import socket
+import struct
 import tempfile
 import zlib
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -170,6 +172,69 @@ def test_pushed_blocks_are_not_counted_as_served_to_fetching_peers() -> None:
             end = await nodes["b"].store.stream_blocks(s.session_id, NS.identity(), KeyRequest(hashes=more), 0, (),
                                                        None, nodes["b"].peers.fetch)
             assert end.stop == "complete" and a.store.stats().peer_served_blocks == 2
+
+    run(main())
+
+
+def test_blocks_checked_out_for_a_peer_that_went_away_unsent_are_not_counted_as_served() -> None:
+    """Regression: peer_served_blocks counted a block when it was checked out for a fetching
+    peer, so the block checked out ahead (while the one before it was being written) and the
+    block cut off mid-write, when that peer went away, were counted as served although neither
+    reached it."""
+    big = 8 << 20   # more than the socket buffers hold: the server's write of block 0 waits
+    spec = Namespace(model="big", block_bytes=big)
+    port, = free_ports(1)
+    cfg = config.build({"dram": {"capacity": 3 * big, "page_bytes": big, "prefault": False, "policy": "lru"},
+                        "peers": {"listen": f"127.0.0.1:{port}", "node_id": "a", "token": "t",
+                                  "static": [f"a=127.0.0.1:{port}"]}})
+
+    async def main() -> None:
+        arena = Arena(tempfile.mkdtemp(), cfg.dram.capacity, prefault=False)
+        copy = CopyEngine(arena)
+        store = BlockStore(cfg, arena, copy)
+        node = PeerNode(cfg, store)
+        try:
+            ns = store.open_namespace(spec).namespace_id
+            keys = chain(3)
+            parent = b""
+            for i, k in enumerate(keys):
+                assert store.adopt(ns, parent, k, memoryview(bytes([i + 1]) * big))
+                parent = k
+            index = store._namespaces[ns].index
+
+            def pins() -> list[int]:
+                return [b.pins if (b := index.get(k)) is not None else -1 for k in keys]
+            await node.start()
+            loop = asyncio.get_running_loop()
+            with socket.socket() as sock:   # a peer that asks, then reads nothing
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.setblocking(False)
+                await loop.sock_connect(sock, ("127.0.0.1", port))
+                await loop.sock_sendall(sock, transport._HELLO.pack(transport.MAGIC, transport.VERSION, 0, 1) + b"t"
+                                        + transport._encode_request(transport.OP_FETCH, ns, keys, transport.Limits()))
+                for _ in range(1000):   # block 0 being written, block 1 checked out ahead
+                    if pins()[1]:
+                        break
+                    await asyncio.sleep(0.01)
+                assert pins() == [1, 1, 0]
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # reset
+            for _ in range(1000):
+                if pins() == [0, 0, 0]:
+                    break
+                await asyncio.sleep(0.01)
+            assert pins() == [0, 0, 0], "a block checked out for the peer stayed pinned"
+            assert store.stats().peer_served_blocks == 0, "blocks that never reached the peer were counted"
+            # a peer that reads them all: each counted once
+            conn = await transport.PeerConnection.open(("127.0.0.1", port), transport.PeerAuth(token="t"))
+            try:
+                res = await conn.fetch(ns, keys, lambda i, v: None, 30)
+            finally:
+                conn.close()
+            assert res.complete and store.stats().peer_served_blocks == 3
+        finally:
+            await node.close()
+            copy.close()
+            arena.close()
 
     run(main())
 
