@@ -273,8 +273,8 @@ class PeerNode:
     # -- questions ----------------------------------------------------------------------------
     async def _held_by(self, peer: _Peer, namespace_id: int, keys: list[bytes],
                        timeout_s: float | None = None) -> int | str:
-        """How many leading keys ``peer`` holds, or why it could not say (each exchange bounded
-        by ``timeout_s``, default ``peers.lookup_timeout_s``)."""
+        """How many leading keys ``peer`` holds, or why it could not say, within ``timeout_s``
+        (default ``peers.lookup_timeout_s``), connecting included."""
         timeout_s = self._cfg.lookup_timeout_s if timeout_s is None else timeout_s
         # a question cut short by the asker's deadline: running out of that time is not the peer's fault
         cut = timeout_s < self._cfg.lookup_timeout_s
@@ -283,7 +283,8 @@ class PeerNode:
         conn = None
         try:
             conn = await self._acquire(peer, timeout_s)
-            held = await self._count_held(conn, namespace_id, keys, timeout_s)
+            # what connecting left of it (a peer slow to accept, a TLS handshake)
+            held = await self._count_held(conn, namespace_id, keys, started + timeout_s - loop.time())
             self._mark(peer)
             return held
         except PeerError as exc:
@@ -296,11 +297,14 @@ class PeerNode:
 
     async def _count_held(self, conn: PeerConnection, namespace_id: int, keys: list[bytes],
                           timeout_s: float) -> int:
-        """How many leading ``keys`` the peer holds, asked :data:`MAX_LOOKUP_KEYS` at a time."""
+        """How many leading ``keys`` the peer holds, asked :data:`MAX_LOOKUP_KEYS` at a time, all
+        within ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
         held = 0
         while True:
             part = keys[held: held + MAX_LOOKUP_KEYS]
-            got = await conn.lookup(namespace_id, part, timeout_s)
+            got = await conn.lookup(namespace_id, part, max(0.0, end - loop.time()))
             held += got
             if got < len(part) or held >= len(keys):
                 return held
@@ -397,6 +401,8 @@ class PeerNode:
         node_id = peer.member.node_id
         conn = None
         arrived = 0
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
 
         async def on_block(i: int, _view: memoryview) -> None:
             nonlocal arrived
@@ -405,7 +411,8 @@ class PeerNode:
 
         try:
             conn = await self._acquire(peer, deadline_s)
-            result = await conn.fetch(namespace_id, keys, on_block, deadline_s,
+            # what connecting left of it (a new connection: the pool had none idle)
+            result = await conn.fetch(namespace_id, keys, on_block, max(0.0, end - loop.time()),
                                       into=lambda i, length: into(first + i, length))
         except PeerError as exc:
             self._mark(peer, str(exc))

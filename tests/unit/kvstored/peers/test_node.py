@@ -422,6 +422,54 @@ def test_a_fetch_cut_short_by_the_callers_deadline_is_a_timeout_and_blames_no_pe
     run(main())
 
 
+def test_connecting_to_a_peer_counts_against_the_deadline_of_a_question_and_of_a_fetch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a question to a peer and a fetch from it each gave their whole time to the
+    exchange after the time spent connecting (a peer slow to accept: loaded, a TLS handshake),
+    so a question outlived peers.lookup_timeout_s, and a stream's fetch the caller's deadline
+    (the engine got DEADLINE_EXCEEDED, not the blocks that had arrived and a "timeout" end)."""
+    from kvstored.peers import node as node_mod
+    monkeypatch.setattr(node_mod, "IDLE_CONNECTIONS", 0)   # every exchange on a new connection
+    real_open, real_lookup, real_fetch = (transport.PeerConnection.open, transport.PeerConnection.lookup,
+                                          transport.PeerConnection.fetch)
+    ends: dict[str, list[float]] = {"lookup": [], "fetch": []}
+
+    async def slow_open(addr: Any, auth: Any, limits: Any = None) -> transport.PeerConnection:
+        await asyncio.sleep(0.3)
+        return await real_open(addr, auth, limits)
+
+    async def lookup(self: transport.PeerConnection, namespace_id: int, keys: Any, deadline_s: float) -> int:
+        ends["lookup"].append(asyncio.get_running_loop().time() + deadline_s)
+        return await real_lookup(self, namespace_id, keys, deadline_s)
+
+    async def fetch(self: transport.PeerConnection, namespace_id: int, keys: Any, on_block: Any,
+                    deadline_s: float, **kw: Any) -> transport.FetchResult:
+        ends["fetch"].append(asyncio.get_running_loop().time() + deadline_s)
+        return await real_fetch(self, namespace_id, keys, on_block, deadline_s, **kw)
+
+    monkeypatch.setattr(transport.PeerConnection, "open", slow_open)
+    monkeypatch.setattr(transport.PeerConnection, "lookup", lookup)
+    monkeypatch.setattr(transport.PeerConnection, "fetch", fetch)
+
+    async def main() -> None:
+        async with cluster({"a": 8, "b": 8}) as nodes:   # lookup_timeout_s 1, deadline_s 3
+            keys = chain(3)
+            save(nodes["a"].store, keys)
+            b = nodes["b"]
+            loop = asyncio.get_running_loop()
+            begun = loop.time()
+            assert await b.peers.holders(NS.identity(), keys) == {"a": 3}
+            assert ends["lookup"] and max(ends["lookup"]) <= begun + 1.0 + 1e-3, "a question outlived its timeout"
+            s = b.store.open_session("r", 1)
+            until = loop.time() + 2.5
+            end = await b.store.stream_blocks(s.session_id, NS.identity(), KeyRequest(hashes=keys), 0, (), None,
+                                              functools.partial(b.peers.fetch, until=until))
+            assert ends["fetch"] and max(ends["fetch"]) <= until + 1e-3, "a fetch outlived the caller's deadline"
+            assert end.stop == "complete", end
+
+    run(main())
+
+
 def test_a_migration_naming_a_namespace_without_a_prefix_is_refused() -> None:
     # (review) MigrateRequest.namespace_id names the prefix's namespace; without a prefix it was
     # ignored and the migration took every namespace of every model: a raw client draining one
