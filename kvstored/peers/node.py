@@ -24,6 +24,7 @@ from kvstored.cluster.membership import EtcdMembership, Member, Membership, Memb
 from kvstored.config import Config, ConfigError, PeersConfig
 from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound
 from kvstored.peers.transport import (
+    MAX_TOKEN_BYTES,
     BlockServer,
     Limits,
     PeerAuth,
@@ -51,10 +52,15 @@ MAX_QUEUED_PUSH_KEYS = 1 << 16
 
 
 def auth_from_config(cfg: PeersConfig) -> PeerAuth:
-    """The peer credentials the config names; ConfigError when a file cannot be read."""
-    token = cfg.token
+    """The peer credentials the config names; ConfigError when a file cannot be read or the
+    token is longer than the peer protocol carries (MAX_TOKEN_BYTES, in UTF-8)."""
+    token, key = cfg.token, "peers.token"
     if cfg.token_file:
-        token = read_token_file(cfg.token_file)
+        token, key = read_token_file(cfg.token_file), f"peers.token_file {cfg.token_file}"
+    if len(token.encode()) > MAX_TOKEN_BYTES:
+        # else every connection to a peer failed with struct.error packing the HELLO
+        raise ConfigError(f"{key}: the token has {len(token.encode())} bytes; the peer protocol carries "
+                          f"at most {MAX_TOKEN_BYTES}")
     tls = TLSFiles(cfg.tls_ca, cfg.tls_cert, cfg.tls_key) if cfg.tls_ca else None
     return PeerAuth(tls=tls, token=token, insecure=cfg.insecure)
 

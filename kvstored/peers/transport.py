@@ -79,6 +79,7 @@ FLAG_PARENT = 1          # PUSH: keys[0] is the parent of the pushed chain, not 
 FLAG_FIXED = 2           # the body is one length byte, then the keys back to back (all that long)
 HELLO_BIND = 1           # HELLO: this client binds frame checksums to their namespace id and key
 MAX_NAMESPACE_BYTES = 64 << 10
+MAX_TOKEN_BYTES = (1 << 16) - 1   # HELLO's token length field
 
 BLOCK = 1
 MISSING = 2

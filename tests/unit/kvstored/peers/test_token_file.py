@@ -39,3 +39,15 @@ def test_token_file_is_preferred_over_the_inline_token(tmp_path: Path) -> None:
     path.write_text("from-file\n")
     assert auth_from_config(PeersConfig(token="inline", token_file=str(path))).token == "from-file"
     assert auth_from_config(PeersConfig(token="inline")).token == "inline"
+
+
+def test_a_token_longer_than_the_protocol_carries_is_a_config_error(tmp_path: Path) -> None:
+    """(peers review) A token over 64 KiB made every connection to a peer fail with an uncaught
+    struct.error packing the HELLO; it is refused when the config is read, naming the key."""
+    path = tmp_path / "token"
+    path.write_text("t" * (1 << 16))
+    with pytest.raises(ConfigError, match=r"peers\.token_file .*: the token has 65536 bytes; .* at most 65535"):
+        auth_from_config(PeersConfig(token_file=str(path)))
+    with pytest.raises(ConfigError, match=r"^peers\.token: the token has 65536 bytes"):
+        auth_from_config(PeersConfig(token="é" * (1 << 15)))
+    assert auth_from_config(PeersConfig(token="t" * 65535)).token == "t" * 65535
