@@ -13,9 +13,10 @@ sync for everything queued), and a slot freed by a delete is reused only after t
 committed. A crash therefore leaves every visible record pointing at the bytes it was written
 with; slots nobody references are free at the next start (and the disk space past the highest
 slot in use, or of a size with no block left, goes back). Free slots keep their disk space for
-churn to rewrite in place, as long as the slots that hold disk space stay within the tier's
-capacity; past it (one block size shrinking while another grows: a model change) free slots are
-punched out, so the files stay near the capacity. Every read verifies length and checksum
+churn to rewrite in place, as long as the slots that hold disk space stay within the tier's disk
+budget (the store's capacity plus the gap between its watermarks); past it (one block size
+shrinking while another grows: a model change) free slots are punched out, so the files stay near
+the budget. Every read verifies length and checksum
 and reports a mismatch, never returns it. A full disk is an error (``SSDError``), never a crash.
 """
 
@@ -165,6 +166,7 @@ class _SlotFile:
         self.punched: list[int] = []
         self.top = top
         self.holes = True   # until the filesystem says it cannot punch them
+        self._punch_failed = False   # a punch failed (logged once: the next commits try again)
         try:
             if os.fstat(self.buffered).st_size > top * self.stride:
                 # slots past the highest one in use hold nothing anybody references (blocks
@@ -192,7 +194,9 @@ class _SlotFile:
             try:
                 self.holes = punch_hole(self.buffered, slot * self.stride, self.stride)
             except OSError as exc:   # the slot is free all the same; its space is reused later
-                log.warning("could not give back the disk space of a free payload slot: %s", exc)
+                if not self._punch_failed:
+                    self._punch_failed = True
+                    log.warning("could not give back the disk space of a free payload slot: %s", exc)
                 break
             if not self.holes:
                 log.info("this filesystem cannot punch holes: free payload slots keep their disk space until reused")
