@@ -1492,6 +1492,19 @@ class BlockStore:
                 under_ssd.add(block.parent)
         return count
 
+    async def evict_committed(self, model: str = "", tier: Tier | None = None) -> int:
+        """:meth:`evict`, returning once the SSD deletes it made are committed: a crash right
+        after ``kvctl evict`` no longer brings the evicted blocks back at restart. A delete whose
+        commit failed (counted in the SSD write errors) is made by the writer's next commit; the
+        blocks are out of the index either way, so that is logged, not raised."""
+        count = self.evict(model, tier)
+        if self._ssd is not None:
+            try:
+                await asyncio.wrap_future(self._ssd.barrier())
+            except SSDError as exc:
+                log.warning("evicted blocks' SSD deletes did not commit yet: %s", exc)
+        return count
+
     async def flush(self, model: str = "") -> int:
         """Write every DRAM block of ``model`` (all when empty) without an SSD copy to SSD now;
         returns how many were written. Failures as :meth:`flushing`."""

@@ -1006,7 +1006,8 @@ class Client:
 
     def evict(self, model: str = "", tier: str | None = None) -> int:
         """Drop cached blocks of ``model``'s namespaces (all when empty) from ``tier`` ("dram",
-        "ssd", or all when None); leased blocks stay. Returns how many blocks were dropped.
+        "ssd", or all when None); leased blocks stay. Returns how many blocks were dropped, once
+        the daemon has committed their SSD deletes (a crash after it does not bring them back).
         FailedPrecondition for "ssd" when the daemon runs without an SSD tier; NotFound for a model
         it has never seen."""
         tiers = {None: pb.TIER_UNSPECIFIED, "dram": pb.TIER_DRAM, "ssd": pb.TIER_SSD}

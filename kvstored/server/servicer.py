@@ -426,7 +426,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Evict(self, request: pb.EvictRequest, context: grpc.aio.ServicerContext) -> pb.EvictResponse:
         if request.tier not in _TIER_FROM_PB:
             raise InvalidArgument(f"unknown tier {request.tier}")
-        return pb.EvictResponse(blocks=self._store.evict(request.model, _TIER_FROM_PB[request.tier]))
+        return pb.EvictResponse(blocks=await self._store.evict_committed(request.model, _TIER_FROM_PB[request.tier]))
 
     @mapped
     async def Flush(self, request: pb.FlushRequest, context: grpc.aio.ServicerContext) -> pb.FlushResponse:

@@ -259,7 +259,7 @@ class _SlotFile:
 
 @dataclass(slots=True)
 class _Op:
-    kind: str                       # "put" | "delete" | "namespace"
+    kind: str                       # "put" | "delete" | "namespace" | "barrier"
     key: bytes
     meta: bytes                     # "namespace": the spec; "put": filled in by the writer
     payload: np.ndarray | None      # "put": the block's bytes
@@ -421,6 +421,13 @@ class SSDTier:
     def put_namespace(self, namespace_id: int, spec_json: bytes) -> Future[None]:
         fut: Future[None] = Future()
         self._ops.put(_Op("namespace", namespace_id.to_bytes(8, "big"), spec_json, None, fut))
+        return fut
+
+    def barrier(self) -> Future[None]:
+        """Done once every op queued before it has been committed (or has failed: with a
+        failed delete it carries SSDError, and the writer makes the delete at its next commit)."""
+        fut: Future[None] = Future()
+        self._ops.put(_Op("barrier", b"", b"", None, fut))
         return fut
 
     def _write_loop(self) -> None:

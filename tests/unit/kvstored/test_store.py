@@ -734,6 +734,48 @@ def test_evicting_the_ssd_tier_keeps_the_copy_of_a_parent_whose_child_stays_on_s
         assert store.evict(tier=Tier.SSD) == 2      # once nothing holds the child, both copies go
 
 
+def test_kvctl_evict_returns_once_the_ssd_deletes_are_committed(tmp_path: Path) -> None:
+    """``kvctl evict`` (the Evict call) answered as soon as the blocks left the index, with their
+    SSD deletes still queued for the writer: a ``kill -9`` in the next milliseconds brought the
+    evicted blocks back at restart. The call now answers once the deletes are committed."""
+    from kvstored.server.servicer import KVStoreServicer
+    from kvstored.tiers.ssd import BlockRecord
+    from kvstored_client._proto import kvstored_pb2 as pb
+    with _ssd_store(tmp_path) as (store, _):
+        ssd = store._ssd
+        assert ssd is not None
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        save(store, s, ns, chain(3))
+        asyncio.run(store.flush())
+        gate = threading.Event()
+        commit = ssd._commit
+
+        def held_commit(batch):  # type: ignore[no-untyped-def]
+            gate.wait(10)        # the writer busy elsewhere (a large group commit, a slow disk)
+            commit(batch)
+
+        ssd._commit = held_commit  # type: ignore[method-assign]
+
+        def on_disk() -> int:
+            return sum(isinstance(r, BlockRecord) for r in ssd.scan())
+
+        async def evict() -> None:
+            servicer = KVStoreServicer(store, None, 30.0, 64, asyncio.Event())  # type: ignore[arg-type]
+            call = asyncio.ensure_future(servicer.Evict(pb.EvictRequest(), None))  # type: ignore[arg-type]
+            await asyncio.sleep(0.2)
+            assert not call.done(), "Evict answered with its SSD deletes not committed"
+            assert on_disk() == 3
+            gate.set()
+            assert (await asyncio.wait_for(call, 10)).blocks == 3
+            assert on_disk() == 0
+
+        try:
+            asyncio.run(evict())
+        finally:
+            gate.set()
+
+
 def test_stats_count_the_ssd_blocks_without_walking_the_index(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """``stats()`` (every Prometheus scrape, ``kvctl stats``, ``Client.stats()``) counted the SSD
