@@ -166,7 +166,7 @@ def flush(socket: str | None, model: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @click.pass_obj
 def peers(socket: str | None, as_json: bool) -> None:
-    """This node and its peers: address, state (up/down/unknown), blocks moved, last error."""
+    """This node and its peers: address, state (up/refused/down/unknown), blocks moved, last error."""
     with _client(socket) as client:
         data = client.peers()
     if as_json:

@@ -28,8 +28,10 @@ from kvstored.peers.transport import (
     BlockServer,
     Limits,
     PeerAuth,
+    PeerAuthError,
     PeerConnection,
     PeerError,
+    PeerRefused,
     PushResult,
     Stop,
     TLSFiles,
@@ -91,7 +93,7 @@ class PeerView:
 
     node_id: str
     address: str
-    state: str          # self | up | down | unknown
+    state: str          # self | up | refused | down | unknown
     last_error: str
     blocks_fetched: int
     blocks_pushed: int
@@ -139,6 +141,7 @@ class PeerNode:
         self.listen = ""
         self.failures = 0
         self.pushed = 0
+        self._closed = False   # connections that come back after close() are closed, not pooled
 
     # -- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -222,6 +225,7 @@ class PeerNode:
 
     async def close(self) -> None:
         """Leave the cluster (etcd: at once), stop listening, end connections and queued pushes."""
+        self._closed = True
         for task in [self._watch, *self._tasks]:
             if task is not None:
                 task.cancel()
@@ -263,15 +267,18 @@ class PeerNode:
             raise PeerError(f"cannot connect to {peer.member.node_id} at {peer.member.address}: {exc}") from None
 
     def _give_back(self, peer: _Peer, conn: PeerConnection) -> None:
-        if conn.usable and len(peer.idle) < IDLE_CONNECTIONS and self._peers.get(peer.member.node_id) is peer:
+        if conn.usable and len(peer.idle) < IDLE_CONNECTIONS and self._peers.get(peer.member.node_id) is peer \
+                and not self._closed:
             peer.idle.append(conn)
         else:
             conn.close()
 
-    def _mark(self, peer: _Peer, error: str = "") -> None:
+    def _mark(self, peer: _Peer, error: str = "", refused: bool = False) -> None:
         """The outcome of the latest exchange with ``peer``: its state, and the error while it is
-        down (cleared once an exchange works again, so an up peer shows no stale error)."""
-        peer.state = "down" if error else "up"
+        down or the exchange was ``refused`` (credentials either way, a request it would not take:
+        the node answered, so it is a setting or a full store to look at, not a node to restart);
+        the error is cleared once an exchange works again."""
+        peer.state = "refused" if error and refused else "down" if error else "up"
         peer.last_error = error
         if error:
             self.failures += 1
@@ -295,7 +302,7 @@ class PeerNode:
             return held
         except PeerError as exc:
             if not (cut and loop.time() - started >= timeout_s):
-                self._mark(peer, str(exc))
+                self._mark(peer, str(exc), isinstance(exc, (PeerRefused, PeerAuthError)))
             return str(exc)
         finally:
             if conn is not None:
@@ -421,7 +428,7 @@ class PeerNode:
             result = await conn.fetch(namespace_id, keys, on_block, max(0.0, end - loop.time()),
                                       into=lambda i, length: into(first + i, length))
         except PeerError as exc:
-            self._mark(peer, str(exc))
+            self._mark(peer, str(exc), isinstance(exc, (PeerRefused, PeerAuthError)))
             return 0, "unreachable", str(exc)
         except ValueError as exc:   # the peer sent a block this node cannot take (another size)
             peer.fetched += arrived
@@ -519,14 +526,17 @@ class PeerNode:
                 if not result.complete:
                     # MISSING: this node no longer holds the next block (evicted since the push was
                     # queued): the peer answered every exchange, it is not down for that
-                    self._mark(peer, "" if result.stop is Stop.MISSING else f"push stopped: {result.detail}")
+                    self._mark(peer, "" if result.stop is Stop.MISSING else f"push stopped: {result.detail}",
+                               refused=result.stop is Stop.REFUSED)
                     return done, result
                 parent = chunk[-1]
             self._mark(peer)
             return done, PushResult(len(keys), len(keys), Stop.COMPLETE)
         except PeerError as exc:
-            self._mark(peer, str(exc))
-            return done, PushResult(0, 0, Stop.UNREACHABLE, str(exc))
+            self._mark(peer, str(exc), isinstance(exc, (PeerRefused, PeerAuthError)))
+            # an answer that refuses the namespace is the receiver declining, as for a block
+            return done, PushResult(0, 0, Stop.REFUSED if isinstance(exc, PeerRefused) else Stop.UNREACHABLE,
+                                    str(exc))
         except NotFound as exc:   # this node forgot the namespace: not the peer's fault
             return done, PushResult(0, 0, Stop.MISSING, str(exc))
         finally:

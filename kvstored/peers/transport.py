@@ -130,6 +130,11 @@ class PeerConfigError(PeerError, ValueError):
     """The channel's configuration is unusable (unsafe listener, unreadable certificate, ...)."""
 
 
+class PeerRefused(PeerError):
+    """The peer answered, with an error: it is up and in step, but would not do what was asked
+    (an unknown or refused namespace, a question it cannot take)."""
+
+
 class PeerAuthError(PeerError):
     """The peer refused our credentials, or we refused the peer's; the message says which and why."""
 
@@ -1187,7 +1192,8 @@ class PeerConnection:
                 message = (await s.read_exact(min(length, 4096), "reading an error")).decode(errors="replace")
                 if kind != ERROR or length > 4096:
                     self._break()
-                raise PeerError(f"peer {self._addr[0]}:{self._addr[1]}: {message}")
+                    raise PeerError(f"peer {self._addr[0]}:{self._addr[1]}: {message}")
+                raise PeerRefused(f"peer {self._addr[0]}:{self._addr[1]}: {message}")
         except TimeoutError:
             self._break()
             raise PeerError(f"peer {self._addr[0]}:{self._addr[1]} did not answer within {deadline_s:g}s") from None

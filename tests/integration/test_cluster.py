@@ -229,7 +229,7 @@ def test_mutual_tls_between_daemons(daemon_factory: Factory, certs: Certs) -> No
             assert "TLS" in end.detail, end.detail
             assert cx.lookup(tokens).blocks == 0
             row = peer_view(cx)["a"]
-            assert row["state"] == "down" and "TLS" in row["last_error"], row
+            assert row["state"] == "refused" and "TLS" in row["last_error"], row
             hit = cx.lookup(tokens, peers=True)
             assert hit.per_peer == {} and hit.blocks == 0
     with kvstored.Client(a.socket, namespace=NS) as ca:

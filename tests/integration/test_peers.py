@@ -256,7 +256,7 @@ def test_wrong_token_is_refused_and_shown(daemon_factory) -> None:  # type: igno
         assert out.wait().stop == "unreachable" and "token rejected" in out.wait().detail
         assert cb.lookup(prompt(4)).blocks == 0
         view = {p["node_id"]: p for p in cb.peers()["peers"]}
-        assert view["a"]["state"] == "down" and "token rejected" in view["a"]["last_error"]
+        assert view["a"]["state"] == "refused" and "token rejected" in view["a"]["last_error"]
         assert view["b"]["state"] == "self"
         assert "wrong token" in a.log() or "token" in a.log()
 

@@ -316,6 +316,44 @@ def test_a_push_whose_blocks_left_this_node_does_not_mark_the_peer_down() -> Non
     run(main())
 
 
+def test_a_peer_that_refuses_a_push_shows_as_refused_not_down() -> None:
+    # A peer that answered every exchange but declined the blocks (here: its namespace of that
+    # name keeps blocks of another size; also a full store) was marked "down", and `kvctl peers`
+    # sent the operator to restart a healthy node. It is "refused", with the peer's reason.
+    sizeless = Namespace(model="sizeless")
+
+    async def main() -> None:
+        async with cluster({"a": 8, "b": 8}) as nodes:
+            a, b = nodes["a"], nodes["b"]
+            ns = a.store.open_namespace(dataclasses.replace(sizeless, block_bytes=BLOCK)).namespace_id
+            assert b.store.open_namespace(dataclasses.replace(sizeless, block_bytes=2 * BLOCK)).namespace_id == ns
+            keys = chain(2)
+            save(a.store, keys, ns=ns)
+            stored, result = await a.peers.push_chain("b", ns, b"", keys)
+            assert stored == 0 and result.stop is transport.Stop.REFUSED, result
+            peer = a.peers._peers["b"]
+            assert peer.state == "refused" and f"{2 * BLOCK} bytes" in peer.last_error, (peer.state, peer.last_error)
+            assert b.store.stats().index_blocks == 0
+
+    run(main())
+
+
+def test_a_connection_given_back_after_close_is_closed_not_pooled() -> None:
+    # An exchange still running when PeerNode.close() ran gave its connection back to the idle
+    # pool afterwards, where nothing would ever close it (a socket leaked per such exchange).
+    async def main() -> None:
+        async with cluster({"a": 8, "b": 8}) as nodes:
+            a = nodes["a"].peers
+            peer = a._peers["b"]
+            conn = await a._acquire(peer, 1.0)
+            await a.close()
+            a._give_back(peer, conn)
+            assert not peer.idle
+            await asyncio.wait_for(conn.wait_closed(), 2.0)   # times out while it is left open
+
+    run(main())
+
+
 def test_a_drain_sends_around_a_node_that_leaves_the_cluster_midway() -> None:
     # Regression: push_chain looked the node up with _peer, which raises NotFound: a drain (or a
     # migration) whose target left the cluster after it started failed with NotFound, instead of
