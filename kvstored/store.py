@@ -1498,7 +1498,8 @@ class BlockStore:
         commit failed (counted in the SSD write errors) is made by the writer's next commit; the
         blocks are out of the index either way, so that is logged, not raised."""
         count = self.evict(model, tier)
-        if self._ssd is not None:
+        # evicting DRAM deletes nothing on SSD: no waiting behind a write-back in progress
+        if self._ssd is not None and tier is not Tier.DRAM:
             try:
                 await asyncio.wrap_future(self._ssd.barrier())
             except SSDError as exc:

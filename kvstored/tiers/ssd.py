@@ -553,8 +553,13 @@ class SSDTier:
         self.write_errors += len(failed)
         if failed:
             log.warning("SSD write of %d block(s) failed: %s", len(failed), next(iter(failed.values())))
+        # deletes queued before a barrier whose commit failed in an earlier batch (and again in
+        # the retry above): the barrier is not the "all committed" it stands for
+        behind = SSDError(f"{len(self._lost_deletes)} delete(s) queued before this barrier not committed yet") \
+            if self._lost_deletes else None
         for op in batch:
-            _settle(op.done, failed.get(id(op)), op.check.result() if id(op) in written and op.check else None)
+            _settle(op.done, behind if op.kind == "barrier" else failed.get(id(op)),
+                    op.check.result() if id(op) in written and op.check else None)
 
     def _apply(self, batch: list[_Op], written: dict[int, tuple[_SlotFile, int]]) -> list[tuple[_SlotFile, int]]:
         """Commit the batch's index changes in the order they were queued (a put then a delete of

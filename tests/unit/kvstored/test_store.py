@@ -737,7 +737,8 @@ def test_evicting_the_ssd_tier_keeps_the_copy_of_a_parent_whose_child_stays_on_s
 def test_kvctl_evict_returns_once_the_ssd_deletes_are_committed(tmp_path: Path) -> None:
     """``kvctl evict`` (the Evict call) answered as soon as the blocks left the index, with their
     SSD deletes still queued for the writer: a ``kill -9`` in the next milliseconds brought the
-    evicted blocks back at restart. The call now answers once the deletes are committed."""
+    evicted blocks back at restart. The call now answers once the deletes are committed (and,
+    evicting DRAM only, which deletes nothing on SSD, without waiting for the writer)."""
     from kvstored.server.servicer import KVStoreServicer
     from kvstored.tiers.ssd import BlockRecord
     from kvstored_client._proto import kvstored_pb2 as pb
@@ -762,6 +763,9 @@ def test_kvctl_evict_returns_once_the_ssd_deletes_are_committed(tmp_path: Path) 
 
         async def evict() -> None:
             servicer = KVStoreServicer(store, None, 30.0, 64, asyncio.Event())  # type: ignore[arg-type]
+            # evicting DRAM deletes nothing on SSD: it does not wait behind the busy writer
+            dram = await asyncio.wait_for(servicer.Evict(pb.EvictRequest(tier=pb.TIER_DRAM), None), 5)  # type: ignore[arg-type]
+            assert dram.blocks == 3 and on_disk() == 3
             call = asyncio.ensure_future(servicer.Evict(pb.EvictRequest(), None))  # type: ignore[arg-type]
             await asyncio.sleep(0.2)
             assert not call.done(), "Evict answered with its SSD deletes not committed"

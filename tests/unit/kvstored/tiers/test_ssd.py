@@ -806,3 +806,33 @@ def test_a_merged_read_that_breaks_in_an_unforeseen_way_falls_back_to_reads_one_
             assert np.array_equal(outs[i], payload(i))
     finally:
         ssd.close()
+
+
+def test_a_barrier_behind_a_delete_whose_commit_failed_carries_the_error(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """(review) barrier() promises SSDError while a delete queued before it is not committed. A
+    delete whose commit failed in an earlier batch (the writer took it before the barrier was
+    queued: Evict queues its deletes one by one while the writer runs) stays in _lost_deletes;
+    when the retry at the barrier's commit failed too, the barrier's own (empty) transaction
+    committed and the barrier reported success: kvctl evict said nothing, and a kill -9 then
+    brought the evicted blocks back."""
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        ssd.put(1, b"k" * 32, b"", 0, payload(1)).result(10)
+        real = ssd._apply
+
+        def deletes_fail(batch, written):  # type: ignore[no-untyped-def]
+            if any(op.kind == "delete" for op in batch):
+                raise lmdb.MapFullError("map full")   # a delete needs fresh pages; an empty commit does not
+            return real(batch, written)
+
+        monkeypatch.setattr(ssd, "_apply", deletes_fail)
+        with pytest.raises(SSDError):
+            ssd.delete(1, b"k" * 32).result(10)
+        with pytest.raises(SSDError, match="not committed"):
+            ssd.barrier().result(10)
+        monkeypatch.setattr(ssd, "_apply", real)
+        ssd.barrier().result(10)   # the retry committed the delete now
+        assert not [r for r in ssd.scan() if isinstance(r, BlockRecord)]
+    finally:
+        ssd.close()
