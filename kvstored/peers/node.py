@@ -610,9 +610,11 @@ class PeerNode:
             while True:
                 chosen = target or alive[zlib.crc32(root) % len(alive)]
                 stored, result = await self.push_chain(chosen, namespace_id_, parent, keys)
-                if stored or result.stop is not Stop.UNREACHABLE or target is not None or len(alive) < 2:
+                if stored or result.stop not in (Stop.UNREACHABLE, Stop.REFUSED) or target is not None \
+                        or len(alive) < 2:
                     break
-                # a drain onto a node that is down (a static peer that left): its trees go to the others
+                # a drain onto a node that is down (a static peer that left), or that refuses the
+                # namespace (another block size, a hash it does not allow): its trees go to the others
                 alive.remove(chosen)
                 detail = f"{chosen}: {result.detail}"
             target_of[root] = chosen

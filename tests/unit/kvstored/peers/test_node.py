@@ -529,3 +529,30 @@ def test_a_migration_naming_a_namespace_without_a_prefix_is_refused() -> None:
             assert a.stats().index_blocks == 4 and nodes["b"].store.stats().index_blocks == 0
 
     run(main())
+
+
+def test_a_drain_sends_around_a_peer_that_refuses_the_namespace() -> None:
+    # (review) A peer that refuses a namespace (here: its namespace of that name keeps blocks of
+    # another size; also a hash algorithm it does not allow) made push_chain return UNREACHABLE,
+    # and a drain sent that tree to the other peers. Since namespace refusals are REFUSED (so that
+    # `kvctl peers` shows "refused"), the drain no longer did: the trees meant for that peer failed
+    # and stayed only on the node being drained, though another peer would take them.
+    sizeless = Namespace(model="sizeless")
+
+    async def main() -> None:
+        async with cluster({"a": 32, "b": 32, "c": 32}) as nodes:
+            a = nodes["a"]
+            ns = a.store.open_namespace(dataclasses.replace(sizeless, block_bytes=BLOCK)).namespace_id
+            assert nodes["c"].store.open_namespace(dataclasses.replace(sizeless, block_bytes=2 * BLOCK)) \
+                .namespace_id == ns
+            chains = [chain(2, 100 * j) for j in range(6)]
+            for c in chains:
+                save(a.store, c, ns=ns)
+            assert {zlib.crc32(c[0]) % 2 for c in chains} == {0, 1}, "some tree must be meant for c"
+            steps = [p async for p in a.peers.migrate("", drain=True)]
+            assert steps[-1].done and (steps[-1].pushed, steps[-1].failed) == (12, 0), steps[-1]
+            held = nodes["b"].store._namespaces[ns].index
+            assert all(held.get(k) is not None for c in chains for k in c)
+            assert a.peers._peers["c"].state == "refused"
+
+    run(main())
