@@ -46,6 +46,9 @@ PUSH_CHUNK_BLOCKS = 32     # blocks per push request: bounds what a push pins in
 FIRST_WINDOW = 64          # keys peers are asked about before a fetch starts
 MAX_FETCH_KEYS = 4096      # keys per fetch request after the first window
 IDLE_CONNECTIONS = 4       # kept open per peer
+# answers that refuse the exchange (credentials either way, a request it will not take): the peer
+# shows as "refused", not "down"
+_REFUSALS = (PeerRefused, PeerAuthError)
 MAX_LOOKUP_KEYS = Limits().max_keys   # keys per LOOKUP request: a longer chain is asked in parts
 # Keys queued by push_later for one peer before further pushes to it are dropped (counted as
 # failures): a peer slower than the saves, or one gone silent (each queued chain then waits out
@@ -141,7 +144,6 @@ class PeerNode:
         self.listen = ""
         self.failures = 0
         self.pushed = 0
-        self._closed = False   # connections that come back after close() are closed, not pooled
 
     # -- life cycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -225,13 +227,14 @@ class PeerNode:
 
     async def close(self) -> None:
         """Leave the cluster (etcd: at once), stop listening, end connections and queued pushes."""
-        self._closed = True
         for task in [self._watch, *self._tasks]:
             if task is not None:
                 task.cancel()
         for peer in self._peers.values():
             self._forget(peer, "this node is shutting down")
         workers = [p.worker for p in self._peers.values() if p.worker is not None]
+        # no peers left: a connection an exchange still in flight gives back is closed, not pooled
+        self._peers.clear()
         for task in [self._watch, *self._tasks, *workers]:
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -267,8 +270,7 @@ class PeerNode:
             raise PeerError(f"cannot connect to {peer.member.node_id} at {peer.member.address}: {exc}") from None
 
     def _give_back(self, peer: _Peer, conn: PeerConnection) -> None:
-        if conn.usable and len(peer.idle) < IDLE_CONNECTIONS and self._peers.get(peer.member.node_id) is peer \
-                and not self._closed:
+        if conn.usable and len(peer.idle) < IDLE_CONNECTIONS and self._peers.get(peer.member.node_id) is peer:
             peer.idle.append(conn)
         else:
             conn.close()
@@ -302,7 +304,7 @@ class PeerNode:
             return held
         except PeerError as exc:
             if not (cut and loop.time() - started >= timeout_s):
-                self._mark(peer, str(exc), isinstance(exc, (PeerRefused, PeerAuthError)))
+                self._mark(peer, str(exc), isinstance(exc, _REFUSALS))
             return str(exc)
         finally:
             if conn is not None:
@@ -428,7 +430,7 @@ class PeerNode:
             result = await conn.fetch(namespace_id, keys, on_block, max(0.0, end - loop.time()),
                                       into=lambda i, length: into(first + i, length))
         except PeerError as exc:
-            self._mark(peer, str(exc), isinstance(exc, (PeerRefused, PeerAuthError)))
+            self._mark(peer, str(exc), isinstance(exc, _REFUSALS))
             return 0, "unreachable", str(exc)
         except ValueError as exc:   # the peer sent a block this node cannot take (another size)
             peer.fetched += arrived
@@ -533,7 +535,7 @@ class PeerNode:
             self._mark(peer)
             return done, PushResult(len(keys), len(keys), Stop.COMPLETE)
         except PeerError as exc:
-            self._mark(peer, str(exc), isinstance(exc, (PeerRefused, PeerAuthError)))
+            self._mark(peer, str(exc), isinstance(exc, _REFUSALS))
             # an answer that refuses the namespace is the receiver declining, as for a block
             return done, PushResult(0, 0, Stop.REFUSED if isinstance(exc, PeerRefused) else Stop.UNREACHABLE,
                                     str(exc))
