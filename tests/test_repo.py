@@ -297,3 +297,33 @@ def test_readme_block_hashes_signature_is_the_sdks() -> None:
             star = True
         params.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}".replace("'", '"'))
     assert documented == ", ".join(params)
+
+
+# -- the README's commands wherever a newcomer clones -----------------------------------------
+def test_the_test_command_passes_in_a_checkout_only_its_owner_may_enter(tmp_path: Path) -> None:
+    """A clone in root's home or a ``mktemp -d`` folder (0700) failed the one test that runs a
+    client as another user (``No module named 'kvstored'``: that user could not enter the
+    checkout), while CI's checkout sat where everyone may enter. The README's test command (its
+    set-up: a venv and the install) runs here from a copy of this checkout under a 0700
+    directory, with the tests marked ``other_user``: every one of them passes."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    home.chmod(0o700)   # whatever the umask
+    checkout = home / "kvstored"
+    for name in filter(None, listed.split("\0")):
+        src = ROOT / name
+        if src.is_file():   # a deleted file still listed as cached
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, checkout / name)
+    marked = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-m", "other_user", "-p", "no:cacheprovider"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    count = len([line for line in marked.stdout.splitlines() if "::" in line])
+    assert count >= 1, marked.stdout + marked.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "KVSTORED_SOCKET", "PYTEST_ADDOPTS")}
+    out = subprocess.run(["bash", "tools/test.sh", "-m", "other_user", "-p", "no:cacheprovider", "-q"],
+                         cwd=checkout, capture_output=True, text=True, timeout=1500, env=env)
+    tail = (out.stdout + out.stderr)[-4000:]
+    assert out.returncode == 0, tail
+    assert re.search(rf"\b{count} passed\b", out.stdout), tail   # all of them: none skipped or failed
