@@ -17,6 +17,7 @@ SEALED = 1      # bytes complete; visible to lookups
 ON_SSD = 2      # a verified copy is in the SSD tier
 HIT = 4         # matched by a lookup since it was stored
 DEMOTING = 8    # being written to the SSD tier
+PROMOTING = 16  # being read up from the SSD tier into its DRAM slot
 NO_SLOT = -1    # Block.offset when the block has no DRAM slot
 
 
@@ -73,12 +74,13 @@ class Block:
 class PrefixIndex:
     """The blocks of one namespace. Metadata only: it allocates and frees nothing."""
 
-    __slots__ = ("_blocks", "namespace_id", "slot_bytes")
+    __slots__ = ("_blocks", "block_bytes", "namespace_id", "slot_bytes")
 
     def __init__(self, namespace_id: int) -> None:
         self._blocks: dict[bytes, Block] = {}
         self.namespace_id = namespace_id
-        self.slot_bytes = 0  # arena slot size of this namespace's blocks, once known
+        self.block_bytes = 0  # payload size of this namespace's blocks, once known
+        self.slot_bytes = 0   # arena slot size of those blocks, once known
 
     def __len__(self) -> int:
         return len(self._blocks)

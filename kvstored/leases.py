@@ -53,6 +53,10 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
+    def all(self) -> list[Lease]:
+        """The live leases, in the order they were taken."""
+        return list(self._leases.values())
+
     def count(self, kind: LeaseKind) -> int:
         return sum(1 for lease in self._leases.values() if lease.kind == kind)
 

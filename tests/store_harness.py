@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -12,6 +13,8 @@ from clock import Clock
 
 from kvstored import config
 from kvstored.copy import CopyEngine
+from kvstored.peers.exchange import PeerExchange
+from kvstored.peers.streaming import ChainStreamer
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import SSDTier
@@ -39,10 +42,30 @@ def open_store(tmp_path: Path, values: dict[str, dict[str, object]],
         arena.close()
 
 
+_EXCHANGES: weakref.WeakKeyDictionary[BlockStore, PeerExchange] = weakref.WeakKeyDictionary()
+_STREAMERS: weakref.WeakKeyDictionary[BlockStore, ChainStreamer] = weakref.WeakKeyDictionary()
+
+
+def exchange(store: BlockStore) -> PeerExchange:
+    """The store's side of the exchange with peers (one per store, as a PeerNode has)."""
+    ex = _EXCHANGES.get(store)
+    if ex is None:
+        ex = _EXCHANGES[store] = PeerExchange(store)
+    return ex
+
+
+def streamer(store: BlockStore) -> ChainStreamer:
+    """The store's chain streams (one per store, as the servicer has)."""
+    st = _STREAMERS.get(store)
+    if st is None:
+        st = _STREAMERS[store] = ChainStreamer(store)
+    return st
+
+
 def gate_ssd_read(store: BlockStore, key: bytes) -> threading.Event:
     """Hold the SSD read of ``key`` until the returned event is set; other reads run as usual."""
-    assert store._ssd is not None
-    real, gate = store._ssd.read_into, threading.Event()
+    assert store.ssd_tier is not None
+    real, gate = store.ssd_tier.read_into, threading.Event()
 
     def gated(namespace_id: int, k: bytes, dst):  # type: ignore[no-untyped-def]
         if k != key:
@@ -58,5 +81,5 @@ def gate_ssd_read(store: BlockStore, key: bytes) -> threading.Event:
         threading.Thread(target=later, daemon=True).start()
         return out
 
-    store._ssd.read_into = gated  # type: ignore[method-assign]
+    store.ssd_tier.read_into = gated  # type: ignore[method-assign]
     return gate

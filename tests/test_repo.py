@@ -317,8 +317,8 @@ def test_the_test_command_passes_in_a_checkout_only_its_owner_may_enter(tmp_path
         if src.is_file():   # a deleted file still listed as cached
             (checkout / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, checkout / name)
-    marked = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-m", "other_user", "-p", "no:cacheprovider"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    marked = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-m", "other_user",
+                             "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     count = len([line for line in marked.stdout.splitlines() if "::" in line])
     assert count >= 1, marked.stdout + marked.stderr
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "KVSTORED_SOCKET", "PYTEST_ADDOPTS")}

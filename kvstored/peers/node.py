@@ -23,6 +23,8 @@ from pathlib import Path
 from kvstored.cluster.membership import EtcdMembership, Member, Membership, MembershipError, StaticMembership
 from kvstored.config import Config, ConfigError, PeersConfig
 from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound
+from kvstored.peers.exchange import PeerExchange
+from kvstored.peers.streaming import Fetched, Into, Landed
 from kvstored.peers.transport import (
     MAX_TOKEN_BYTES,
     BlockServer,
@@ -38,7 +40,7 @@ from kvstored.peers.transport import (
     certificate_warning,
     parse_address,
 )
-from kvstored.store import BlockStore, Fetched, Into, KeyRequest, Landed, LookupResult
+from kvstored.store import BlockStore, CachedPrefix, KeyRequest
 
 log = logging.getLogger("kvstored.peers")
 
@@ -134,6 +136,7 @@ class PeerNode:
         self._cfg = config.peers
         self._page_bytes = config.dram.page_bytes
         self._store = store
+        self.exchange = PeerExchange(store)
         self._auth = auth_from_config(self._cfg)
         self.node_id = self._cfg.node_id or socket.gethostname()
         self._server: BlockServer | None = None
@@ -156,11 +159,11 @@ class PeerNode:
                 log.warning("%s", warning)
         if self._cfg.listen:
             host, port = parse_address(self._cfg.listen)
-            store = self._store
-            self._server = BlockServer(host, port, self._auth, store.serve, release_block=store.checkin,
-                                       release_unsent=store.checkin_unsent, store_block=store.adopt,
-                                       land_block=store.land, count_blocks=store.held,
-                                       open_namespace=store.learn_namespace, why_refused=store.refusal,
+            exchange = self.exchange
+            self._server = BlockServer(host, port, self._auth, exchange.serve, release_block=exchange.checkin,
+                                       release_unsent=exchange.checkin_unsent, store_block=exchange.adopt,
+                                       land_block=exchange.land, count_blocks=exchange.held,
+                                       open_namespace=exchange.learn_namespace, why_refused=exchange.refusal,
                                        limits=Limits(transfer_timeout_s=self._cfg.deadline_s,
                                                      # no larger block can be stored here: a frame
                                                      # claiming more is refused before any byte of it
@@ -339,7 +342,7 @@ class PeerNode:
         errors = {p.member.node_id: a for p, a in zip(peers, answers) if isinstance(a, str)}
         return held, errors
 
-    async def lookup(self, namespace_id: int, keys: KeyRequest) -> tuple[LookupResult, dict[str, int]]:
+    async def lookup(self, namespace_id: int, keys: KeyRequest) -> tuple[CachedPrefix, dict[str, int]]:
         """The local lookup, and what each peer holds of the rest of the chain."""
         _, chain = self._store.resolve_keys(namespace_id, keys)
         local = await self._store.lookup(namespace_id, KeyRequest(hashes=chain))
@@ -357,7 +360,7 @@ class PeerNode:
     # -- pulls --------------------------------------------------------------------------------
     async def fetch(self, namespace_id: int, keys: list[bytes], into: Into, landed: Landed, *,
                     until: float | None = None) -> Fetched:
-        """A :data:`kvstored.store.Fetcher`: fetch ``keys`` in order from the peers. Never raises
+        """A :data:`kvstored.peers.streaming.Fetcher`: fetch ``keys`` in order from the peers. Never raises
         for a peer's failure: the result says how far it got and why.
 
         The peers are asked about the next :data:`FIRST_WINDOW` keys only, so the first block
@@ -514,7 +517,7 @@ class PeerNode:
         done = 0
         try:
             conn = await self._acquire(peer, self._cfg.deadline_s)
-            await conn.open_namespace(namespace_id, self._store.namespace_description(namespace_id),
+            await conn.open_namespace(namespace_id, self.exchange.describe_namespace(namespace_id),
                                       self._cfg.lookup_timeout_s)
             if skip_held:
                 done = await self._count_held(conn, namespace_id, keys, self._cfg.lookup_timeout_s)
@@ -552,7 +555,7 @@ class PeerNode:
         checks: list[int | None] = []
         try:
             for key in keys:
-                served = await self._store.checkout(namespace_id, key, served=False)
+                served = await self.exchange.checkout(namespace_id, key, served=False)
                 if served is None:
                     break
                 views.append((key, served[0]))
@@ -566,7 +569,7 @@ class PeerNode:
             return result
         finally:
             for key, _ in views:
-                self._store.checkin(namespace_id, key)
+                self.exchange.checkin(namespace_id, key)
 
     # -- migrate and drain --------------------------------------------------------------------
     async def migrate(self, to: str, model: str = "", namespace_id: int = 0, prefix: KeyRequest | None = None,
@@ -592,10 +595,10 @@ class PeerNode:
             if model and state.spec.model != model:
                 raise InvalidArgument(f"the prefix is in namespace {namespace_id} of model {state.spec.model!r}, "
                                       f"not of model {model!r}")
-            held = chain[: self._store.held(namespace_id, chain)]
+            held = chain[: self.exchange.held(namespace_id, chain)]
             runs = [(namespace_id, b"", held)] if held else []
         else:
-            runs = self._store.namespace_chains(model)
+            runs = self.exchange.namespace_chains(model)
         total = sum(len(r[2]) for r in runs)
         pushed = failed = 0
         detail = ""
@@ -634,5 +637,5 @@ class PeerNode:
                 peer = self._peers.get(node_id)
                 still = await self._held_by(peer, namespace_id_, keys) if peer is not None and keys else 0
                 if isinstance(still, int) and still:
-                    dropped += self._store.forget(namespace_id_, keys[:still])
+                    dropped += self.exchange.forget(namespace_id_, keys[:still])
         yield MigrateProgress(total, pushed, failed, dropped, detail, True)

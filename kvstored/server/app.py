@@ -401,10 +401,10 @@ async def serve(cfg: Config) -> int:
             log.warning("write-back at shutdown stopped after %.0f s (server.shutdown_grace_s)", budget)
         except Exception:
             log.exception("write-back at shutdown failed")
-        await store.drain()
+        await store.finish_background()
         if written:
             log.info("wrote %d DRAM-only block(s) to SSD before stopping", written)
-    await store.drain()
+    await store.finish_background()
     if ssd is not None and (left := store.dram_only_blocks()):
         log.warning("%d block(s) only in DRAM are dropped (not on SSD: ssd.admission, a full SSD tier "
                     "or write errors)", left)

@@ -14,11 +14,13 @@ import numpy as np
 
 from kvstored.buffers import BlockIds, TensorSource
 from kvstored.errors import Cancelled, FailedPrecondition, InvalidArgument, KVError
+from kvstored.handover import Arrival
 from kvstored.index import Tier
 from kvstored.peers.node import MigrateProgress, PeerNode
+from kvstored.peers.streaming import ChainStreamer, Fetcher
 from kvstored.server.status import abort, mapped
 from kvstored.server.streams import RunningStreams
-from kvstored.store import Arrival, BlockStore, Fetcher, FlushProgress, KeyRequest, StreamEnd
+from kvstored.store import BlockStore, FlushProgress, KeyRequest, StreamEnd
 from kvstored.tiers.dram import Arena
 from kvstored_client._proto import kvstored_pb2 as pb
 from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
@@ -130,8 +132,10 @@ async def _with_heartbeat(progress: AsyncGenerator[P, None], message: Callable[[
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, arena: Arena, lease_ttl_s: float, max_batch_blocks: int,
-                 shutting_down: asyncio.Event, peers: PeerNode | None = None) -> None:
+                 shutting_down: asyncio.Event, peers: PeerNode | None = None,
+                 streamer: ChainStreamer | None = None) -> None:
         self._store = store
+        self._streamer = streamer if streamer is not None else ChainStreamer(store)
         self._peers = peers
         self._arena = arena
         self._lease_ttl_ms = int(lease_ttl_s * 1000)
@@ -331,7 +335,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         until = asyncio.get_running_loop().time() + remaining \
                             - min(STREAM_END_MARGIN_S, remaining / 10)
                         fetcher = functools.partial(self._peers.fetch, until=until)
-                events.put_nowait(await self._store.stream_blocks(
+                events.put_nowait(await self._streamer.stream_blocks(
                     request.session_id, request.namespace_id, _keys(request.keys), request.buffers_id,
                     _block_ids(request), None if request.end_only else events.put_nowait, fetcher, on_lease,
                     copy_until=deadline))

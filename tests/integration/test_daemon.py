@@ -530,8 +530,8 @@ def test_a_stopping_daemon_does_not_remove_its_successors_socket(tmp_path: Path)
     shm.mkdir()
     code = ("import asyncio, sys\n"
             "from kvstored.store import BlockStore\n"
-            "async def slow_drain(self): await asyncio.sleep(4)\n"
-            "BlockStore.drain = slow_drain\n"
+            "async def slow_finish(self): await asyncio.sleep(4)\n"
+            "BlockStore.finish_background = slow_finish\n"
             "from kvstored.server.app import main\n"
             f"sys.exit(main(['--socket', {str(sock)!r}, '--dram-capacity', '8MiB', '--set', 'dram.page_bytes=1MiB',\n"
             f"               '--set', 'dram.shm_dir={shm}', '--set', 'ssd.enabled=false']))\n")
@@ -543,7 +543,7 @@ def test_a_stopping_daemon_does_not_remove_its_successors_socket(tmp_path: Path)
         from conftest import wait_serving
         wait_serving(str(sock), old)
         old.send_signal(signal.SIGTERM)
-        time.sleep(1.0)                               # listener closed, drain under way
+        time.sleep(1.0)                               # listener closed, background work under way
         new = subprocess.Popen([sys.executable, "-m", "kvstored", "--socket", str(sock), "--dram-capacity", "8MiB",
                                 "--set", "dram.page_bytes=1MiB", "--set", f"dram.shm_dir={shm}",
                                 "--set", "ssd.enabled=false"], cwd=ROOT, env=env,

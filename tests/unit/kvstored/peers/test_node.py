@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from loopback import free_ports
 from silent_peer import node_with_a_silent_peer
+from store_harness import exchange, streamer
 
 from kvstored import config
 from kvstored.cluster.membership import Member
@@ -87,12 +88,12 @@ def save(store: BlockStore, keys: list[bytes], fill: Callable[[int], bytes] = la
     r = store.reserve(s.session_id, NS.identity() if ns is None else ns, KeyRequest(hashes=keys), BLOCK)
     assert r.present == 0 and len(r.offsets) == len(keys)
     for i, off in enumerate(r.offsets):
-        store._arena.view(off, BLOCK).data[:] = fill(i)
+        store.arena.view(off, BLOCK).data[:] = fill(i)
     store.seal(s.session_id, r.reservation_id)
 
 
 def _has(store: BlockStore, key: bytes) -> bool:
-    block = store._namespaces[NS.identity()].index.get(key)
+    block = store.catalog.get(NS.identity()).index.get(key)
     return block is not None and block.readable
 
 
@@ -111,8 +112,8 @@ def test_a_peer_sending_blocks_of_another_size_gives_a_short_result() -> None:
             keys = chain(3)
             save(a, keys, ns=ns)
             s = b.open_session("reader", 1)
-            end = await b.stream_blocks(s.session_id, ns, KeyRequest(hashes=keys), 0, (), lambda _: None,
-                                        nodes["b"].peers.fetch)
+            end = await streamer(b).stream_blocks(s.session_id, ns, KeyRequest(hashes=keys), 0, (), lambda _: None,
+                                                  nodes["b"].peers.fetch)
             assert end.blocks == 0 and end.stop != "complete", end
             assert b.stats().index_blocks == 0 and b.stats().tiers[0].used_bytes == 0
 
@@ -169,8 +170,8 @@ def test_pushed_blocks_are_not_counted_as_served_to_fetching_peers() -> None:
             s = nodes["b"].store.open_session("r", 1)
             more = chain(2, 5000)
             save(a.store, more)
-            end = await nodes["b"].store.stream_blocks(s.session_id, NS.identity(), KeyRequest(hashes=more), 0, (),
-                                                       None, nodes["b"].peers.fetch)
+            end = await streamer(nodes["b"].store).stream_blocks(s.session_id, NS.identity(), KeyRequest(hashes=more),
+                                                                 0, (), None, nodes["b"].peers.fetch)
             assert end.stop == "complete" and a.store.stats().peer_served_blocks == 2
 
     run(main())
@@ -198,9 +199,9 @@ def test_blocks_checked_out_for_a_peer_that_went_away_unsent_are_not_counted_as_
             keys = chain(3)
             parent = b""
             for i, k in enumerate(keys):
-                assert store.adopt(ns, parent, k, memoryview(bytes([i + 1]) * big))
+                assert exchange(store).adopt(ns, parent, k, memoryview(bytes([i + 1]) * big))
                 parent = k
-            index = store._namespaces[ns].index
+            index = store.catalog.get(ns).index
 
             def pins() -> list[int]:
                 return [b.pins if (b := index.get(k)) is not None else -1 for k in keys]
@@ -431,8 +432,8 @@ def test_a_fetch_asking_a_silent_peer_ends_within_its_deadline() -> None:
         async with node_with_a_silent_peer(NS, deadline_s=0.5, lookup_timeout_s=5.0) as b:
             s = b.store.open_session("reader", 1)
             t0 = asyncio.get_running_loop().time()
-            end = await b.store.stream_blocks(s.session_id, b.namespace_id, KeyRequest(hashes=chain(2)), 0, (),
-                                              lambda _: None, b.peers.fetch)
+            end = await streamer(b.store).stream_blocks(s.session_id, b.namespace_id, KeyRequest(hashes=chain(2)),
+                                                        0, (), lambda _: None, b.peers.fetch)
             took = asyncio.get_running_loop().time() - t0
             assert end.blocks == 0 and end.stop != "complete", end
             assert took < 2.5, f"the fetch took {took:.1f}s with peers.deadline_s = 0.5"
@@ -451,8 +452,8 @@ def test_a_fetch_cut_short_by_the_callers_deadline_is_a_timeout_and_blames_no_pe
             loop = asyncio.get_running_loop()
             until = loop.time() + 0.3
             fetcher = functools.partial(b.peers.fetch, until=until)
-            end = await b.store.stream_blocks(s.session_id, b.namespace_id, KeyRequest(hashes=chain(2)), 0, (),
-                                              lambda _: None, fetcher)
+            end = await streamer(b.store).stream_blocks(s.session_id, b.namespace_id, KeyRequest(hashes=chain(2)),
+                                                        0, (), lambda _: None, fetcher)
             assert loop.time() - until < 1.0
             assert end.blocks == 0 and end.stop == "timeout", end
             assert b.peers.failures == 0 and b.peers._peers["x"].state != "down", b.peers._peers["x"].last_error
@@ -500,8 +501,8 @@ def test_connecting_to_a_peer_counts_against_the_deadline_of_a_question_and_of_a
             assert ends["lookup"] and max(ends["lookup"]) <= begun + 1.0 + 1e-3, "a question outlived its timeout"
             s = b.store.open_session("r", 1)
             until = loop.time() + 2.5
-            end = await b.store.stream_blocks(s.session_id, NS.identity(), KeyRequest(hashes=keys), 0, (), None,
-                                              functools.partial(b.peers.fetch, until=until))
+            end = await streamer(b.store).stream_blocks(s.session_id, NS.identity(), KeyRequest(hashes=keys), 0, (),
+                                                        None, functools.partial(b.peers.fetch, until=until))
             assert ends["fetch"] and max(ends["fetch"]) <= until + 1e-3, "a fetch outlived the caller's deadline"
             assert end.stop == "complete", end
 
@@ -551,7 +552,7 @@ def test_a_drain_sends_around_a_peer_that_refuses_the_namespace() -> None:
             assert {zlib.crc32(c[0]) % 2 for c in chains} == {0, 1}, "some tree must be meant for c"
             steps = [p async for p in a.peers.migrate("", drain=True)]
             assert steps[-1].done and (steps[-1].pushed, steps[-1].failed) == (12, 0), steps[-1]
-            held = nodes["b"].store._namespaces[ns].index
+            held = nodes["b"].store.catalog.get(ns).index
             assert all(held.get(k) is not None for c in chains for k in c)
             assert a.peers._peers["c"].state == "refused"
 

@@ -39,15 +39,17 @@ if __name__ == "__main__":   # run as a script: find the tests' helpers as pytes
 from clock import Clock
 from loopback import free_ports
 from random_model import Broken, ClientSession, Tracked, payload, sweep, under_ssd
+from store_harness import exchange, streamer
 
 from kvstored import config
 from kvstored.buffers import TensorSource
 from kvstored.copy import CopyEngine
 from kvstored.errors import KVError
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, Block, Tier
+from kvstored.peers.exchange import PeerLanding, Served
 from kvstored.peers.node import IDLE_CONNECTIONS, PeerNode
 from kvstored.policy.registry import POLICIES
-from kvstored.store import BlockStore, KeyRequest, PeerLanding, Served
+from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, SSDTier
 from kvstored_client import shm
@@ -163,8 +165,8 @@ class Fuzz:
         if restored != node.on_ssd:
             self.fail(f"{node.name}: restore brought back {len(restored - node.on_ssd)} blocks that were not on "
                       f"SSD and lost {len(node.on_ssd - restored)} that were")
-        self.wrap_store(node)
         node.peers = PeerNode(node.cfg, node.store)
+        self.wrap_exchange(node)
         await self.bounded(node.peers.start(), f"{node.name}: PeerNode.start")
         self.wrap_server(node)
         node.gate.set()
@@ -173,10 +175,11 @@ class Fuzz:
         node.sessions = [self.new_session(node) for _ in range(2)]
         node.up = True
 
-    def wrap_store(self, node: Node) -> None:
+    def wrap_exchange(self, node: Node) -> None:
         """Blocks a corrupting node hands out (to serve or push) are damaged copies that keep the
         original's checksum: what a bit flipped on the wire looks like to the receiver."""
-        checkout, serve = node.store.checkout, node.store.serve
+        ex = node.peers.exchange
+        checkout, serve = ex.checkout, ex.serve
 
         def damaged(got: Served) -> Served:
             if got is None or not node.corrupting or self.faults.random() < 0.5:
@@ -193,8 +196,8 @@ class Fuzz:
             got = serve(namespace_id, key)   # an awaitable is the (damaged) checkout's
             return got if inspect.isawaitable(got) else damaged(got)
 
-        node.store.checkout = damaged_checkout   # type: ignore[method-assign]
-        node.store.serve = damaged_serve   # type: ignore[method-assign]
+        ex.checkout = damaged_checkout   # type: ignore[method-assign]
+        ex.serve = damaged_serve   # type: ignore[method-assign]
 
     def wrap_server(self, node: Node) -> None:
         """A node whose gate is closed stops answering (its listener reads requests, then waits);
@@ -269,7 +272,7 @@ class Fuzz:
         await self.check_quiescent(node)
         if write_back:
             await self.bounded(node.store.write_back_for_shutdown(), f"{node.name}: write_back_for_shutdown")
-        await self.bounded(node.store.drain(), f"{node.name}: drain")
+        await self.bounded(node.store.finish_background(), f"{node.name}: drain")
         node.on_ssd = {(self.ns_of(b), b.key) for b in self.blocks(node) if b.on_ssd and under_ssd(b)}
         node.copy.close()
         node.ssd.close()
@@ -278,7 +281,7 @@ class Fuzz:
     # -- invariants ------------------------------------------------------------------------
     @staticmethod
     def blocks(node: Node) -> list[Block]:
-        return [b for st in node.store._namespaces.values() for b in st.index]
+        return [b for st in node.store.catalog for b in st.index]
 
     @staticmethod
     def ns_of(block: Block) -> int:
@@ -301,7 +304,7 @@ class Fuzz:
         offsets: dict[int, Block] = {}
         ssd_bytes = 0
         dirty: set[Block] = set()
-        pb = store._allocator.page_bytes
+        pb = store.placement.dram.page_bytes
         in_dram = 0
         for b in blocks:
             what = f"{name}: block {b.key.hex()[:8]} (depth {b.depth}, flags {b.flags}, pins {b.pins})"
@@ -317,13 +320,13 @@ class Fuzz:
                 offsets[b.offset] = b
                 used += b.index.slot_bytes
                 in_dram += 1
-                if b not in store._page_blocks[b.offset // pb]:
+                if b not in store.placement.dram.page_blocks(b.offset // pb):
                     self.fail(f"{what} is in DRAM but its page does not know it")
             if b.flags & (ON_SSD | DEMOTING):
-                ssd_bytes += store._block_bytes(b)
+                ssd_bytes += b.index.block_bytes
             if b.sealed and b.in_dram and not b.on_ssd:
                 dirty.add(b)
-            if b.sealed and not b.readable and not b.children and not b.pins and b not in store._promoting:
+            if b.sealed and not b.readable and not b.children and not b.pins and store.promotion.pending(b) is None:
                 self.fail(f"{what} is a hollow leaf nothing holds, left in the index")
             if b.flags & ON_SSD and b.flags & DEMOTING:
                 self.fail(f"{what} is on SSD and being written there")
@@ -333,28 +336,32 @@ class Fuzz:
                 self.fail(f"{name}: a landing shares slot {landing.offset} with a block")
             used += landing.state.index.slot_bytes
             landing_pages[landing.offset // pb] += 1
-        if sum(map(len, store._page_blocks)) != in_dram:
-            self.fail(f"{name}: pages know {sum(map(len, store._page_blocks))} blocks; {in_dram} are in DRAM")
-        for page, held in enumerate(store._page_blocks):
-            if len(held) + landing_pages[page] != store._allocator.used_slots(page):
+        if sum(len(store.placement.dram.page_blocks(p)) for p in range(store.placement.dram.num_pages)) != in_dram:
+            known = sum(len(store.placement.dram.page_blocks(p)) for p in range(store.placement.dram.num_pages))
+            self.fail(f"{name}: pages know {known} blocks; {in_dram} are in DRAM")
+        for page, held in ((p, store.placement.dram.page_blocks(p)) for p in range(store.placement.dram.num_pages)):
+            if len(held) + landing_pages[page] != store.placement.dram.used_slots(page):
                 self.fail(f"{name}: page {page} knows {len(held)} blocks and {landing_pages[page]} landings; "
-                          f"the allocator counts {store._allocator.used_slots(page)} used slots")
+                          f"the allocator counts {store.placement.dram.used_slots(page)} used slots")
         kids = Counter(b.parent for b in blocks if b.parent is not None)
         for b in blocks:
             if b.children != kids.get(b, 0):
                 self.fail(f"{name}: block {b.key.hex()[:8]} counts {b.children} children, has {kids.get(b, 0)}")
-        if store._allocator.used_bytes != used:
-            self.fail(f"{name}: allocator uses {store._allocator.used_bytes} bytes; blocks and landings hold {used}")
-        if store._ssd_used != ssd_bytes:
-            self.fail(f"{name}: SSD used is {store._ssd_used}; blocks on (or going to) SSD hold {ssd_bytes}")
+        if store.placement.dram.used_bytes != used:
+            self.fail(f"{name}: allocator uses {store.placement.dram.used_bytes} bytes; "
+                      f"blocks and landings hold {used}")
+        if store.placement.ssd.used_bytes != ssd_bytes:
+            self.fail(f"{name}: SSD used is {store.placement.ssd.used_bytes}; "
+                      f"blocks on (or going to) SSD hold {ssd_bytes}")
         on_ssd = sum(1 for b in blocks if b.flags & ON_SSD)
         if store.stats().tiers[1].blocks != on_ssd:
             self.fail(f"{name}: stats count {store.stats().tiers[1].blocks} blocks on SSD; {on_ssd} have a copy there")
-        if set(store._dirty) != dirty:
-            self.fail(f"{name}: write-back queue {len(store._dirty)} blocks, DRAM-only sealed blocks {len(dirty)}")
+        if set(store.placement.queue) != dirty:
+            self.fail(f"{name}: write-back queue {len(store.placement.queue)} blocks, "
+                      f"DRAM-only sealed blocks {len(dirty)}")
         for t in node.tracked.values():
             for key, offset, want in zip(t.keys, t.offsets, t.expected):
-                block = store._namespaces[NS_IDS[t.ns]].index.get(key)
+                block = store.catalog.get(NS_IDS[t.ns]).index.get(key)
                 if block is None or block.offset != offset:
                     self.fail(f"{name}: lease {t.lease_id}: block {key.hex()[:8]} left slot {offset}")
                 if bytes(node.arena.view(offset, SIZES[t.ns])) != want:
@@ -369,7 +376,7 @@ class Fuzz:
 
     def expected_pins(self, node: Node) -> Counter[Block]:
         want: Counter[Block] = Counter()
-        for lease in node.store._leases._leases.values():
+        for lease in node.store.leasing.leases():
             want.update(lease.pinned)
             want.update(lease.new)
         for landing in node.landings:
@@ -436,7 +443,7 @@ class Fuzz:
         their tier's blocks, every stored copy holds saved bytes."""
         store = node.store
         name = node.name
-        await self.bounded(store.drain(), f"{name}: drain")
+        await self.bounded(store.finish_background(), f"{name}: drain")
         for _ in range(400):
             pins = self.expected_pins(node)
             if all(b.pins == pins[b] for b in self.blocks(node)):
@@ -445,14 +452,15 @@ class Fuzz:
         self.check(node)
         if node.landings:
             self.fail(f"{name}: {len(node.landings)} landing(s) left open")
-        if store._busy or store._doomed or store._promoting or store._lookups_in_flight:
-            self.fail(f"{name}: idle store with busy {store._busy}, doomed {store._doomed}, "
-                      f"{len(store._promoting)} promoting, {store._lookups_in_flight} lookups in flight")
-        live = set(store._leases._leases)
+        leasing = store.leasing
+        if leasing.busy_leases() or leasing.doomed_leases() or len(store.promotion) or leasing.lookups_in_flight:
+            self.fail(f"{name}: idle store with busy {leasing.busy_leases()}, doomed {leasing.doomed_leases()}, "
+                      f"{len(store.promotion)} promoting, {leasing.lookups_in_flight} lookups in flight")
+        live = {lease.lease_id for lease in store.leasing.leases()}
         if live != set(node.tracked):
             self.fail(f"{name}: store holds leases {sorted(live)}; clients hold {sorted(node.tracked)}")
         want = self.expected_pins(node)
-        open_new = {b for lease in store._leases._leases.values() for b in lease.new}
+        open_new = {b for lease in store.leasing.leases() for b in lease.new}
         blocks = self.blocks(node)
         for b in blocks:
             what = f"{name}: block {b.key.hex()[:8]} (depth {b.depth}, flags {b.flags}, slot {b.offset})"
@@ -462,23 +470,23 @@ class Fuzz:
                 self.fail(f"{what} is unsealed with no reservation writing it")
             if b.sealed and not b.readable and not b.children and not b.pins:
                 self.fail(f"{what} is a hollow leaf left in the index")
-            in_dram_policy = [size for size, p in store._dram_policies.items() if b in p]
+            in_dram_policy = [size for size, p in store.placement.dram.policies().items() if b in p]
             should_dram = b.sealed and b.in_dram
             should_ssd = b.sealed and not b.in_dram and b.on_ssd
             if in_dram_policy != ([b.index.slot_bytes] if should_dram else []):
                 self.fail(f"{what} tracked by DRAM policies {in_dram_policy}")
-            if (b in store._ssd_policy) != should_ssd:
+            if (b in store.placement.ssd.policy) != should_ssd:
                 self.fail(f"{what} {'' if should_ssd else 'not '}expected in the SSD policy")
             if b.sealed and b.in_dram:
                 self.expect(f"{name}: DRAM copy", self.ns_of(b), [b.key],
-                            [bytes(node.arena.view(b.offset, store._block_bytes(b)))])
-        for size, p in store._dram_policies.items():
+                            [bytes(node.arena.view(b.offset, b.index.block_bytes))])
+        for size, p in store.placement.dram.policies().items():
             n = sum(1 for b in blocks if b.sealed and b.in_dram and b.index.slot_bytes == size)
             if len(p) != n:
                 self.fail(f"{name}: DRAM policy of {size}-byte slots tracks {len(p)} blocks; {n} are there")
         n = sum(1 for b in blocks if b.sealed and not b.in_dram and b.on_ssd)
-        if len(store._ssd_policy) != n:
-            self.fail(f"{name}: SSD policy tracks {len(store._ssd_policy)} blocks; {n} are SSD-only")
+        if len(store.placement.ssd.policy) != n:
+            self.fail(f"{name}: SSD policy tracks {len(store.placement.ssd.policy)} blocks; {n} are SSD-only")
         await asyncio.wrap_future(node.ssd.delete_raw(b"\xff" * 40))   # a barrier behind the writer's ops
         on_disk = {(r.namespace_id, r.key) for r in node.ssd.scan() if isinstance(r, BlockRecord)}
         indexed = {(b.index.namespace_id, b.key) for b in blocks if b.on_ssd}
@@ -487,7 +495,7 @@ class Fuzz:
                       f"{len(indexed - on_disk)} blocks on SSD without a record")
         for b in blocks:
             if b.on_ssd:
-                buf = np.empty(store._block_bytes(b), np.uint8)
+                buf = np.empty(b.index.block_bytes, np.uint8)
                 try:
                     await asyncio.wrap_future(node.ssd.read_into(b.index.namespace_id, b.key, buf))
                 except Corrupt as exc:
@@ -578,7 +586,7 @@ class Fuzz:
     def reap(self, node: Node) -> None:
         n = node.store.reap()
         now = self.clock.now
-        gone = [t for t in node.tracked.values() if node.store._leases.get(t.lease_id) is None]
+        gone = [t for t in node.tracked.values() if node.store.leasing.get(t.lease_id) is None]
         for t in gone:
             if t.born[0] + t.ttl > now:
                 self.fail(f"{node.name}: lease {t.lease_id} reaped before its deadline")
@@ -642,7 +650,7 @@ class Fuzz:
             until = asyncio.get_running_loop().time() + self.rng.choice((0.0, 0.02, 0.2))
             fetcher = functools.partial(node.peers.fetch, until=until)
         try:
-            end = await node.store.stream_blocks(s.session_id, NS_IDS[ns], KeyRequest(hashes=keys),
+            end = await streamer(node.store).stream_blocks(s.session_id, NS_IDS[ns], KeyRequest(hashes=keys),
                                                  0 if arena_mode else buffers_id, ids,
                                                  None if pull else emit, fetcher)
         finally:
@@ -663,7 +671,7 @@ class Fuzz:
         if end.lease_id:
             if s.closed:
                 return
-            lease = node.store._leases.get(end.lease_id)
+            lease = node.store.leasing.get(end.lease_id)
             if lease is None:
                 self.fail(f"{node.name}: stream handed lease {end.lease_id}, which is gone")
                 return
@@ -749,9 +757,9 @@ class Fuzz:
 
     async def op_write_back(self, node: Node) -> None:
         store = node.store
-        limit = node.cfg.dram.writeback_watermark * store._allocator.capacity
-        if store._dirty_bytes > limit and self.clock.now >= store._ssd_backoff_until:
-            n = await store._write_back(store._dirty_bytes - limit, force=False, models=None)
+        limit = node.cfg.dram.writeback_watermark * store.placement.dram.capacity
+        if store.placement.queue.bytes > limit and self.clock.now >= store.writeback.backoff_until:
+            n = await store.writeback.write_back(store.placement.queue.bytes - limit, force=False, models=None)
             self.log.append(f"  -> {node.name} write-back {n}")
 
     def op_close_session(self, node: Node) -> None:
@@ -765,7 +773,7 @@ class Fuzz:
 
     def op_forget(self, node: Node) -> None:
         _, ns, keys = self.pick(node)
-        self.log.append(f"  -> {node.name} forget {node.store.forget(NS_IDS[ns], keys)}")
+        self.log.append(f"  -> {node.name} forget {exchange(node.store).forget(NS_IDS[ns], keys)}")
 
     # -- faults ----------------------------------------------------------------------------
     def op_cut(self, node: Node) -> None:
@@ -941,11 +949,11 @@ class Fuzz:
                 for keys in self.chains[ns]:
                     node = rng.choice(self.nodes)
                     s = node.sessions[0]
-                    end = await self.bounded(node.store.stream_blocks(
+                    end = await self.bounded(streamer(node.store).stream_blocks(
                         s.session_id, NS_IDS[ns], KeyRequest(hashes=keys), 0, (), lambda _: None,
                         node.peers.fetch), f"{node.name}: final stream")
                     if end.lease_id:
-                        lease = node.store._leases.get(end.lease_id)
+                        lease = node.store.leasing.get(end.lease_id)
                         assert lease is not None
                         self.expect(f"{node.name}: final stream", ns, keys,
                                     [bytes(node.arena.view(b.offset, SIZES[ns])) for b in lease.pinned])

@@ -36,7 +36,7 @@ class Context:
 
 
 class FailingStore:
-    """``stream_blocks`` places two blocks, then fails with ``error``."""
+    """A store whose ``stream_blocks`` (the chain streamer's) places two blocks, then fails with ``error``."""
 
     def __init__(self, error: Exception) -> None:
         self.error = error
@@ -63,7 +63,8 @@ async def collect(servicer: KVStoreServicer) -> tuple[list[int], BaseException |
 
 @pytest.mark.parametrize("error", [NotFound("the session ended"), RuntimeError("a bug")], ids=["kv-error", "bug"])
 def test_a_stream_failing_midway_delivers_what_is_in_place_then_ends_with_the_error(error: Exception) -> None:
-    servicer = KVStoreServicer(FailingStore(error), None, 30.0, 64, asyncio.Event())  # type: ignore[arg-type]
+    failing = FailingStore(error)
+    servicer = KVStoreServicer(failing, None, 30.0, 64, asyncio.Event(), streamer=failing)  # type: ignore[arg-type]
     got, exc = asyncio.run(collect(servicer))
     assert got == [0, 1]
     if isinstance(error, NotFound):
@@ -287,7 +288,7 @@ def test_load_blocks_writes_no_engine_block_once_the_callers_deadline_has_passed
         buffers = store.register_buffers(session, ns, [TensorSource(
             engine.name, 0, TensorLayout((4, block), (block, 1), "uint8", 0))])
         keys = block_hashes(list(range(32)))
-        lookup = store._lookup_chain
+        lookup = store.reads.lookup_chain
 
         async def slow_lookup(*args: Any, **kwargs: Any) -> Any:
             await asyncio.sleep(0.3)   # the daemon does not run meanwhile; the caller gives up
@@ -297,7 +298,7 @@ def test_load_blocks_writes_no_engine_block_once_the_callers_deadline_has_passed
             engine.numpy()[:2] = 7
             await store.save_blocks(session, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1])
             engine.numpy()[:] = 0   # the engine's blocks, reused once the load failed
-            store._lookup_chain = slow_lookup   # type: ignore[method-assign]
+            store.reads.lookup_chain = slow_lookup   # type: ignore[method-assign]
             request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns, buffers_id=buffers.buffers_id,
                                            block_ids=[2, 3])
             request.keys.hashes.extend(keys)

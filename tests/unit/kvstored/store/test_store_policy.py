@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from clock import Clock
-from store_harness import gate_ssd_read, open_store
+from store_harness import exchange, gate_ssd_read, open_store
 
 from kvstored.errors import ResourceExhausted
 from kvstored.index import Tier
@@ -229,8 +229,8 @@ def test_pages_whose_chains_cross_each_other_still_drift(tmp_path: Path, policy:
             store.release(s, reservation, reservation_only=True)
         save(store, s, big, y)   # y1 into page 0's hole
         save(store, s, big, x)   # x1 into page 1's
-        page_bytes = store._allocator.page_bytes
-        index = store._namespaces[big].index
+        page_bytes = store.placement.dram.page_bytes
+        index = store.catalog.get(big).index
         assert [[index.get(k).offset // page_bytes for k in keys] for keys in (x, y)] == [[0, 1], [1, 0]]  # type: ignore[union-attr]
         clock.now += 1.0
         r = store.reserve(s, small, KeyRequest(hashes=chain(1, 9000)), 1024)
@@ -241,17 +241,17 @@ def test_pages_whose_chains_cross_each_other_still_drift(tmp_path: Path, policy:
 
 def _check_pages(store: BlockStore) -> None:
     """Each page knows the blocks holding its slots, and no others; the index has no orphan."""
-    page_bytes = store._allocator.page_bytes
+    page_bytes = store.placement.dram.page_bytes
     in_dram = 0
-    for state in store._namespaces.values():
+    for state in store.catalog:
         for block in state.index:
             assert block.parent is None or state.index.get(block.parent.key) is block.parent
             if block.in_dram:
                 in_dram += 1
-                assert block in store._page_blocks[block.offset // page_bytes]
-    assert sum(map(len, store._page_blocks)) == in_dram
-    for page, blocks in enumerate(store._page_blocks):
-        assert len(blocks) == store._allocator.used_slots(page)
+                assert block in store.placement.dram.page_blocks(block.offset // page_bytes)
+    assert sum(len(store.placement.dram.page_blocks(p)) for p in range(store.placement.dram.num_pages)) == in_dram
+    for page, blocks in ((p, store.placement.dram.page_blocks(p)) for p in range(store.placement.dram.num_pages)):
+        assert len(blocks) == store.placement.dram.used_slots(page)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -268,7 +268,7 @@ def test_pages_drift_under_churn_of_two_sizes(tmp_path: Path, policy: str) -> No
 
         async def lookup_and_drain(ns: int, keys: list[bytes], lease: bool) -> tuple[int, int, list[int]]:
             r = await store.lookup(ns, KeyRequest(hashes=keys), lease=lease, session_id=s if lease else "")
-            await store.drain()
+            await store.finish_background()
             return r.blocks, r.lease_id, list(r.offsets)
 
         for _ in range(300):
@@ -293,7 +293,7 @@ def test_pages_drift_under_churn_of_two_sizes(tmp_path: Path, policy: str) -> No
                 store.release(s, held.pop(rng.randrange(len(held)))[1])
             for ns_held, _, keys_held, offsets in held:
                 for key, offset in zip(keys_held, offsets):
-                    block = store._namespaces[ns_held].index.get(key)
+                    block = store.catalog.get(ns_held).index.get(key)
                     assert block is not None and block.offset == offset and block.pins > 0
             _check_pages(store)
         stats = store.stats()
@@ -304,7 +304,7 @@ def _hit_on_ssd(store: BlockStore, ns: int, keys: list[bytes]) -> None:
     """Look ``keys`` up while they are on SSD only: a hit, and a promotion to DRAM, awaited."""
     async def run() -> None:
         await store.lookup(ns, KeyRequest(hashes=keys))
-        await store.drain()
+        await store.finish_background()
     asyncio.run(run())
     assert asyncio.run(store.lookup(ns, KeyRequest(hashes=keys))).tiers == [Tier.DRAM] * len(keys)
 
@@ -359,7 +359,7 @@ def test_ssd_admission_is_the_policys(tmp_path: Path, policy: str) -> None:
         new = chain(1, 5000)
         save(store, s, ns, new)
         clock.now += 1.0
-        written = asyncio.run(store._write_back(float(BLOCK), force=False, models=None))
+        written = asyncio.run(store.writeback.write_back(float(BLOCK), force=False, models=None))
         assert written == int(policy != "credit")
         assert cached(store, ns, new) == 1 and cached(store, ns, hot) == int(policy == "credit")
 
@@ -375,19 +375,19 @@ def test_a_cancelled_reader_does_not_cancel_a_shared_promotion(tmp_path: Path) -
         _to_ssd_only(store, s, ns, keys)
 
         async def run() -> None:
-            first = asyncio.ensure_future(store.checkout(ns, keys[0]))
-            second = asyncio.ensure_future(store.checkout(ns, keys[0]))
+            first = asyncio.ensure_future(exchange(store).checkout(ns, keys[0]))
+            second = asyncio.ensure_future(exchange(store).checkout(ns, keys[0]))
             await asyncio.sleep(0)          # both are waiting on the same read from SSD
             first.cancel()
             served = await second
             assert served is not None and bytes(served[0]) != b"", "the other reader lost its block"
-            store.checkin(ns, keys[0])
+            exchange(store).checkin(ns, keys[0])
             with contextlib.suppress(asyncio.CancelledError):
                 await first
-            await store.drain()
+            await store.finish_background()
 
         asyncio.run(run())
-        block = store._namespaces[ns].index.get(keys[0])
+        block = store.catalog.get(ns).index.get(keys[0])
         assert block is not None and block.pins == 0 and block.in_dram   # nothing left pinned
         assert store.evict(tier=Tier.DRAM) == 1
 
@@ -401,13 +401,13 @@ def test_flush_waits_for_a_write_back_already_under_way(tmp_path: Path) -> None:
         save(store, s, ns, chain(4, 888_000))
 
         async def run() -> int:
-            background = asyncio.ensure_future(store._write_back(float("inf"), True, {ns}))
+            background = asyncio.ensure_future(store.writeback.write_back(float("inf"), True, {ns}))
             await asyncio.sleep(0)          # the background round has marked its blocks
             flushed = await store.flush()
             return flushed + await background
 
         assert asyncio.run(run()) == 4
-        assert all(b.on_ssd for b in store._namespaces[ns].index)
+        assert all(b.on_ssd for b in store.catalog.get(ns).index)
 
 
 def test_a_lease_ended_while_its_blocks_come_up_from_ssd_leaves_no_pin_behind(tmp_path: Path) -> None:
@@ -433,15 +433,15 @@ def test_a_lease_ended_while_its_blocks_come_up_from_ssd_leaves_no_pin_behind(tm
             task = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=reader))
             for _ in range(100):
                 await asyncio.sleep(0)
-                if store._promoting or task.done():
+                if len(store.promotion) or task.done():
                     break
-            assert store._promoting and not task.done(), "block 0 should be on its way up from SSD"
+            assert len(store.promotion) and not task.done(), "block 0 should be on its way up from SSD"
             store.close_session(reader)                       # the client went away meanwhile
             r = await task
             assert r.blocks == 0
 
         asyncio.run(main())
-        pins = [store._namespaces[ns].index.get(k).pins for k in a]  # type: ignore[union-attr]
+        pins = [store.catalog.get(ns).index.get(k).pins for k in a]  # type: ignore[union-attr]
         assert pins == [0, 0], f"pins after the lease ended: {pins}"
 
 
@@ -472,9 +472,9 @@ def test_a_load_blocks_racing_unregister_never_reports_blocks_it_did_not_copy(tm
             task = asyncio.ensure_future(store.load_blocks(s, ns, b_dst.buffers_id, keys, [2, 3]))
             for _ in range(100):
                 await asyncio.sleep(0)
-                if store._promoting or task.done():
+                if len(store.promotion) or task.done():
                     break
-            assert store._promoting and not task.done(), "the load should be waiting for SSD reads"
+            assert len(store.promotion) and not task.done(), "the load should be waiting for SSD reads"
             await store.unregister_buffers(s, b_dst.buffers_id)   # returns at once: busy == 0
             try:
                 return await task   # type: ignore[return-value]
@@ -509,7 +509,7 @@ def test_ssd_admission_refusing_a_parent_does_not_strand_it_in_dram(tmp_path: Pa
         for i in range(8):   # long prompts, each read never again
             clock.now += 1.0
             save(store, s, ns, chain(2, 1000 * i))
-            asyncio.run(store._write_back(float("inf"), force=False, models=None))
+            asyncio.run(store.writeback.write_back(float("inf"), force=False, models=None))
         clock.now += 1.0
         # the arena holds 8 blocks, all of them long unused: a new 2-block prompt must fit
         assert save(store, s, ns, chain(2, 999_000)) == 2, "DRAM is stuck full of heads nothing can evict"
@@ -529,18 +529,18 @@ def test_a_hit_on_a_prefix_that_starts_on_ssd_and_ends_in_dram_reaches_the_polic
         d = chain(1, 5000)
 
         async def main() -> None:
-            assert await store.checkout(ns, abc[2]) is not None   # a peer reads C: C alone comes up
-            store.checkin(ns, abc[2])
-            await store.drain()
+            assert await exchange(store).checkout(ns, abc[2]) is not None   # a peer reads C: C alone comes up
+            exchange(store).checkin(ns, abc[2])
+            await store.finish_background()
             save(store, s, ns, d)                                 # D: stored after C came up
             r = await store.lookup(ns, KeyRequest(hashes=abc))     # then A, B, C are read
             assert r.tiers == [Tier.SSD, Tier.SSD, Tier.DRAM]
-            await store.drain()                                   # (A and B are prefetched)
+            await store.finish_background()                                   # (A and B are prefetched)
             save(store, s, ns, chain(4, 9000))                    # the arena is full now
             save(store, s, ns, chain(1, 7000))                    # one leaf must go: D, not C
 
         asyncio.run(main())
-        c = store._namespaces[ns].index.get(abc[2])
+        c = store.catalog.get(ns).index.get(abc[2])
         assert c is not None and c.in_dram, "C was evicted although it was read after D was stored"
         assert cached(store, ns, d) == 0
 
@@ -559,10 +559,10 @@ def test_a_refused_head_too_big_for_the_ssd_tier_does_not_empty_it(tmp_path: Pat
         ns = store.open_namespace(Namespace()).namespace_id
         x = chain(1, 50_000)
         _to_ssd_only(store, s, ns, x)                   # an SSD-only block worth keeping
-        assert store._namespaces[ns].index.get(x[0]).on_ssd
+        assert store.catalog.get(ns).index.get(x[0]).on_ssd
         save(store, s, ns, chain(6))                     # depth 4 and 5 admitted; 0..3 refused
-        asyncio.run(store._write_back(float("inf"), force=False, models=None))
-        assert store._namespaces[ns].index.get(x[0]) is not None, \
+        asyncio.run(store.writeback.write_back(float("inf"), force=False, models=None))
+        assert store.catalog.get(ns).index.get(x[0]) is not None, \
             "write-back emptied the SSD tier for a round it could not make room for"
 
 
@@ -581,11 +581,11 @@ def test_a_run_whose_ancestors_on_ssd_leave_it_no_room_does_not_empty_the_tier(
         x = chain(1, 50_000)
         save(store, s, ns, long[:3])
         _to_ssd_only(store, s, ns, x)                    # the head (3 blocks) and x: SSD only
-        idx = store._namespaces[ns].index
+        idx = store.catalog.get(ns).index
         assert idx.get(x[0]).on_ssd and all(idx.get(k).on_ssd and not idx.get(k).in_dram for k in long[:3])
         save(store, s, ns, long)                         # depth 3..7 in DRAM; 7 admitted, 3..6 refused
         # 3 (ancestors, stay) + 5 (the run) blocks > 7.6 (95% of 8): the run can never be written
-        asyncio.run(store._write_back(float("inf"), force=False, models=None))
+        asyncio.run(store.writeback.write_back(float("inf"), force=False, models=None))
         assert idx.get(x[0]) is not None, \
             "write-back emptied the SSD tier for a round it could not make room for"
 
@@ -602,9 +602,9 @@ def test_a_round_counts_the_blocks_it_picked_above_a_run_as_held(tmp_path: Path)
         x = chain(1, 50_000)
         save(store, s, ns, long[:5])
         _to_ssd_only(store, s, ns, x)                    # long[:5] and x: SSD only (6 blocks)
-        idx = store._namespaces[ns].index
+        idx = store.catalog.get(ns).index
         save(store, s, ns, long)                         # long[5:]: 3 blocks in DRAM, one run each
-        written = asyncio.run(store._write_back(float("inf"), force=False, models=None))
+        written = asyncio.run(store.writeback.write_back(float("inf"), force=False, models=None))
         assert written or idx.get(x[0]) is not None, \
             "write-back emptied the SSD tier for a round it could not make room for"
 
@@ -620,10 +620,10 @@ def test_a_round_counts_the_ssd_ancestors_of_all_its_runs(tmp_path: Path) -> Non
         save(store, s, ns, a[:3])
         save(store, s, ns, b[:3])
         _to_ssd_only(store, s, ns, x)                    # 7 blocks on SSD only
-        idx = store._namespaces[ns].index
+        idx = store.catalog.get(ns).index
         save(store, s, ns, a)
         save(store, s, ns, b)
-        written = asyncio.run(store._write_back(float("inf"), force=False, models=None))
+        written = asyncio.run(store.writeback.write_back(float("inf"), force=False, models=None))
         assert written or idx.get(x[0]) is not None, \
             "write-back emptied the SSD tier for a round it could not make room for"
 
@@ -640,13 +640,13 @@ def test_ssd_ancestors_held_by_another_chain_do_not_make_a_round_empty_the_tier(
         x = chain(1, 50_000)
         save(store, s, ns, held[:5])
         _to_ssd_only(store, s, ns, x)                    # held[:5] and x: SSD only (6 blocks)
-        idx = store._namespaces[ns].index
+        idx = store.catalog.get(ns).index
         save(store, s, ns, held)                         # held[5]: DRAM, never hit (refused)
         y = chain(3, 30_000)
         save(store, s, ns, y)
         hit = asyncio.run(store.lookup(ns, KeyRequest(hashes=y)))   # y: hit, admitted
         assert hit.blocks == 3
-        written = asyncio.run(store._write_back(float("inf"), force=False, models=None))
+        written = asyncio.run(store.writeback.write_back(float("inf"), force=False, models=None))
         assert written or idx.get(x[0]) is not None, \
             "write-back emptied the SSD tier for a round it could not make room for"
 
@@ -662,19 +662,19 @@ def test_a_promotion_whose_read_cannot_start_frees_its_slot_and_its_waiters(tmp_
         ns = store.open_namespace(Namespace()).namespace_id
         keys = chain(2, 555_000)
         _to_ssd_only(store, s, ns, keys)
-        assert store._ssd is not None
-        store._ssd.stop_reads()
+        assert store.ssd_tier is not None
+        store.ssd_tier.stop_reads()
 
         async def run() -> None:
             r = await asyncio.wait_for(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s), 30)
             assert r.blocks == 0
-            second = await asyncio.wait_for(store.checkout(ns, keys[0]), 30)   # was: waited for ever
+            second = await asyncio.wait_for(exchange(store).checkout(ns, keys[0]), 30)   # was: waited for ever
             assert second is None
-            await asyncio.wait_for(store.drain(), 30)
+            await asyncio.wait_for(store.finish_background(), 30)
 
         asyncio.run(run())
-        assert not store._promoting
-        blocks = [store._namespaces[ns].index.get(k) for k in keys]
+        assert not len(store.promotion)
+        blocks = [store.catalog.get(ns).index.get(k) for k in keys]
         assert all(b is not None and b.pins == 0 and not b.in_dram and b.on_ssd for b in blocks)
         assert store.stats().tiers[0].used_bytes == 0, "a slot was kept by a promotion that never started"
         assert store.stats().tiers[1].blocks == 2 and store.evict(tier=Tier.SSD) == 2
@@ -695,13 +695,13 @@ def long_prompt_on_ssd(tmp_path: Path) -> Iterator[tuple[BlockStore, str, int, l
         ns = store.open_namespace(Namespace()).namespace_id
         keys = chain(LONG, 700_000)
         _to_ssd_only(store, s, ns, keys)
-        assert store._ssd is not None
-        real, queued = store._ssd.read_into, []
+        assert store.ssd_tier is not None
+        real, queued = store.ssd_tier.read_into, []
 
         def counted(namespace_id, key, view):  # type: ignore[no-untyped-def]
             queued.append(key)
             return real(namespace_id, key, view)
-        store._ssd.read_into = counted  # type: ignore[method-assign]
+        store.ssd_tier.read_into = counted  # type: ignore[method-assign]
         yield store, s, ns, keys, queued
 
 
@@ -745,17 +745,18 @@ def test_a_lookup_that_ends_between_set_up_steps_queues_no_more_reads_and_leaves
                 found = (await lookup).blocks
             except asyncio.CancelledError:
                 pass
-            await asyncio.wait_for(store.drain(), 30)
+            await asyncio.wait_for(store.finish_background(), 30)
             return found
         found = asyncio.run(run())
         assert found == (None if how == "cancelled" else 0)
         assert 0 < len(queued) < LONG, f"{len(queued)} reads were queued"
-        blocks = [store._namespaces[ns].index.get(k) for k in keys]
+        blocks = [store.catalog.get(ns).index.get(k) for k in keys]
         assert all(b is not None and b.pins == 0 and b.on_ssd for b in blocks)
-        assert not store._promoting
+        assert not len(store.promotion)
         promoted = [b for b in blocks if b is not None and b.in_dram]
         assert len(promoted) == len(queued)
-        assert all(b in store._dram_for(b) for b in promoted), "a promoted block is not in the DRAM policy"
+        assert all(b in store.placement.dram.policy_for(b) for b in promoted), \
+            "a promoted block is not in the DRAM policy"
         assert store.evict(tier=Tier.DRAM) == len(queued)
         assert store.stats().tiers[0].used_bytes == 0
 
@@ -765,21 +766,21 @@ def test_the_first_blocks_of_a_long_prompt_are_reported_in_dram_while_later_read
     with the set-up in steps, the blocks landed by the end of a step are reported then, not
     only once the last read is set up."""
     with long_prompt_on_ssd(tmp_path) as (store, s, ns, keys, queued):
-        assert store._ssd is not None
-        counted = store._ssd.read_into
+        assert store.ssd_tier is not None
+        counted = store.ssd_tier.read_into
 
         def landed_at_once(namespace_id, key, view):  # type: ignore[no-untyped-def]
             read = counted(namespace_id, key, view)
             read.result(10)   # in place before the lookup's next step
             return read
-        store._ssd.read_into = landed_at_once  # type: ignore[method-assign]
+        store.ssd_tier.read_into = landed_at_once  # type: ignore[method-assign]
         reports: list[tuple[int, int]] = []
 
         async def run() -> int:
-            found = await store._lookup_chain(store._namespaces[ns], keys, store._session(s),
+            found = await store.reads.lookup_chain(store.catalog.get(ns), keys, store.leasing.session(s),
                                               lambda hits, tiers, k: reports.append((k, len(queued))))
             store.release(s, found.lease_id)
-            await asyncio.wait_for(store.drain(), 30)
+            await asyncio.wait_for(store.finish_background(), 30)
             return found.blocks
         assert asyncio.run(run()) == LONG
         assert reports and reports[0][1] < LONG, f"the first report came after {reports[0][1]} reads were set up"
@@ -793,8 +794,8 @@ def test_a_read_found_failed_at_a_set_up_step_stops_the_set_up_there(tmp_path: P
 
     from kvstored.tiers.ssd import Corrupt
     with long_prompt_on_ssd(tmp_path) as (store, s, ns, keys, queued):
-        assert store._ssd is not None
-        counted = store._ssd.read_into
+        assert store.ssd_tier is not None
+        counted = store.ssd_tier.read_into
 
         def fifth_corrupt(namespace_id, key, view):  # type: ignore[no-untyped-def]
             if key == keys[5]:
@@ -805,16 +806,16 @@ def test_a_read_found_failed_at_a_set_up_step_stops_the_set_up_there(tmp_path: P
             read = counted(namespace_id, key, view)
             read.result(10)
             return read
-        store._ssd.read_into = fifth_corrupt  # type: ignore[method-assign]
+        store.ssd_tier.read_into = fifth_corrupt  # type: ignore[method-assign]
 
         async def run() -> int:
             found = await store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s)
             store.release(s, found.lease_id)
-            await asyncio.wait_for(store.drain(), 30)
+            await asyncio.wait_for(store.finish_background(), 30)
             return found.blocks
         assert asyncio.run(run()) == 5
         assert len(queued) < LONG, f"{len(queued)} reads were set up past the failed one"
-        assert not store._promoting
+        assert not len(store.promotion)
 
 
 def test_two_lookups_of_a_long_prompt_coming_up_from_ssd_leave_it_to_be_evicted_tail_first(tmp_path: Path) -> None:
@@ -831,11 +832,11 @@ def test_two_lookups_of_a_long_prompt_coming_up_from_ssd_leave_it_to_be_evicted_
             assert [r.blocks for r in found] == [LONG, LONG]
             for sid, r in zip((s, t), found):
                 store.release(sid, r.lease_id)
-            await asyncio.wait_for(store.drain(), 30)
+            await asyncio.wait_for(store.finish_background(), 30)
         asyncio.run(run())
         assert len(queued) == LONG, "each block is read once, by one of the two"
-        blocks = [store._namespaces[ns].index.get(k) for k in keys]
-        policy = store._dram_for(blocks[0])   # type: ignore[arg-type]
+        blocks = [store.catalog.get(ns).index.get(k) for k in keys]
+        policy = store.placement.dram.policy_for(blocks[0])   # type: ignore[arg-type]
         assert all(b in policy for b in blocks)
         assert policy.victim() is blocks[-1], "the first block to leave DRAM is not the prompt's last"
 
@@ -852,7 +853,7 @@ def test_a_block_promoted_twice_meanwhile_keeps_its_hits_when_the_first_batch_la
         ns = store.open_namespace(Namespace()).namespace_id
         keys = chain(2, 333_000)
         _to_ssd_only(store, s, ns, keys)
-        ssd = store._ssd
+        ssd = store.ssd_tier
         assert ssd is not None
         real_read = ssd.read_into
         held: dict[str, object] = {}
@@ -865,16 +866,16 @@ def test_a_block_promoted_twice_meanwhile_keeps_its_hits_when_the_first_batch_la
             return real_read(namespace_id, key, view)
 
         ssd.read_into = read_into  # type: ignore[method-assign]
-        a = store._namespaces[ns].index.get(keys[0])
+        a = store.catalog.get(ns).index.get(keys[0])
         assert a is not None
 
         async def run() -> None:
             first = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s))
             for _ in range(500):
                 await asyncio.sleep(0.01)
-                if a.in_dram and a not in store._promoting:
+                if a.in_dram and store.promotion.pending(a) is None:
                     break
-            assert a.in_dram and a not in store._promoting, "block 0 should have landed"
+            assert a.in_dram and store.promotion.pending(a) is None, "block 0 should have landed"
             first.cancel()                                  # the reader gives up
             with contextlib.suppress(asyncio.CancelledError):
                 await first
@@ -882,7 +883,7 @@ def test_a_block_promoted_twice_meanwhile_keeps_its_hits_when_the_first_batch_la
             again = await store.lookup(ns, KeyRequest(hashes=keys[:1]), lease=True, session_id=s)
             assert again.blocks == 1
             store.release(s, again.lease_id)
-            policy = store._dram_for(a)
+            policy = store.placement.dram.policy_for(a)
             for _ in range(100):                            # the second batch is tracked
                 await asyncio.sleep(0)
                 if a in policy:
@@ -895,7 +896,7 @@ def test_a_block_promoted_twice_meanwhile_keeps_its_hits_when_the_first_batch_la
             real_read(*held["args"]).result(5)              # type: ignore[misc]
             fut.set_result(None)                            # type: ignore[union-attr]
             await asyncio.sleep(0.05)
-            await store.drain()                             # the first batch lands at last
+            await store.finish_background()                             # the first batch lands at last
             use = policy._uses.get(a)                       # type: ignore[attr-defined]
             assert use is not None and use.hits == 2, "block 0's hits were forgotten"
 
@@ -911,14 +912,14 @@ def test_write_back_that_admission_refuses_is_not_rescanned_on_every_save(tmp_pa
         s = store.open_session("t", 1).session_id
         ns = store.open_namespace(Namespace()).namespace_id
         rounds = 0
-        real = store._write_back
+        real = store.writeback.write_back
 
         async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
             nonlocal rounds
             rounds += 1
             return await real(*args, **kwargs)
 
-        monkeypatch.setattr(store, "_write_back", counted)
+        monkeypatch.setattr(store.writeback, "write_back", counted)
 
         async def main() -> None:
             loop = asyncio.ensure_future(store.writeback_loop(interval_s=30.0))
@@ -953,11 +954,11 @@ def test_moving_between_tiers_is_not_a_reuse(tmp_path: Path) -> None:
         for _ in range(3):
             async def up() -> None:
                 store.prefetch(state.namespace_id, KeyRequest(hashes=keys))   # not a hit
-                await store.drain()
+                await store.finish_background()
             asyncio.run(up())
-            classes.append(store._dram_for(block).reuse_class(block))
+            classes.append(store.placement.dram.policy_for(block).reuse_class(block))
             store.evict(tier=Tier.DRAM)
-            classes.append(store._ssd_policy.reuse_class(block))
+            classes.append(store.placement.ssd.policy.reuse_class(block))
         assert classes == [0] * 6, classes
 
 
@@ -995,12 +996,12 @@ def test_a_block_hit_on_ssd_keeps_the_hit_when_it_comes_up_to_dram(tmp_path: Pat
         async def hit_on_ssd() -> None:
             clock.now += 1.0
             assert (await store.lookup(ns, KeyRequest(hashes=hot))).blocks == 3   # a hit, then up
-            await store.drain()
+            await store.finish_background()
 
         asyncio.run(hit_on_ssd())
         blocks = [state.index.get(k) for k in hot]
         assert all(b is not None and b.in_dram for b in blocks)
-        dram = store._dram_for(blocks[0])               # type: ignore[arg-type]
+        dram = store.placement.dram.policy_for(blocks[0])               # type: ignore[arg-type]
         # the SSD policy had the hit on the deepest block only; its ancestors were hit too
         assert [dram.reuses(b) for b in blocks] == [1, 1, 1]   # type: ignore[arg-type]
         for i in range(16):                             # never-hit saves, twice the arena
@@ -1031,15 +1032,15 @@ def test_a_prefix_brought_up_by_an_ssd_hit_adds_its_childs_hits_to_its_own(tmp_p
         async def hit_on_ssd(keys: list[bytes]) -> None:
             clock.now += 1.0
             assert (await store.lookup(ns, KeyRequest(hashes=keys))).blocks == len(keys)
-            await store.drain()
+            await store.finish_background()
 
         asyncio.run(hit_on_ssd(hot[:1]))                # the parent alone: up, with one reuse
         parent, child = (state.index.get(k) for k in hot)
         assert parent is not None and child is not None
-        dram = store._dram_for(parent)
+        dram = store.placement.dram.policy_for(parent)
         assert parent.in_dram and not child.in_dram and dram.reuses(parent) == 1
         store.evict(tier=Tier.DRAM)                     # back down, its reuse with it
-        assert store._ssd_policy.reuses(parent) == 1
+        assert store.placement.ssd.policy.reuses(parent) == 1
         asyncio.run(hit_on_ssd(hot))                    # the whole prefix: a reuse of both
         assert parent.in_dram and child.in_dram
         assert [dram.reuses(parent), dram.reuses(child)] == [2, 1]
@@ -1058,18 +1059,18 @@ def test_a_round_trip_through_a_credit_tier_keeps_an_lfu_count(tmp_path: Path) -
             assert cached(store, state.namespace_id, keys) == 1
         block = state.index.get(keys[0])
         assert block is not None
-        assert store._dram_for(block).reuses(block) == 5
+        assert store.placement.dram.policy_for(block).reuses(block) == 5
         asyncio.run(store.flush())
         store.evict(tier=Tier.DRAM)                     # SSD only now
-        assert store._ssd_policy.reuses(block) == 5
-        assert store._ssd_policy.reuse_class(block) == 3   # type: ignore[attr-defined]
+        assert store.placement.ssd.policy.reuses(block) == 5
+        assert store.placement.ssd.policy.reuse_class(block) == 3   # type: ignore[attr-defined]
 
         async def up() -> None:
             store.prefetch(state.namespace_id, KeyRequest(hashes=keys))   # not a hit
-            await store.drain()
+            await store.finish_background()
 
         asyncio.run(up())
-        assert block.in_dram and store._dram_for(block).reuses(block) == 5
+        assert block.in_dram and store.placement.dram.policy_for(block).reuses(block) == 5
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -1083,8 +1084,8 @@ def test_a_block_whose_promotion_read_fails_keeps_its_reuses_on_ssd(tmp_path: Pa
         keys = chain(1)
         _reused_then_to_ssd_only(store, clock, s, state.namespace_id, keys)   # with its two reuses
         block = state.index.get(keys[0])
-        assert block is not None and store._ssd_policy.reuses(block) == 2
-        ssd = store._ssd
+        assert block is not None and store.placement.ssd.policy.reuses(block) == 2
+        ssd = store.ssd_tier
         assert ssd is not None
 
         def failing(namespace_id: int, key: bytes, view: object) -> None:
@@ -1095,12 +1096,12 @@ def test_a_block_whose_promotion_read_fails_keeps_its_reuses_on_ssd(tmp_path: Pa
         async def hit_on_ssd() -> None:
             clock.now += 1.0
             assert (await store.lookup(state.namespace_id, KeyRequest(hashes=keys))).blocks == 1
-            await store.drain()                         # its promotion in the background failed
+            await store.finish_background()                         # its promotion in the background failed
 
         asyncio.run(hit_on_ssd())
-        assert store._n.ssd_read_errors == 1
-        assert not block.in_dram and block.on_ssd and block in store._ssd_policy
-        assert store._ssd_policy.reuses(block) == 3     # its two, and the lookup that found it
+        assert store.promotion.read_errors == 1
+        assert not block.in_dram and block.on_ssd and block in store.placement.ssd.policy
+        assert store.placement.ssd.policy.reuses(block) == 3     # its two, and the lookup that found it
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -1125,14 +1126,14 @@ def test_a_hit_of_a_prefix_from_ssd_into_dram_counts_once(tmp_path: Path, policy
 
         async def look() -> None:
             assert (await store.lookup(ns, KeyRequest(hashes=keys))).blocks == 2   # one hit of both
-            await store.drain()
+            await store.finish_background()
 
         asyncio.run(look())
-        dram = store._dram_for(head)
+        dram = store.placement.dram.policy_for(head)
         assert head.in_dram and dram.reuses(head) == 0 and dram.pending_hits(tail) == 1
         store.evict(tier=Tier.DRAM)                  # the tail goes (no SSD copy), the head down
         assert state.index.get(keys[1]) is None
-        assert store._ssd_policy.reuses(head) == 1       # the one lookup
+        assert store.placement.ssd.policy.reuses(head) == 1       # the one lookup
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -1150,30 +1151,30 @@ def test_a_promoted_block_that_goes_back_down_before_its_batch_lands_keeps_its_r
         _reused_then_to_ssd_only(store, clock, s, ns, keys)
         head, tail = (state.index.get(k) for k in keys)
         assert head is not None and tail is not None
-        assert store._ssd_policy.reuses(head) == 2
+        assert store.placement.ssd.policy.reuses(head) == 2
         gate = gate_ssd_read(store, keys[1])
 
         async def main() -> None:
             clock.now += 1.0
             task = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s))
             for _ in range(2000):   # bounded: 2 s
-                if head.in_dram and head not in store._promoting:
+                if head.in_dram and store.promotion.pending(head) is None:
                     break
                 await asyncio.sleep(0.001)
-            assert head.in_dram and head not in store._promoting and tail in store._promoting
+            assert head.in_dram and store.promotion.pending(head) is None and store.promotion.pending(tail) is not None
             task.cancel()                               # its lease ends: the head is unpinned
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             store.evict(tier=Tier.DRAM)                 # the head back down; the tail still read
-            assert not head.in_dram and head in store._ssd_policy
+            assert not head.in_dram and head in store.placement.ssd.policy
             gate.set()
-            await store.drain()
+            await store.finish_background()
 
         try:
             asyncio.run(main())
         finally:
             gate.set()
-        assert store._ssd_policy.reuses(head) == 3      # its two, and the lookup through its child
+        assert store.placement.ssd.policy.reuses(head) == 3      # its two, and the lookup through its child
 
 
 def test_a_block_evicted_from_ssd_with_no_copy_elsewhere_counts_as_dropped(tmp_path: Path) -> None:

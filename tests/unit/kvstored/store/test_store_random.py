@@ -7,7 +7,7 @@ model of the bytes last stored under each key and the store's own bookkeeping af
 The op sequence is a function of the seed; the interleaving with the copy and SSD threads is not,
 so a failing seed may need a few runs to fail again. Many seeds, outside the suite:
 
-    python tests/unit/kvstored/test_store_random.py FIRST COUNT [STEPS]
+    python tests/unit/kvstored/store/test_store_random.py FIRST COUNT [STEPS]
 """
 
 from __future__ import annotations
@@ -32,14 +32,17 @@ if __name__ == "__main__":   # run as a script: find the tests' helpers as pytes
 
 from clock import Clock
 from random_model import Broken, ClientSession, Tracked, payload, sweep, under_ssd
+from store_harness import exchange, streamer
 
 from kvstored import config
 from kvstored.buffers import TensorSource
 from kvstored.copy import CopyEngine
 from kvstored.errors import KVError
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, Block, Tier
+from kvstored.peers.exchange import PeerLanding
+from kvstored.peers.streaming import Fetched
 from kvstored.policy.registry import POLICIES
-from kvstored.store import BlockStore, Fetched, KeyRequest, PeerLanding
+from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDError, SSDTier
 from kvstored_client import shm
@@ -175,7 +178,7 @@ class Fuzz:
         await self.check_quiescent()
         if write_back:
             await self.store.write_back_for_shutdown()
-        await self.store.drain()
+        await self.store.finish_background()
         # restore takes back what is on SSD under parents on SSD (a chain's head only in DRAM is lost)
         self.on_ssd = {(self.ns_of(b), b.key) for b in self.blocks() if b.on_ssd and under_ssd(b)}
         self.copy.close()
@@ -185,7 +188,7 @@ class Fuzz:
 
     # -- invariants ------------------------------------------------------------------------
     def blocks(self) -> list[Block]:
-        return [b for st in self.store._namespaces.values() for b in st.index]
+        return [b for st in self.store.catalog for b in st.index]
 
     def fail(self, what: str) -> None:
         tail = self.log[-int(os.environ.get("FUZZ_LOG", "25")):]
@@ -217,10 +220,10 @@ class Fuzz:
                 offsets[b.offset] = b
                 used += b.index.slot_bytes
             if b.flags & (ON_SSD | DEMOTING):
-                ssd_bytes += store._block_bytes(b)
+                ssd_bytes += b.index.block_bytes
             if b.sealed and b.in_dram and not b.on_ssd:
                 dirty.add(b)
-            if b.sealed and not b.readable and not b.children and not b.pins and b not in store._promoting:
+            if b.sealed and not b.readable and not b.children and not b.pins and store.promotion.pending(b) is None:
                 self.fail(f"{name} is a hollow leaf nothing holds, left in the index")
             if b.flags & ON_SSD and b.flags & DEMOTING:
                 self.fail(f"{name} is on SSD and being written there")
@@ -234,19 +237,19 @@ class Fuzz:
         for b in blocks:
             if b.children != kids.get(b, 0):
                 self.fail(f"block {b.key.hex()[:8]} counts {b.children} children, has {kids.get(b, 0)}")
-        if store._allocator.used_bytes != used:
-            self.fail(f"allocator uses {store._allocator.used_bytes} bytes; blocks hold {used}")
-        if store._ssd_used != ssd_bytes:
-            self.fail(f"SSD used is {store._ssd_used}; blocks on (or going to) SSD hold {ssd_bytes}")
+        if store.placement.dram.used_bytes != used:
+            self.fail(f"allocator uses {store.placement.dram.used_bytes} bytes; blocks hold {used}")
+        if store.placement.ssd.used_bytes != ssd_bytes:
+            self.fail(f"SSD used is {store.placement.ssd.used_bytes}; blocks on (or going to) SSD hold {ssd_bytes}")
         on_ssd = sum(1 for b in blocks if b.flags & ON_SSD)
         if store.stats().tiers[1].blocks != on_ssd:
             self.fail(f"stats count {store.stats().tiers[1].blocks} blocks on SSD; {on_ssd} have a copy there")
-        if store._ssd_used > self.cfg.ssd.capacity:
-            self.fail(f"SSD used {store._ssd_used} exceeds capacity {self.cfg.ssd.capacity}")
-        if set(store._dirty) != dirty:
-            self.fail(f"write-back queue {len(store._dirty)} blocks, DRAM-only sealed blocks {len(dirty)}")
-        if store._dirty_bytes != sum(b.index.slot_bytes for b in dirty):
-            self.fail(f"dirty bytes {store._dirty_bytes} != {sum(b.index.slot_bytes for b in dirty)}")
+        if store.placement.ssd.used_bytes > self.cfg.ssd.capacity:
+            self.fail(f"SSD used {store.placement.ssd.used_bytes} exceeds capacity {self.cfg.ssd.capacity}")
+        if set(store.placement.queue) != dirty:
+            self.fail(f"write-back queue {len(store.placement.queue)} blocks, DRAM-only sealed blocks {len(dirty)}")
+        if store.placement.queue.bytes != sum(b.index.slot_bytes for b in dirty):
+            self.fail(f"dirty bytes {store.placement.queue.bytes} != {sum(b.index.slot_bytes for b in dirty)}")
         for _, key, want, view in self.checkouts:
             if bytes(view) != want:
                 self.fail(f"checked-out block {key.hex()[:8]}'s bytes changed while a peer reads them")
@@ -255,7 +258,7 @@ class Fuzz:
                 self.fail(f"bytes landing for {key.hex()[:8]} changed before the landing was committed")
         for t in self.tracked.values():   # what a client holds stays as it was
             for key, offset, want in zip(t.keys, t.offsets, t.expected):
-                block = store._namespaces[self.ns_ids[t.ns]].index.get(key)
+                block = store.catalog.get(self.ns_ids[t.ns]).index.get(key)
                 if block is None or block.offset != offset:
                     self.fail(f"lease {t.lease_id}: block {key.hex()[:8]} left slot {offset}")
                 if bytes(self.arena.view(offset, SIZES[t.ns])) != want:
@@ -265,14 +268,14 @@ class Fuzz:
         """The pins of the leases, the landings (their parents) and the checkouts."""
         store = self.store
         want: Counter[Block] = Counter()
-        for lease in store._leases._leases.values():
+        for lease in store.leasing.leases():
             want.update(lease.pinned)
             want.update(lease.new)
         for _, _, _, landing in self.landings:
             if landing.parent is not None:
                 want[landing.parent] += 1
         for ns, key, _, _ in self.checkouts:
-            block = store._namespaces[self.ns_ids[ns]].index.get(key)
+            block = store.catalog.get(self.ns_ids[ns]).index.get(key)
             assert block is not None
             want[block] += 1
         return want
@@ -282,7 +285,7 @@ class Fuzz:
         blocks, every stored copy holds the model's bytes."""
         assert not self.inflight
         store = self.store
-        await store.drain()
+        await store.finish_background()
         # A call cancelled again while its copy to engine buffers runs ends at once; its blocks are
         # unpinned when the copy is done (Handover.close): wait for such copies, a while at most.
         for _ in range(2000):
@@ -291,16 +294,17 @@ class Fuzz:
                 break
             await asyncio.sleep(0.001)
         self.check()
-        if store._busy or store._doomed or store._promoting or store._lookups_in_flight:
-            self.fail(f"idle store with busy {store._busy}, doomed {store._doomed}, "
-                      f"{len(store._promoting)} promoting, {store._lookups_in_flight} lookups in flight")
-        live = set(store._leases._leases)
+        leasing = store.leasing
+        if leasing.busy_leases() or leasing.doomed_leases() or len(store.promotion) or leasing.lookups_in_flight:
+            self.fail(f"idle store with busy {store.leasing.busy_leases()}, doomed {store.leasing.doomed_leases()}, "
+                      f"{len(store.promotion)} promoting, {store.leasing.lookups_in_flight} lookups in flight")
+        live = {lease.lease_id for lease in store.leasing.leases()}
         if live != set(self.tracked):
             self.fail(f"store holds leases {sorted(live)}; clients hold {sorted(self.tracked)}")
         want = self.expected_pins()
-        open_new = {b for lease in store._leases._leases.values() for b in lease.new}
+        open_new = {b for lease in store.leasing.leases() for b in lease.new}
         blocks = self.blocks()
-        dram_policies = store._dram_policies
+        dram_policies = store.placement.dram.policies()
         for b in blocks:
             name = f"block {b.key.hex()[:8]} (depth {b.depth}, flags {b.flags}, slot {b.offset})"
             if b.pins != want[b]:
@@ -310,7 +314,7 @@ class Fuzz:
             if b.sealed and not b.readable and not b.children and not b.pins:
                 self.fail(f"{name} is a hollow leaf left in the index")   # (a reservation may pin one)
             in_dram_policy = [size for size, p in dram_policies.items() if b in p]
-            in_ssd_policy = b in store._ssd_policy
+            in_ssd_policy = b in store.placement.ssd.policy
             should_dram = b.sealed and b.in_dram
             should_ssd = b.sealed and not b.in_dram and b.on_ssd
             if in_dram_policy != ([b.index.slot_bytes] if should_dram else []):
@@ -320,15 +324,15 @@ class Fuzz:
             key = (self.ns_of(b), b.key)
             if b.sealed and b.readable and key not in self.model:
                 self.fail(f"{name} is stored but was never saved")
-            if b.sealed and b.in_dram and bytes(self.arena.view(b.offset, store._block_bytes(b))) != self.model[key]:
+            if b.sealed and b.in_dram and bytes(self.arena.view(b.offset, b.index.block_bytes)) != self.model[key]:
                 self.fail(f"{name}: DRAM bytes are not the last saved")
         for size, p in dram_policies.items():
             n = sum(1 for b in blocks if b.sealed and b.in_dram and b.index.slot_bytes == size)
             if len(p) != n:
                 self.fail(f"DRAM policy of {size}-byte slots tracks {len(p)} blocks; {n} are there")
         n = sum(1 for b in blocks if b.sealed and not b.in_dram and b.on_ssd)
-        if len(store._ssd_policy) != n:
-            self.fail(f"SSD policy tracks {len(store._ssd_policy)} blocks; {n} are SSD-only")
+        if len(store.placement.ssd.policy) != n:
+            self.fail(f"SSD policy tracks {len(store.placement.ssd.policy)} blocks; {n} are SSD-only")
         # the disk: the writer applies ops in order; a delete of nothing behind them is a barrier
         assert self.ssd is not None
         await asyncio.wrap_future(self.ssd.delete_raw(b"\xff" * 40))
@@ -339,7 +343,7 @@ class Fuzz:
                       f"{len(indexed - on_disk)} blocks on SSD without a record")
         for b in blocks:
             if b.on_ssd:
-                nbytes = store._block_bytes(b)
+                nbytes = b.index.block_bytes
                 buf = np.empty(nbytes, np.uint8)
                 try:
                     await asyncio.wrap_future(self.ssd_read(b.index.namespace_id, b.key, buf))
@@ -412,7 +416,7 @@ class Fuzz:
     def reap(self) -> None:
         n = self.store.reap()
         now = self.clock.now
-        gone = [t for t in self.tracked.values() if self.store._leases.get(t.lease_id) is None]
+        gone = [t for t in self.tracked.values() if self.store.leasing.get(t.lease_id) is None]
         for t in gone:
             if t.born[0] + t.ttl > now:
                 self.fail(f"lease {t.lease_id} reaped before its deadline")
@@ -527,7 +531,7 @@ class Fuzz:
             return Fetched(len(want), "complete")
 
         try:
-            end = await self.store.stream_blocks(s.session_id, self.ns_ids[ns], KeyRequest(hashes=keys),
+            end = await streamer(self.store).stream_blocks(s.session_id, self.ns_ids[ns], KeyRequest(hashes=keys),
                                                  0 if arena_mode else buffers_id, ids, emit, fetcher)
         finally:
             if slot is not None:
@@ -538,7 +542,7 @@ class Fuzz:
         if end.lease_id:
             if s.closed:
                 return
-            lease = self.store._leases.get(end.lease_id)
+            lease = self.store.leasing.get(end.lease_id)
             if lease is None:
                 self.fail(f"stream handed lease {end.lease_id}, which is gone")
             offsets = [b.offset for b in lease.pinned]
@@ -569,9 +573,9 @@ class Fuzz:
     async def op_write_back(self) -> None:
         """One round of the write-back task (as writeback_loop runs it)."""
         store = self.store
-        limit = self.cfg.dram.writeback_watermark * store._allocator.capacity
-        if store._dirty_bytes > limit and self.clock.now >= store._ssd_backoff_until:
-            n = await store._write_back(store._dirty_bytes - limit, force=False, models=None)
+        limit = self.cfg.dram.writeback_watermark * store.placement.dram.capacity
+        if store.placement.queue.bytes > limit and self.clock.now >= store.writeback.backoff_until:
+            n = await store.writeback.write_back(store.placement.queue.bytes - limit, force=False, models=None)
             self.log.append(f"  -> write-back {n}")
 
     async def op_shutdown_write_back(self) -> None:
@@ -613,18 +617,18 @@ class Fuzz:
 
     def op_adopt(self) -> None:
         ns, parent, key = self.peer_block()
-        index = self.store._namespaces[self.ns_ids[ns]].index
+        index = self.store.catalog.get(self.ns_ids[ns]).index
         before = index.get(key)
         had = before is not None and before.readable
         data = self.new_bytes(ns, key)
-        ok = self.store.adopt(self.ns_ids[ns], parent, key, memoryview(data))
+        ok = exchange(self.store).adopt(self.ns_ids[ns], parent, key, memoryview(data))
         if ok and not had:
             self.model[(ns, key)] = data
         self.log.append(f"  -> adopt {key.hex()[:8]}: {ok}")
 
     def op_land(self) -> None:
         ns, parent, key = self.peer_block()
-        landing = self.store.land(self.ns_ids[ns], parent, key, SIZES[ns])
+        landing = exchange(self.store).land(self.ns_ids[ns], parent, key, SIZES[ns])
         self.log.append(f"  -> land {key.hex()[:8]}: {landing is not None}")
         if landing is not None:
             data = self.new_bytes(ns, key)
@@ -649,7 +653,7 @@ class Fuzz:
     async def op_checkout(self) -> None:
         _, ns, keys = self.pick()
         key = keys[-1]
-        got = await self.store.checkout(self.ns_ids[ns], key, served=self.rng.random() < 0.7)
+        got = await exchange(self.store).checkout(self.ns_ids[ns], key, served=self.rng.random() < 0.7)
         if got is None:
             return
         view, check = got
@@ -662,11 +666,11 @@ class Fuzz:
     def op_checkin(self) -> None:
         if self.checkouts:
             ns, key, _, _ = self.checkouts.pop(self.rng.randrange(len(self.checkouts)))
-            self.store.checkin(self.ns_ids[ns], key)
+            exchange(self.store).checkin(self.ns_ids[ns], key)
 
     def op_forget(self) -> None:
         _, ns, keys = self.pick()
-        self.log.append(f"  -> forget {self.store.forget(self.ns_ids[ns], keys)}")
+        self.log.append(f"  -> forget {exchange(self.store).forget(self.ns_ids[ns], keys)}")
 
     async def op_reregister(self) -> None:
         """An engine unregisters its buffers (calls may still use them) and registers new ones."""

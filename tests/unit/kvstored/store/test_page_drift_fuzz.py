@@ -17,12 +17,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from clock import Clock
-from store_harness import open_store
+from store_harness import exchange, open_store
 
 from kvstored.errors import KVError
 from kvstored.index import Block, Tier
+from kvstored.peers.exchange import PeerLanding
 from kvstored.policy.registry import POLICIES
-from kvstored.store import BlockStore, KeyRequest, PeerLanding
+from kvstored.store import BlockStore, KeyRequest
 from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
@@ -46,26 +47,27 @@ def pattern(key: bytes, n: int) -> np.ndarray:
 
 def check(store: BlockStore, landings: list[PeerLanding], in_use: list[tuple[Block, int]]) -> None:
     """The page record against the allocator and the index; blocks in use kept slot and bytes."""
-    pb = store._allocator.page_bytes
+    pb = store.placement.dram.page_bytes
     landing_pages = Counter(landing.offset // pb for landing in landings)
     offsets: dict[int, object] = {landing.offset: landing for landing in landings}
     in_dram = 0
-    for state in store._namespaces.values():
+    for state in store.catalog:
         for block in state.index:
             assert block.parent is None or state.index.get(block.parent.key) is block.parent, "orphan"
             if block.in_dram:
                 in_dram += 1
                 page = block.offset // pb
-                assert block in store._page_blocks[page], "a block in DRAM its page does not know"
-                assert store._allocator._pages[page].slot_bytes == state.index.slot_bytes, "wrong page size"
+                assert block in store.placement.dram.page_blocks(page), "a block in DRAM its page does not know"
+                assert store.placement.dram.page_slot_bytes(page) == state.index.slot_bytes, "wrong page size"
                 assert block.offset not in offsets, "two holders of one slot"
                 offsets[block.offset] = block
-    assert sum(map(len, store._page_blocks)) == in_dram, "a page knows a block that left DRAM or the index"
-    for page, blocks in enumerate(store._page_blocks):
+    known = sum(len(store.placement.dram.page_blocks(p)) for p in range(store.placement.dram.num_pages))
+    assert known == in_dram, "a page knows a block that left DRAM or the index"
+    for page, blocks in ((p, store.placement.dram.page_blocks(p)) for p in range(store.placement.dram.num_pages)):
         for block in blocks:
             assert block.offset // pb == page and block.index.get(block.key) is block
-        assert len(blocks) + landing_pages[page] == store._allocator.used_slots(page), f"page {page}"
-    for block in store._promoting:
+        assert len(blocks) + landing_pages[page] == store.placement.dram.used_slots(page), f"page {page}"
+    for block in store.promotion.blocks():
         assert block.in_dram, "a block being promoted lost its slot"
     for block, offset in in_use:
         assert block.index.get(block.key) is block, "a block in use left the index"
@@ -103,25 +105,25 @@ async def _walk(tmp_path: Path, policy: str, seed: int, steps: int, pages: int =
                 r = store.reserve(s, ns, KeyRequest(hashes=keys), sizes[ns])
             except KVError:
                 return None
-            index = store._namespaces[ns].index
+            index = store.catalog.get(ns).index
             new = [index.get(k) for k in keys[r.present: r.present + len(r.offsets)]]
             blocks = [b for b in new if b is not None]
             for block in blocks:
-                store._arena.view(block.offset, sizes[ns])[:] = pattern(block.key, sizes[ns])
+                store.arena.view(block.offset, sizes[ns])[:] = pattern(block.key, sizes[ns])
             return r.reservation_id, blocks
 
         async def leased_lookup(ns: int, keys: list[bytes]) -> None:
             r = await store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s)
             if r.blocks:
-                index = store._namespaces[ns].index
+                index = store.catalog.get(ns).index
                 blocks = [index.get(k) for k in keys[: r.blocks]]
                 assert all(b is not None for b in blocks)
                 leases.append((r.lease_id, blocks, list(r.offsets)))  # type: ignore[arg-type]
 
         async def checkout(ns: int, key: bytes) -> None:
-            got = await store.checkout(ns, key, served=True)
+            got = await exchange(store).checkout(ns, key, served=True)
             if got is not None:
-                block = store._namespaces[ns].index.get(key)
+                block = store.catalog.get(ns).index.get(key)
                 assert block is not None
                 checked_out.append(block)
 
@@ -169,10 +171,10 @@ async def _walk(tmp_path: Path, policy: str, seed: int, steps: int, pages: int =
             elif op < 0.76:
                 store.evict(rng.choice(("small", "big")), Tier.DRAM)
             elif op < 0.84 and len(landings) < 2:
-                index = store._namespaces[ns].index
+                index = store.catalog.get(ns).index
                 readable = [b for b in index if b.readable]
                 parent = rng.choice(readable).key if readable and rng.random() < 0.7 else b""
-                landing = store.land(ns, parent, bytes(rng.randbytes(len(keys[0]))), sizes[ns])
+                landing = exchange(store).land(ns, parent, bytes(rng.randbytes(len(keys[0]))), sizes[ns])
                 if landing is not None:
                     landings.append(landing)
             elif op < 0.90 and landings:
@@ -185,26 +187,26 @@ async def _walk(tmp_path: Path, policy: str, seed: int, steps: int, pages: int =
                     landing.abort()
             elif op < 0.93:
                 key = bytes(rng.randbytes(len(keys[0])))
-                store.adopt(ns, b"", key, memoryview(pattern(key, sizes[ns]).tobytes()))
+                exchange(store).adopt(ns, b"", key, memoryview(pattern(key, sizes[ns]).tobytes()))
             elif op < 0.97 and len(checked_out) < 2:
-                index = store._namespaces[ns].index
+                index = store.catalog.get(ns).index
                 readable = [b for b in index if b.readable]
                 if readable:
                     spawn(checkout(ns, rng.choice(readable).key))
             elif checked_out:
                 block = checked_out.pop(rng.randrange(len(checked_out)))
-                store.checkin(block.index.namespace_id, block.key)
+                exchange(store).checkin(block.index.namespace_id, block.key)
             for _ in range(rng.randrange(4)):
                 await asyncio.sleep(0 if rng.random() < 0.7 else 0.002)
             check(store, landings, in_use())
             for _, blocks, offsets in leases:   # a leased block's bytes are its own
                 for block, offset in zip(blocks, offsets):
                     n = sizes[block.index.namespace_id]
-                    assert np.array_equal(store._arena.view(offset, n), pattern(block.key, n)), "leased bytes changed"
+                    assert np.array_equal(store.arena.view(offset, n), pattern(block.key, n)), "leased bytes changed"
         for landing in landings:
             landing.abort()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await store.drain()
+        await store.finish_background()
         check(store, [], in_use())
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 from clock import Clock
-from store_harness import gate_ssd_read, open_store
+from store_harness import exchange, gate_ssd_read, open_store, streamer
 
 from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstored.policy.credit import DEFAULT_TAU_S
-from kvstored.store import PROMOTIONS_PER_STEP, BlockStore, KeyRequest
+from kvstored.store import BlockStore, KeyRequest
+from kvstored.store.promotion import PROMOTIONS_PER_STEP
 from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
@@ -293,7 +294,7 @@ def _to_ssd_only(store: BlockStore, sid: str, ns: int, keys: list[bytes]) -> Non
 def _corrupt_on_disk(store: BlockStore, ns: int, key: bytes) -> None:
     """Flip a byte of ``key``'s payload in its slot file, behind the tier's back."""
     from kvstored.tiers.ssd import BlockRecord
-    ssd = store._ssd
+    ssd = store.ssd_tier
     assert ssd is not None
     rec = next(r for r in ssd.scan() if isinstance(r, BlockRecord) and r.namespace_id == ns and r.key == key)
     path = ssd.path / f"payload-{rec.length}.dat"
@@ -325,7 +326,7 @@ def test_a_corrupt_leaf_read_by_a_load_leaves_the_index(tmp_path: Path) -> None:
         # and its parent, back on SSD only, is an SSD leaf the tier can evict
         from kvstored.index import Tier
         assert store.evict(tier=Tier.DRAM) == 1
-        assert store._ssd_policy.victim() is ns_state.index.get(keys[0])
+        assert store.placement.ssd.policy.victim() is ns_state.index.get(keys[0])
 
 
 def test_a_lease_ended_during_a_promotion_is_not_unpinned_twice(tmp_path: Path) -> None:
@@ -348,7 +349,7 @@ def test_a_lease_ended_during_a_promotion_is_not_unpinned_twice(tmp_path: Path) 
             await asyncio.sleep(0)          # the lookup waits for the SSD reads
             store.close_session(s2)         # the client is gone: its leases end
             await task
-            await store.drain()
+            await store.finish_background()
 
         asyncio.run(run())
         pins = {i: b.pins for i, key in enumerate(keys) if (b := ns_state.index.get(key)) is not None}
@@ -373,7 +374,7 @@ def test_a_flush_cancelled_mid_write_leaves_nothing_pinned(tmp_path: Path) -> No
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            await store.drain()             # the daemon's loop runs on: let what it started finish
+            await store.finish_background()             # the daemon's loop runs on: let what it started finish
 
         asyncio.run(run())
         blocks = [ns_state.index.get(k) for k in keys]
@@ -426,16 +427,16 @@ def test_a_save_cancelled_mid_copy_does_not_write_into_a_reused_slot(tmp_path: P
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 r = store.reserve(b, ns, KeyRequest(hashes=other), BLOCK)   # another client's block
-                store._arena.view(r.offsets[0], BLOCK)[:] = 0x55
+                store.arena.view(r.offsets[0], BLOCK)[:] = 0x55
                 store.seal(b, r.reservation_id)
                 gate.set()
                 await asyncio.sleep(0.2)        # the abandoned copy finishes
                 return r.offsets[0]
 
             offset = asyncio.run(run())
-            block = store._namespaces[ns].index.get(other[0])
+            block = store.catalog.get(ns).index.get(other[0])
             assert block is not None and block.offset == offset
-            assert bytes(store._arena.view(offset, BLOCK)) == b"\x55" * BLOCK, \
+            assert bytes(store.arena.view(offset, BLOCK)) == b"\x55" * BLOCK, \
                 "another block's bytes were overwritten by a cancelled save's copy"
     finally:
         gate.set()
@@ -496,14 +497,14 @@ def test_a_cancelled_save_blocks_does_not_free_slots_its_copy_still_writes(
         keys = chain(8, 50_000)
         r = store.reserve(other.session_id, ns, KeyRequest(hashes=keys), BLOCK)
         for off in r.offsets:
-            store._arena.view(off, BLOCK)[:] = 0x55
+            store.arena.view(off, BLOCK)[:] = 0x55
         store.seal(other.session_id, r.reservation_id)
         gate.set()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await asyncio.to_thread(finished.wait, 10)
         hit = await store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=other.session_id)
-        return b"".join(store._arena.view(o, BLOCK).tobytes() for o in hit.offsets)
+        return b"".join(store.arena.view(o, BLOCK).tobytes() for o in hit.offsets)
 
     try:
         data = asyncio.run(main())
@@ -643,12 +644,12 @@ def test_an_engine_killed_mid_save_leaves_no_doomed_lease_behind(
         gate.set()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await store.drain()
+        await store.finish_background()
 
     try:
         asyncio.run(main())
-        assert len(store._leases) == 0 and not store._busy
-        assert not store._doomed, f"doomed lease ids left behind: {store._doomed}"
+        assert len(store.leasing.leases()) == 0 and not store.leasing.busy_leases()
+        assert not store.leasing.doomed_leases(), f"doomed lease ids left behind: {store.leasing.doomed_leases()}"
         assert store.stats().index_blocks == 0
     finally:
         gate.set()
@@ -692,7 +693,7 @@ def test_a_restore_that_evicts_to_fit_a_lowered_capacity_reports_its_progress(
     heard nothing after the last "indexing" advance (which allows EXTEND_S = 60 s more) and stopped
     the start as hung (TimeoutStartSec=), into a restart that did the same. Its advance is
     reported like the other restore steps (every PROGRESS_EVERY blocks)."""
-    import kvstored.store as store_mod
+    from kvstored.store import placement, restore
     keys = chain(12)
     with _ssd_store(tmp_path) as (store, _):
         s = store.open_session("t", 1).session_id
@@ -701,8 +702,9 @@ def test_a_restore_that_evicts_to_fit_a_lowered_capacity_reports_its_progress(
         assert asyncio.run(store.flush()) == 6
         save(store, s, ns, keys[6:])
         assert asyncio.run(store.flush()) == 6
-        asyncio.run(store.drain())
-    monkeypatch.setattr(store_mod, "PROGRESS_EVERY", 2)
+        asyncio.run(store.finish_background())
+    monkeypatch.setattr(restore, "PROGRESS_EVERY", 2)
+    monkeypatch.setattr(placement, "PROGRESS_EVERY", 2)
     reports: list[tuple[str, int, int]] = []
     with _ssd_store(tmp_path, {"ssd": {"capacity": 4 * BLOCK}}) as (store, _):   # restarted, smaller
         report = store.restore(lambda what, done, total: reports.append((what, done, total)))
@@ -723,14 +725,14 @@ def test_evicting_the_ssd_tier_keeps_the_copy_of_a_parent_whose_child_stays_on_s
         ns = ns_state.namespace_id
         parent, child = keys = chain(2)
         _to_ssd_only(store, s, ns, keys)
-        assert asyncio.run(store.checkout(ns, parent)) is not None   # the parent back in DRAM
-        store.checkin(ns, parent)
-        assert asyncio.run(store.checkout(ns, child)) is not None    # a peer reading the child
+        assert asyncio.run(exchange(store).checkout(ns, parent)) is not None   # the parent back in DRAM
+        exchange(store).checkin(ns, parent)
+        assert asyncio.run(exchange(store).checkout(ns, child)) is not None    # a peer reading the child
         store.evict(tier=Tier.SSD)
-        on_disk = {r.key for r in store._ssd.scan() if isinstance(r, BlockRecord)}  # type: ignore[union-attr]
+        on_disk = {r.key for r in store.ssd_tier.scan() if isinstance(r, BlockRecord)}  # type: ignore[union-attr]
         assert child in on_disk and parent in on_disk
         assert ns_state.index.get(parent).on_ssd  # type: ignore[union-attr]
-        store.checkin(ns, child)
+        exchange(store).checkin(ns, child)
         assert store.evict(tier=Tier.SSD) == 2      # once nothing holds the child, both copies go
 
 
@@ -743,7 +745,7 @@ def test_kvctl_evict_returns_once_the_ssd_deletes_are_committed(tmp_path: Path) 
     from kvstored.tiers.ssd import BlockRecord
     from kvstored_client._proto import kvstored_pb2 as pb
     with _ssd_store(tmp_path) as (store, _):
-        ssd = store._ssd
+        ssd = store.ssd_tier
         assert ssd is not None
         s = store.open_session("t", 1).session_id
         ns = store.open_namespace(Namespace()).namespace_id
@@ -817,7 +819,7 @@ def test_stats_count_the_ssd_blocks_without_walking_the_index(tmp_path: Path,
         save(store, s, ns, keys)
         assert asyncio.run(store.flush()) == 3
         assert ssd_blocks(store) == 3
-        asyncio.run(store.drain())
+        asyncio.run(store.finish_background())
     with _ssd_store(tmp_path) as (store, _):   # restarted over the same tier
         assert store.restore().blocks == 3
         assert ssd_blocks(store) == 3
@@ -832,8 +834,8 @@ def test_a_block_written_to_ssd_or_read_from_it_is_served_to_peers_unhashed(tmp_
 
     import xxhash
 
-    from kvstored import store as store_mod
     from kvstored.index import Tier
+    from kvstored.peers import exchange as exchange_mod
 
     hashed: list[int] = []
     real = xxhash.xxh3_64_intdigest
@@ -847,19 +849,19 @@ def test_a_block_written_to_ssd_or_read_from_it_is_served_to_peers_unhashed(tmp_
         keys = chain(3)
         parent = b""
         for i, key in enumerate(keys):
-            assert store.adopt(ns, parent, key, memoryview(bytes([i + 1]) * BLOCK))
+            assert exchange(store).adopt(ns, parent, key, memoryview(bytes([i + 1]) * BLOCK))
             parent = key
         assert asyncio.run(store.flush()) == 3
         # the store's own hashing only (the SSD tier's verification of a read is its job)
-        monkeypatch.setattr(store_mod, "xxhash", types.SimpleNamespace(xxh3_64_intdigest=counting))
+        monkeypatch.setattr(exchange_mod, "xxhash", types.SimpleNamespace(xxh3_64_intdigest=counting))
 
         async def serve(key: bytes) -> tuple[bytes, int | None]:
-            served = await store.checkout(ns, key)
+            served = await exchange(store).checkout(ns, key)
             assert served is not None
             try:
                 return bytes(served[0]), served[1]
             finally:
-                store.checkin(ns, key)
+                exchange(store).checkin(ns, key)
 
         data, check = asyncio.run(serve(keys[2]))           # written back: its checksum is known
         assert data == bytes([3]) * BLOCK and check == real(data)
@@ -879,24 +881,24 @@ def test_serving_a_peer_answers_at_once_from_dram_and_later_from_ssd(tmp_path: P
     with _store(tmp_path, ssd=True) as (store, _):
         ns = store.open_namespace(Namespace(model="m", block_bytes=BLOCK)).namespace_id
         keys = chain(2)
-        assert store.adopt(ns, b"", keys[0], memoryview(b"\x01" * BLOCK))
-        assert store.adopt(ns, keys[0], keys[1], memoryview(b"\x02" * BLOCK))
-        assert store.serve(ns, chain(1, start=900)[0]) is None   # not held: None at once
+        assert exchange(store).adopt(ns, b"", keys[0], memoryview(b"\x01" * BLOCK))
+        assert exchange(store).adopt(ns, keys[0], keys[1], memoryview(b"\x02" * BLOCK))
+        assert exchange(store).serve(ns, chain(1, start=900)[0]) is None   # not held: None at once
 
         async def main() -> None:
-            now = store.serve(ns, keys[1])
+            now = exchange(store).serve(ns, keys[1])
             assert not inspect.isawaitable(now), "a block in DRAM waited for the event loop"
             assert now is not None and bytes(now[0]) == b"\x02" * BLOCK and now[1] == xxhash.xxh3_64_intdigest(now[0])
-            block = store._namespaces[ns].index.get(keys[1])
+            block = store.catalog.get(ns).index.get(keys[1])
             assert block is not None and block.pins == 1 and not block.evictable
-            store.checkin(ns, keys[1])
+            exchange(store).checkin(ns, keys[1])
             assert await store.flush() == 2
             assert store.evict(tier=Tier.DRAM) == 2   # SSD only now
-            later = store.serve(ns, keys[0])
+            later = exchange(store).serve(ns, keys[0])
             assert inspect.isawaitable(later)
             got = await later
             assert got is not None and bytes(got[0]) == b"\x01" * BLOCK
-            store.checkin(ns, keys[0])
+            exchange(store).checkin(ns, keys[0])
 
         asyncio.run(main())
         assert store.stats().peer_served_blocks == 2
@@ -909,17 +911,17 @@ def _ssd_only_under_full_dram(store: BlockStore, ns: int, cold: list[bytes]) -> 
     from kvstored.index import Tier
     parent = b""
     for i, key in enumerate(cold):
-        assert store.adopt(ns, parent, key, memoryview(bytes([0xA0 + i]) * BLOCK))
+        assert exchange(store).adopt(ns, parent, key, memoryview(bytes([0xA0 + i]) * BLOCK))
         parent = key
     assert asyncio.run(store.flush()) == len(cold)
     assert store.evict(tier=Tier.DRAM) == len(cold)
     hot = chain(8, start=500)
     parent = b""
     for i, key in enumerate(hot):
-        assert store.adopt(ns, parent, key, memoryview(bytes([i]) * BLOCK))
+        assert exchange(store).adopt(ns, parent, key, memoryview(bytes([i]) * BLOCK))
         parent = key
     for key in hot:
-        assert asyncio.run(store.checkout(ns, key, served=False)) is not None
+        assert asyncio.run(exchange(store).checkout(ns, key, served=False)) is not None
     return hot
 
 
@@ -936,12 +938,12 @@ def test_a_block_only_ssd_holds_is_served_to_a_peer_when_dram_has_no_slot_for_it
         hot = _ssd_only_under_full_dram(store, ns, cold)
 
         async def serve(key: bytes) -> tuple[bytes, int | None]:
-            served = await store.checkout(ns, key)
+            served = await exchange(store).checkout(ns, key)
             assert served is not None, "a block this node holds on SSD was reported missing"
             try:
                 return bytes(served[0]), served[1]
             finally:
-                store.checkin(ns, key)
+                exchange(store).checkin(ns, key)
 
         for i, key in enumerate(cold):
             data, check = asyncio.run(serve(key))
@@ -951,7 +953,7 @@ def test_a_block_only_ssd_holds_is_served_to_a_peer_when_dram_has_no_slot_for_it
         assert all(ns_state.index.get(key).in_dram for key in hot)  # type: ignore[union-attr]
         assert store.stats().peer_served_blocks == len(cold)
         for key in hot:
-            store.checkin(ns, key)
+            exchange(store).checkin(ns, key)
         assert store.evict() == len(cold) + len(hot), "a pin outlived its checkout"
 
 
@@ -964,12 +966,12 @@ def test_a_corrupt_block_only_ssd_holds_is_dropped_not_served_when_dram_is_full(
         cold = chain(1, start=900)
         hot = _ssd_only_under_full_dram(store, ns, cold)
         _corrupt_on_disk(store, ns, cold[0])
-        assert asyncio.run(store.checkout(ns, cold[0])) is None
+        assert asyncio.run(exchange(store).checkout(ns, cold[0])) is None
         st = store.stats()
         assert st.tiers[1].read_errors == 1 and st.tiers[1].used_bytes == 0
         assert ns_state.index.get(cold[0]) is None, "the corrupt block is still in the index"
         for key in hot:
-            store.checkin(ns, key)
+            exchange(store).checkin(ns, key)
 
 
 def test_a_checkout_cancelled_during_its_slotless_read_leaves_no_pin(tmp_path: Path) -> None:
@@ -983,17 +985,17 @@ def test_a_checkout_cancelled_during_its_slotless_read_leaves_no_pin(tmp_path: P
         ns = ns_state.namespace_id
         cold = chain(1, start=900)
         hot = _ssd_only_under_full_dram(store, ns, cold)
-        assert store._ssd is not None
+        assert store.ssd_tier is not None
         reads: list[Future[int]] = []
 
         def never_done(*args: object) -> Future[int]:
             reads.append(Future())
             return reads[-1]
 
-        store._ssd.read_into = never_done  # type: ignore[method-assign]
+        store.ssd_tier.read_into = never_done  # type: ignore[method-assign]
 
         async def give_up() -> None:
-            task = asyncio.ensure_future(store.checkout(ns, cold[0]))
+            task = asyncio.ensure_future(exchange(store).checkout(ns, cold[0]))
             while not reads:
                 await asyncio.sleep(0)
             task.cancel()
@@ -1004,7 +1006,7 @@ def test_a_checkout_cancelled_during_its_slotless_read_leaves_no_pin(tmp_path: P
         block = ns_state.index.get(cold[0])
         assert block is not None and block.pins == 0, "the cancelled checkout left its pin"
         for key in hot:
-            store.checkin(ns, key)
+            exchange(store).checkin(ns, key)
         assert store.evict() == 1 + len(hot)
 
 
@@ -1096,7 +1098,7 @@ def test_a_stream_into_engine_buffers_hands_over_blocks_while_later_ones_are_rea
         arrived: list[tuple[int, bool]] = []   # (index, its bytes in place when reported)
 
         async def main() -> tuple[list[int], object]:
-            task = asyncio.ensure_future(store.stream_blocks(
+            task = asyncio.ensure_future(streamer(store).stream_blocks(
                 s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [0, 1, 2],
                 lambda a: arrived.append((a.index, bool((rows[a.index] == a.index + 1).all()))), None))
             for _ in range(2000):   # bounded: 2 s
@@ -1121,7 +1123,8 @@ async def _arena_stream_after(store: BlockStore, s: str, ns: int, keys: list[byt
                                n: int, on_lease=None) -> asyncio.Future:  # type: ignore[type-arg]
     """Start an arena stream of ``keys`` (``emit`` sees each arrival and appends to ``arrived``);
     its task, once ``n`` blocks have arrived or 2 s have passed."""
-    task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], emit, None, on_lease))
+    task = asyncio.ensure_future(streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], emit, None,
+                                                               on_lease))
     for _ in range(2000):   # bounded: 2 s
         if len(arrived) >= n:
             break
@@ -1140,7 +1143,7 @@ def test_an_arena_stream_hands_over_blocks_while_later_ones_are_read_from_ssd(tm
         arrived: list[tuple[int, int, bool]] = []   # (index, lease known then, its bytes in its slot)
 
         def emit(a) -> None:  # type: ignore[no-untyped-def]
-            slot = store._arena.view(a.offset, BLOCK)
+            slot = store.arena.view(a.offset, BLOCK)
             arrived.append((a.index, leases[-1] if leases else 0, bool((slot == a.index + 1).all())))
 
         async def main() -> tuple[list[int], object]:
@@ -1179,12 +1182,12 @@ def test_an_arena_stream_whose_lease_ends_during_its_ssd_reads_hands_over_nothin
             gate.set()
             with contextlib.suppress(Exception):
                 await task
-            await store.drain()
+            await store.finish_background()
 
         try:
             asyncio.run(main())
             assert arrived == [0], f"blocks handed over after the stream's lease ended: {arrived}"
-            ns_index = store._namespaces[ns].index
+            ns_index = store.catalog.get(ns).index
             assert [b.pins for key in keys if (b := ns_index.get(key)) is not None] == [0, 0, 0]
         finally:
             gate.set()
@@ -1209,7 +1212,7 @@ def test_an_arena_stream_keeps_its_lease_while_later_blocks_are_read_from_ssd(tm
             clock.now += 60            # block 2's read outlasts leases.ttl_s
             assert store.reap() == 0, "the lease of blocks handed over was reaped"
             store.evict(tier=Tier.DRAM)
-            index = store._namespaces[ns].index
+            index = store.catalog.get(ns).index
             assert all(index.get(k).in_dram for k in keys[:2]), "blocks handed over lost their slots"
             gate.set()
             return await task
@@ -1218,7 +1221,7 @@ def test_an_arena_stream_keeps_its_lease_while_later_blocks_are_read_from_ssd(tm
             end = asyncio.run(main())
             assert end.blocks == 3 and end.stop == "complete", end
             assert end.lease_id and set(leases) == {end.lease_id}, (leases, end)
-            lease = store._leases.get(end.lease_id)
+            lease = store.leasing.get(end.lease_id)
             assert lease is not None and [b.key for b in lease.pinned] == keys
             store.release(s, end.lease_id)
             assert store.stats().active_leases == 0
@@ -1235,11 +1238,11 @@ def test_an_arena_stream_whose_first_ssd_read_fails_leaves_no_lease_behind(tmp_p
         _corrupt_on_disk(store, ns, keys[0])
         arrived: list[int] = []
         try:
-            end = asyncio.run(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
+            end = asyncio.run(streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
                                                   lambda a: arrived.append(a.index), None))
             assert arrived == [] and end.blocks == 0 and end.stop == "missing", end
             assert store.stats().active_leases == 0
-            assert not store._busy, f"leases left busy: {store._busy}"
+            assert not store.leasing.busy_leases(), f"leases left busy: {store.leasing.busy_leases()}"
         finally:
             engine.close()
 
@@ -1248,13 +1251,13 @@ async def _open_gate_and_end(store: BlockStore, gate: threading.Event, task: asy
     """Let the held SSD read go on; the stream's end, once the store's background work is done."""
     gate.set()
     end = await task
-    await store.drain()
+    await store.finish_background()
     return end
 
 
 def _counting_fetcher(calls: list[int]):  # type: ignore[no-untyped-def]
     """A peer fetcher that records how many blocks it was asked for and has none of them."""
-    from kvstored.store import Fetched
+    from kvstored.peers.streaming import Fetched
 
     async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
         calls.append(len(want))
@@ -1277,10 +1280,10 @@ def test_a_stream_whose_session_closes_mid_lookup_asks_no_peer(tmp_path: Path, c
 
         async def main() -> None:
             if call == "arena_stream":
-                stream = store.stream_blocks(s, ns, KeyRequest(hashes=wanted), 0, [],
+                stream = streamer(store).stream_blocks(s, ns, KeyRequest(hashes=wanted), 0, [],
                                              lambda a: arrived.append(a.index), fetcher)
             else:
-                stream = store.stream_blocks(s, ns, KeyRequest(hashes=wanted), buffers.buffers_id,
+                stream = streamer(store).stream_blocks(s, ns, KeyRequest(hashes=wanted), buffers.buffers_id,
                                              list(range(len(wanted))), lambda a: arrived.append(a.index), fetcher)
             task = asyncio.ensure_future(stream)
             for _ in range(2000):   # bounded: 2 s
@@ -1292,14 +1295,14 @@ def test_a_stream_whose_session_closes_mid_lookup_asks_no_peer(tmp_path: Path, c
             gate.set()
             with pytest.raises(FailedPrecondition, match="closed during the stream"):
                 await task
-            await store.drain()
+            await store.finish_background()
 
         try:
             asyncio.run(main())
             assert calls == [], f"peers were asked for {calls} blocks after the session closed"
-            index = store._namespaces[ns].index
+            index = store.catalog.get(ns).index
             assert all(b.pins == 0 for k in keys if (b := index.get(k)) is not None)
-            assert store.stats().active_leases == 0 and not store._busy and not store._doomed
+            assert store.stats().active_leases == 0 and store.leasing.idle() and not store.leasing.doomed_leases()
         finally:
             gate.set()
             engine.close()
@@ -1318,7 +1321,7 @@ def test_an_arena_stream_whose_lease_is_released_mid_lookup_says_so(tmp_path: Pa
         calls: list[int] = []
 
         async def main():  # type: ignore[no-untyped-def]
-            task = asyncio.ensure_future(store.stream_blocks(
+            task = asyncio.ensure_future(streamer(store).stream_blocks(
                 s, ns, KeyRequest(hashes=keys), 0, [], lambda a: arrived.append(a.index),
                 _counting_fetcher(calls), leases.append))
             for _ in range(2000):   # bounded: 2 s
@@ -1334,9 +1337,9 @@ def test_an_arena_stream_whose_lease_is_released_mid_lookup_says_so(tmp_path: Pa
             assert (end.blocks, end.stop, end.lease_id) == (2, "lease_ended", 0), end
             assert "released" in end.detail, end.detail
             assert calls == [], f"peers were asked for {calls} blocks cached here"
-            index = store._namespaces[ns].index
+            index = store.catalog.get(ns).index
             assert [b.pins for k in keys if (b := index.get(k)) is not None] == [0, 0, 0]
-            assert store.stats().active_leases == 0 and not store._busy
+            assert store.stats().active_leases == 0 and not store.leasing.busy_leases()
         finally:
             gate.set()
             engine.close()
@@ -1355,16 +1358,17 @@ def test_a_stream_whose_lookup_outlasts_the_lease_ttl_still_delivers_every_block
 
         async def main():  # type: ignore[no-untyped-def]
             if mode == "buffers":
-                coro = store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [0, 1, 2],
+                coro = streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [0, 1, 2],
                                            lambda a: arrived.append(a.index), _counting_fetcher(calls))
             else:
-                coro = store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], None, _counting_fetcher(calls))
+                coro = streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], None,
+                                                     _counting_fetcher(calls))
             task = asyncio.ensure_future(coro)
             for _ in range(2000):   # bounded: 2 s
-                if len(arrived) >= 2 if mode == "buffers" else store._lookups_in_flight:
+                if len(arrived) >= 2 if mode == "buffers" else store.leasing.lookups_in_flight:
                     break
                 await asyncio.sleep(0.001)
-            assert store._lookups_in_flight and not task.done(), "block 2 should still be on its way up"
+            assert store.leasing.lookups_in_flight and not task.done(), "block 2 should still be on its way up"
             clock.now += 60          # past leases.ttl_s while block 2 is still read
             assert store.reap() == 0, "the stream's lookup lease was reaped"
             return await _open_gate_and_end(store, gate, task)
@@ -1375,7 +1379,7 @@ def test_a_stream_whose_lookup_outlasts_the_lease_ttl_still_delivers_every_block
             assert calls == [], f"peers were asked for {calls} blocks cached here"
             if mode == "buffers":
                 assert [int(engine.numpy()[i][0]) for i in range(3)] == [1, 2, 3]
-            assert store.stats().active_leases == 0 and not store._busy and not store._doomed
+            assert store.stats().active_leases == 0 and store.leasing.idle() and not store.leasing.doomed_leases()
         finally:
             gate.set()
             engine.close()
@@ -1397,29 +1401,29 @@ def test_ssd_reads_stop_once_the_session_closes_mid_lookup(tmp_path: Path, call:
         save(store, s, ns, keys)
         asyncio.run(store.flush())
         assert store.evict(tier=Tier.DRAM) == n
-        assert store._ssd is not None
-        real, reads = store._ssd.read_into, []
+        assert store.ssd_tier is not None
+        real, reads = store.ssd_tier.read_into, []
 
         def counted(namespace_id, key, dst):  # type: ignore[no-untyped-def]
             reads.append(key)
             if key == keys[1]:
                 store.close_session(s)
             return real(namespace_id, key, dst)
-        store._ssd.read_into = counted  # type: ignore[method-assign]
+        store.ssd_tier.read_into = counted  # type: ignore[method-assign]
 
         async def main() -> None:
             with contextlib.suppress(Exception):
                 if call == "leased_lookup":
                     await store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s)
                 else:
-                    await store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], lambda a: None, None)
-            await store.drain()
+                    await streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], lambda a: None, None)
+            await store.finish_background()
 
         asyncio.run(main())
         assert len(reads) <= PROMOTIONS_PER_STEP, f"{len(reads)} SSD reads after the session closed at read 2"
-        index = store._namespaces[ns].index
+        index = store.catalog.get(ns).index
         assert all(b.pins == 0 for k in keys if (b := index.get(k)) is not None)
-        assert store.stats().active_leases == 0 and not store._busy and not store._doomed
+        assert store.stats().active_leases == 0 and store.leasing.idle() and not store.leasing.doomed_leases()
 
 
 def _read_into_buffers(store: BlockStore, call: str, s: str, ns: int, keys: list[bytes], buffers,  # type: ignore[no-untyped-def]
@@ -1431,8 +1435,9 @@ def _read_into_buffers(store: BlockStore, call: str, s: str, ns: int, keys: list
         return store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), ids)
     if call == "arena_stream":
         assert arrived is not None, "an arena stream reports its arrivals"
-        return store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], lambda a: arrived.append(a.index), None)
-    return store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, ids, lambda a: None, None)
+        return streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], lambda a: arrived.append(a.index),
+                                             None)
+    return streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, ids, lambda a: None, None)
 
 
 @pytest.mark.parametrize("call", ["load_blocks", "stream_blocks", "arena_stream"])
@@ -1461,14 +1466,15 @@ def test_a_read_cancelled_after_its_first_blocks_came_up_from_ssd_leaves_nothing
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             gate.set()
-            await store.drain()
+            await store.finish_background()
 
         try:
             asyncio.run(main())
-            ns_index = store._namespaces[ns].index
+            ns_index = store.catalog.get(ns).index
             pins = [b.pins for key in keys if (b := ns_index.get(key)) is not None]
             assert pins == [0, 0, 0], f"pins left: {pins}"
-            assert store.stats().active_leases == 0 and not store._busy, f"leases left busy: {store._busy}"
+            assert store.stats().active_leases == 0 and not store.leasing.busy_leases(), \
+                f"leases left busy: {store.leasing.busy_leases()}"
             assert store.evict() == 3
         finally:
             gate.set()
@@ -1512,14 +1518,14 @@ def test_a_leased_lookup_from_ssd_gives_its_reader_the_whole_ttl_it_reports(tmp_
         ns = store.open_namespace(Namespace()).namespace_id
         keys = chain(2)
         _to_ssd_only(store, s, ns, keys)
-        ttl = store._config.leases.ttl_s
+        ttl = store.config.leases.ttl_s
         gate = gate_ssd_read(store, keys[1])
 
         async def main() -> int:
             task = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=keys), lease=True, session_id=s))
             for _ in range(200):   # block 1's read held: the lookup waits for it
                 await asyncio.sleep(0.005)
-                if store._promoting:
+                if len(store.promotion):
                     break
             clock.now += 0.9 * ttl   # the reads take most of the ttl
             gate.set()

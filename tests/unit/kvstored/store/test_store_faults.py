@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 from clock import Clock
+from store_harness import exchange, streamer
 
 from kvstored import config
 from kvstored.copy import CopyEngine
 from kvstored.errors import KVError
-from kvstored.store import BlockStore, Fetched, KeyRequest
+from kvstored.peers.streaming import Fetched
+from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
@@ -74,18 +76,18 @@ def test_an_arena_stream_longer_than_the_ttl_still_hands_over_a_live_lease(env: 
         return Fetched(len(want), "complete")
 
     async def main():  # type: ignore[no-untyped-def]
-        return await store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], lambda a: None, fetcher)
+        return await streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [], lambda a: None, fetcher)
 
     end = asyncio.run(main())
     assert end.stop == "complete" and end.blocks == 2 and end.lease_id
-    assert store._leases.get(end.lease_id) is not None, (
+    assert store.leasing.get(end.lease_id) is not None, (
         "the lease handed to the reader at the stream's end was already ended (reaped while busy)")
     store.release(s, end.lease_id)   # the client's Release right after its loop: must not be 'expired'
 
 
 def _corrupt_on_disk(store: BlockStore, ns: int, key: bytes) -> None:
     from kvstored.tiers.ssd import BlockRecord
-    ssd = store._ssd
+    ssd = store.ssd_tier
     assert ssd is not None
     rec = next(r for r in ssd.scan() if isinstance(r, BlockRecord) and r.namespace_id == ns and r.key == key)
     with open(ssd.path / f"payload-{rec.length}.dat", "r+b") as fh:
@@ -151,22 +153,22 @@ def test_a_corrupt_leaf_read_by_a_streams_second_look_leaves_the_index(ssd_env: 
         save(others)
         held = await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=holder)
         assert held.blocks == 7                                # 7 of 8 slots pinned: room for a[0] only
-        task = asyncio.ensure_future(store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
+        task = asyncio.ensure_future(streamer(store).stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
                                                          lambda arrival: None, fetcher))
         for _ in range(100):
             await asyncio.sleep(0)
-            if store._promoting or task.done():
+            if len(store.promotion) or task.done():
                 break
-        assert store._promoting and not task.done(), "a[0] should be on its way up from SSD"
+        assert len(store.promotion) and not task.done(), "a[0] should be on its way up from SSD"
         store.release(holder, held.lease_id)                   # room again, while the lookup waits
         end = await task
-        await store.drain()
+        await store.finish_background()
         return end
 
     end = asyncio.run(main())
     assert end.blocks == 1 and end.stop == "corrupt", end
     store.release(reader, end.lease_id)
-    index = store._namespaces[ns].index
+    index = store.catalog.get(ns).index
     b = index.get(a[1])
     assert b is None, f"hollow leaf left in the index (pins={b.pins}, flags={b.flags})"
 
@@ -187,7 +189,7 @@ def test_a_corrupt_leaf_found_before_a_leasing_lookup_is_cancelled_leaves_the_in
     reader = store.open_session("reader", 2).session_id
     ns = store.open_namespace(NS).namespace_id
     a = chain(2)
-    ssd = store._ssd
+    ssd = store.ssd_tier
     assert ssd is not None
     real_read = ssd.read_into
     slow: dict[str, object] = {}
@@ -206,13 +208,13 @@ def test_a_corrupt_leaf_found_before_a_leasing_lookup_is_cancelled_leaves_the_in
         assert store.evict("", Tier.DRAM) == 2
         _corrupt_on_disk(store, ns, a[1])
         ssd.read_into = read_into  # type: ignore[method-assign]
-        block1 = store._namespaces[ns].index.get(a[1])
+        block1 = store.catalog.get(ns).index.get(a[1])
         task = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=reader))
         for _ in range(500):
             await asyncio.sleep(0.01)
-            if block1 not in store._promoting:
+            if store.promotion.pending(block1) is None:
                 break
-        assert block1 not in store._promoting, "block 1's read should have failed by now"
+        assert store.promotion.pending(block1) is None, "block 1's read should have failed by now"
         task.cancel()                                   # the client's deadline
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -220,10 +222,10 @@ def test_a_corrupt_leaf_found_before_a_leasing_lookup_is_cancelled_leaves_the_in
         real_read(*slow["args"]).result(5)              # block 0's read completes after all
         fut.set_result(None)                            # type: ignore[union-attr]
         await asyncio.sleep(0.05)
-        await store.drain()
+        await store.finish_background()
 
     asyncio.run(main())
-    b = store._namespaces[ns].index.get(a[1])
+    b = store.catalog.get(ns).index.get(a[1])
     assert b is None, f"hollow leaf left in the index (pins={b.pins}, readable={b.readable})"
 
 
@@ -249,7 +251,7 @@ def test_an_unregister_cancelled_while_a_stream_holds_the_buffers_still_unmaps_t
             await peer_answers.wait()     # a slow peer
             return Fetched(0, "missing", "no peer holds it")
 
-        stream = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id,
+        stream = asyncio.ensure_future(streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id,
                                                            [0, 1], lambda a: None, fetcher))
         await asyncio.sleep(0.01)
         unregister = asyncio.ensure_future(store.unregister_buffers(s, buffers.buffers_id))
@@ -262,7 +264,7 @@ def test_an_unregister_cancelled_while_a_stream_holds_the_buffers_still_unmaps_t
         peer_answers.set()
         await stream
         await asyncio.sleep(0.05)
-        await store.drain()
+        await store.finish_background()
 
     try:
         asyncio.run(main())
@@ -320,7 +322,7 @@ def test_a_placeholder_id_is_never_stored_as_a_blocks_bytes(env: tuple[BlockStor
             assert await store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys[:2]), [1, 2]) == (0, 2)
             arr[0] = 0                          # engine block 0: the null block
             arr[1], arr[2] = 0, 33              # engine reuses its blocks: block 2 of the prompt in engine block 2
-            assert store.forget(ns, keys[1:2]) == 1   # the daemon evicted leaf block 1 (LRU, under pressure)
+            assert exchange(store).forget(ns, keys[1:2]) == 1   # the daemon evicted leaf block 1 (LRU, under pressure)
             try:
                 return await store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 0, 2])
             except InvalidArgument as exc:
@@ -329,9 +331,9 @@ def test_a_placeholder_id_is_never_stored_as_a_blocks_bytes(env: tuple[BlockStor
         outcome = asyncio.run(main())
         assert isinstance(outcome, str), f"the save that would copy the placeholder was taken: {outcome}"
         assert "block_ids[1] = 0" in outcome and "placeholder" in outcome, outcome
-        block1 = store._namespaces[ns].index.get(keys[1])
+        block1 = store.catalog.get(ns).index.get(keys[1])
         assert block1 is None or not block1.readable, "the refused save left block 1 readable"
-        assert store._namespaces[ns].index.get(keys[2]) is None, "the refused save left block 2 behind"
+        assert store.catalog.get(ns).index.get(keys[2]) is None, "the refused save left block 2 behind"
     finally:
         engine.close()
 
@@ -360,7 +362,7 @@ def test_a_stream_cancelled_during_its_peer_fetch_leaves_no_reservation(env: tup
             await stuck.wait()            # the peer is slow with block 1
             return Fetched(2, "complete")
 
-        task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
+        task = asyncio.ensure_future(streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), 0, [],
                                                          lambda a: None, fetcher))
         for _ in range(100):
             await asyncio.sleep(0)
@@ -373,9 +375,9 @@ def test_a_stream_cancelled_during_its_peer_fetch_leaves_no_reservation(env: tup
         store.reap()
 
     asyncio.run(main())
-    assert not store._busy, f"leases busy for ever: {store._busy}"
-    assert len(store._leases) == 0
-    b1 = store._namespaces[ns].index.get(keys[1])
+    assert not store.leasing.busy_leases(), f"leases busy for ever: {store.leasing.busy_leases()}"
+    assert len(store.leasing.leases()) == 0
+    b1 = store.catalog.get(ns).index.get(keys[1])
     assert b1 is None, f"block 1's reservation left in the index (pins={b1.pins}, flags={b1.flags})"
     r = store.reserve(other, ns, KeyRequest(hashes=keys), BLOCK)   # another writer may store it
     assert r.present == 1 and len(r.offsets) == 1, r
@@ -405,7 +407,7 @@ def test_rewriting_a_hollow_block_does_not_evict_it_from_under_its_reservation(
         _corrupt_on_disk(store, ns, a[0])
         r = await store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=s)
         assert r.blocks == 0                                   # a[0] is hollow now, a[1] came up
-        await store.drain()
+        await store.finish_background()
         assert store.evict("", Tier.SSD) == 1                  # a[1]: in DRAM only, a leaf
         others = chain(7, 10_000)
         save(others)
@@ -413,7 +415,7 @@ def test_rewriting_a_hollow_block_does_not_evict_it_from_under_its_reservation(
         assert held.blocks == 7                                # a[1] is the only block that may go
 
     asyncio.run(main())
-    index = store._namespaces[ns].index
+    index = store.catalog.get(ns).index
     hollow = index.get(a[0])
     assert hollow is not None and hollow.sealed and not hollow.readable and hollow.children == 1
     assert save(a) == 1                                        # a[0] again; no room for a[1]
@@ -455,11 +457,12 @@ def test_a_stream_short_of_dram_for_blocks_on_ssd_says_no_room_not_corrupt(
 
     async def main():  # type: ignore[no-untyped-def]
         await _on_ssd_with_dram_leased(store, ns, a, 8)       # every slot leased
-        return await store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [], lambda arrival: None, fetcher)
+        return await streamer(store).stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [], lambda arrival: None,
+                                                   fetcher)
 
     end = asyncio.run(main())
     assert end.blocks == 0 and end.stop == "no_room", end
-    assert store.stats().dropped_blocks == 0 and store.held(ns, a) == 2   # still on SSD, intact
+    assert store.stats().dropped_blocks == 0 and exchange(store).held(ns, a) == 2   # still on SSD, intact
 
 
 def test_blocks_a_streams_second_look_brings_up_from_ssd_are_reported_as_ssd(
@@ -480,13 +483,13 @@ def test_blocks_a_streams_second_look_brings_up_from_ssd_are_reported_as_ssd(
 
     async def main():  # type: ignore[no-untyped-def]
         holder, lease = await _on_ssd_with_dram_leased(store, ns, a, 7)   # 7 of 8 leased: room for a[0] only
-        task = asyncio.ensure_future(store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
+        task = asyncio.ensure_future(streamer(store).stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
                                                          arrivals.append, fetcher))
         for _ in range(100):
             await asyncio.sleep(0)
-            if store._promoting or task.done():
+            if len(store.promotion) or task.done():
                 break
-        assert store._promoting and not task.done(), "a[0] should be on its way up from SSD"
+        assert len(store.promotion) and not task.done(), "a[0] should be on its way up from SSD"
         store.release(holder, lease)                           # room again, while the lookup waits
         return await task
 
@@ -516,8 +519,8 @@ def test_a_stream_cancelled_twice_while_its_copy_runs_leaves_no_busy_lease(env: 
     async def main() -> None:
         r = store.reserve(s, ns, KeyRequest(hashes=keys), BLOCK)
         store.seal(s, r.reservation_id)
-        store._copy.from_arena = slow_from_arena  # type: ignore[method-assign]
-        task = asyncio.ensure_future(store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id,
+        store.copy.from_arena = slow_from_arena  # type: ignore[method-assign]
+        task = asyncio.ensure_future(streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id,
                                                          [0, 1], lambda a: None, None))
         await asyncio.wait_for(copy_started.wait(), 5)
         task.cancel()                     # the client left
@@ -536,9 +539,9 @@ def test_a_stream_cancelled_twice_while_its_copy_runs_leaves_no_busy_lease(env: 
 
     try:
         asyncio.run(main())
-        assert not store._busy, f"leases busy for ever: {store._busy}"
-        assert len(store._leases) == 0
-        pins = [store._namespaces[ns].index.get(k).pins for k in keys]  # type: ignore[union-attr]
+        assert not store.leasing.busy_leases(), f"leases busy for ever: {store.leasing.busy_leases()}"
+        assert len(store.leasing.leases()) == 0
+        pins = [store.catalog.get(ns).index.get(k).pins for k in keys]  # type: ignore[union-attr]
         assert pins == [0, 0], f"blocks left pinned: {pins}"
     finally:
         engine.close()
@@ -592,11 +595,11 @@ def test_a_stream_longer_than_dram_sinks_its_own_blocks_not_other_clients(tmp_pa
             held = await store.lookup(ns, KeyRequest(hashes=others), lease=True, session_id=holder)
             assert held.blocks == 8                   # half of DRAM: leased, not written to SSD yet
             try:
-                return await store.stream_blocks(reader, ns, KeyRequest(hashes=keys), buffers.buffers_id,
+                return await streamer(store).stream_blocks(reader, ns, KeyRequest(hashes=keys), buffers.buffers_id,
                                                  list(range(12)), lambda a: None, fetcher)
             finally:
                 await store.unregister_buffers(reader, buffers.buffers_id)
-                await store.drain()
+                await store.finish_background()
 
         end = asyncio.run(main())
         assert end.stop == "complete" and end.blocks == 12, end
@@ -640,12 +643,12 @@ def test_a_block_a_stream_just_fetched_stays_under_the_next_one(env: tuple[Block
         store.seal(holder, r.reservation_id)
         held = await store.lookup(ns, KeyRequest(hashes=chain(7, 10_000)), lease=True, session_id=holder)
         assert held.blocks == 7                   # one slot left: the stream's block 0 takes it
-        return await store.stream_blocks(reader, ns, KeyRequest(hashes=keys), 0, [], None, fetcher)
+        return await streamer(store).stream_blocks(reader, ns, KeyRequest(hashes=keys), 0, [], None, fetcher)
 
     end = asyncio.run(main())
     assert refused, "block 0 was evicted from under the stream"
     assert end.blocks == 1 and end.stop == "no_room", end
-    assert store.held(ns, keys) == 1
+    assert exchange(store).held(ns, keys) == 1
     used = store.stats().tiers[0].used_bytes
     assert used == 8 * BLOCK and store.stats().index_blocks == 8, "a DRAM slot leaked"
 
@@ -681,7 +684,7 @@ def test_a_stream_hands_over_blocks_another_client_stored_while_it_asked_the_pee
         return Fetched(len(want), "complete")
 
     async def main():  # type: ignore[no-untyped-def]
-        return await store.stream_blocks(reader, ns, KeyRequest(hashes=keys), 0, [], arrivals.append, fetcher)
+        return await streamer(store).stream_blocks(reader, ns, KeyRequest(hashes=keys), 0, [], arrivals.append, fetcher)
 
     end = asyncio.run(main())
     assert end.stop == "complete" and end.blocks == 3, end
@@ -689,8 +692,8 @@ def test_a_stream_hands_over_blocks_another_client_stored_while_it_asked_the_pee
     assert asked == [3, 1]                        # the peer is asked only for what is not here
     assert store.stats().peer_fetched_blocks == 1
     store.release(reader, end.lease_id)
-    assert len(store._leases) == 0 and not store._busy
-    assert [store._namespaces[ns].index.get(k).pins for k in keys] == [0, 0, 0]  # type: ignore[union-attr]
+    assert len(store.leasing.leases()) == 0 and not store.leasing.busy_leases()
+    assert [store.catalog.get(ns).index.get(k).pins for k in keys] == [0, 0, 0]  # type: ignore[union-attr]
 
 
 def test_a_stream_longer_than_dram_waits_for_its_blocks_copies_before_dropping_them(tmp_path: Path) -> None:
@@ -707,7 +710,7 @@ def test_a_stream_longer_than_dram_waits_for_its_blocks_copies_before_dropping_t
         buffers = _register_rows(store, reader, ns, engine, 10)
         keys = chain(10)
         written_back = asyncio.Event()
-        real_write_back, real_from_arena = store._write_back, copy.from_arena
+        real_write_back, real_from_arena = store.writeback.write_back, copy.from_arena
 
         async def write_back(*args, **kwargs):  # type: ignore[no-untyped-def]
             try:
@@ -719,7 +722,7 @@ def test_a_stream_longer_than_dram_waits_for_its_blocks_copies_before_dropping_t
             await written_back.wait()   # the copy of the first batch ends after the blocks went to SSD
             return await real_from_arena(*args, **kwargs)
 
-        store._write_back = write_back  # type: ignore[method-assign]
+        store.writeback.write_back = write_back  # type: ignore[method-assign]
         copy.from_arena = from_arena  # type: ignore[method-assign]
 
         fetcher = _peer(first_byte=2, pause=False)   # the socket holds every block: no pause between them
@@ -728,11 +731,11 @@ def test_a_stream_longer_than_dram_waits_for_its_blocks_copies_before_dropping_t
             r = store.reserve(reader, ns, KeyRequest(hashes=keys[:1]), BLOCK)   # block 0 is local
             store.seal(reader, r.reservation_id)
             try:
-                return await store.stream_blocks(reader, ns, KeyRequest(hashes=keys), buffers.buffers_id,
+                return await streamer(store).stream_blocks(reader, ns, KeyRequest(hashes=keys), buffers.buffers_id,
                                                  list(range(10)), lambda a: None, fetcher)
             finally:
                 await store.unregister_buffers(reader, buffers.buffers_id)
-                await store.drain()
+                await store.finish_background()
 
         end = asyncio.run(main())
         assert end.stop == "complete" and end.blocks == 10, end
@@ -765,15 +768,15 @@ def test_two_adjacent_corrupt_blocks_leave_the_index_without_an_error(ssd_env: t
             blocks = (await store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=s)).blocks
         else:
             blocks = (await store.lookup(ns, KeyRequest(hashes=a))).blocks   # prefetches in the background
-        errors = [r for r in await asyncio.gather(*store._background, return_exceptions=True)
+        errors = [r for r in await asyncio.gather(*store.background.tasks(), return_exceptions=True)
                   if isinstance(r, BaseException)]
         assert not errors, errors
-        await store.drain()
+        await store.finish_background()
         return blocks
 
     blocks = asyncio.run(main())
     assert blocks == (0 if how == "lease" else 2)
-    assert len(store._namespaces[ns].index) == 0
+    assert len(store.catalog.get(ns).index) == 0
     assert store.stats().dropped_blocks == 2 and store.stats().tiers[1].used_bytes == 0
 
 
@@ -793,8 +796,8 @@ def test_shutdown_waits_for_a_load_still_reading_from_ssd(ssd_env: tuple[BlockSt
     ns = store.open_namespace(NS).namespace_id
     engine, buffers = _engine_buffers(store, s, ns)
     a = chain(2)
-    assert store._ssd is not None
-    real_read = store._ssd.read_into
+    assert store.ssd_tier is not None
+    real_read = store.ssd_tier.read_into
     release = threading.Event()
 
     def slow_read(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -815,14 +818,14 @@ def test_shutdown_waits_for_a_load_still_reading_from_ssd(ssd_env: tuple[BlockSt
         store.seal(s, r.reservation_id)
         assert await store.flush() == 2
         assert store.evict("", Tier.DRAM) == 2                 # on SSD only
-        store._ssd.read_into = slow_read  # type: ignore[method-assign, union-attr]
+        store.ssd_tier.read_into = slow_read  # type: ignore[method-assign, union-attr]
         if how == "load":
             call = asyncio.ensure_future(store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=a), [0, 1]))
         else:
             call = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=s))
         for _ in range(20):
             await asyncio.sleep(0)
-        assert store._promoting and not call.done(), "the blocks should be on their way up from SSD"
+        assert len(store.promotion) and not call.done(), "the blocks should be on their way up from SSD"
         # SIGTERM, as app.serve does it: wait for the calls in flight, then end the sessions
         quiesce = asyncio.ensure_future(store.quiesce(5.0))
         await asyncio.sleep(0.05)
@@ -830,7 +833,7 @@ def test_shutdown_waits_for_a_load_still_reading_from_ssd(ssd_env: tuple[BlockSt
         assert await quiesce, "calls still in flight after the grace period"
         store.close_session(s)
         result = await call
-        await store.drain()
+        await store.finish_background()
         return len(result) if how == "load" else result.blocks  # type: ignore[union-attr, arg-type]
 
     try:
@@ -855,7 +858,7 @@ def test_a_checkout_cancelled_after_its_blocks_read_failed_leaves_no_hollow_leaf
     s = store.open_session("holder", 1).session_id
     ns = store.open_namespace(NS).namespace_id
     a = chain(1)
-    ssd = store._ssd
+    ssd = store.ssd_tier
     assert ssd is not None
     read: concurrent.futures.Future[None] = concurrent.futures.Future()
 
@@ -865,25 +868,25 @@ def test_a_checkout_cancelled_after_its_blocks_read_failed_leaves_no_hollow_leaf
         assert await store.flush() == 1
         assert store.evict("", Tier.DRAM) == 1
         ssd.read_into = lambda *args: read  # type: ignore[method-assign]
-        block = store._namespaces[ns].index.get(a[0])
-        task = asyncio.ensure_future(store.checkout(ns, a[0]))
+        block = store.catalog.get(ns).index.get(a[0])
+        task = asyncio.ensure_future(exchange(store).checkout(ns, a[0]))
         for _ in range(100):
             await asyncio.sleep(0)
-            if block in store._promoting:
+            if store.promotion.pending(block) is not None:
                 break
         read.set_exception(Corrupt("checksum mismatch"))
         for _ in range(100):
             await asyncio.sleep(0)
-            if block not in store._promoting:
+            if store.promotion.pending(block) is None:
                 break
-        assert block not in store._promoting and not task.done()
+        assert store.promotion.pending(block) is None and not task.done()
         task.cancel()                                   # the peer gave up
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await store.drain()
+        await store.finish_background()
 
     asyncio.run(main())
-    b = store._namespaces[ns].index.get(a[0])
+    b = store.catalog.get(ns).index.get(a[0])
     assert b is None, f"hollow leaf left in the index (pins={b.pins}, readable={b.readable})"
 
 
@@ -901,7 +904,7 @@ def test_a_stream_cancelled_after_its_second_looks_read_failed_leaves_no_hollow_
     reader = store.open_session("reader", 2).session_id
     ns = store.open_namespace(NS).namespace_id
     a = chain(2)
-    ssd = store._ssd
+    ssd = store.ssd_tier
     assert ssd is not None
     real_read = ssd.read_into
     read1: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -913,35 +916,35 @@ def test_a_stream_cancelled_after_its_second_looks_read_failed_leaves_no_hollow_
         holder, lease = await _on_ssd_with_dram_leased(store, ns, a, 7)   # 7 of 8 leased: room for a[0] only
         ssd.read_into = lambda namespace_id, key, view: (  # type: ignore[method-assign]
             read1 if key == a[1] else real_read(namespace_id, key, view))
-        block1 = store._namespaces[ns].index.get(a[1])
-        task = asyncio.ensure_future(store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
+        block1 = store.catalog.get(ns).index.get(a[1])
+        task = asyncio.ensure_future(streamer(store).stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
                                                          lambda arrival: None, fetcher))
         for _ in range(100):
             await asyncio.sleep(0)
-            if store._promoting or task.done():
+            if len(store.promotion) or task.done():
                 break
-        assert store._promoting and not task.done(), "a[0] should be on its way up from SSD"
+        assert len(store.promotion) and not task.done(), "a[0] should be on its way up from SSD"
         store.release(holder, lease)                           # room again, while the lookup waits
         for _ in range(500):
             await asyncio.sleep(0.001)
-            if block1 in store._promoting or task.done():
+            if store.promotion.pending(block1) is not None or task.done():
                 break
-        assert block1 in store._promoting and not task.done(), "the second look should read a[1]"
+        assert store.promotion.pending(block1) is not None and not task.done(), "the second look should read a[1]"
         read1.set_exception(Corrupt("checksum mismatch"))
         for _ in range(100):
             await asyncio.sleep(0)
-            if block1 not in store._promoting:
+            if store.promotion.pending(block1) is None:
                 break
-        assert block1 not in store._promoting and not task.done()
+        assert store.promotion.pending(block1) is None and not task.done()
         task.cancel()                                          # the client left
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        await store.drain()
+        await store.finish_background()
 
     asyncio.run(main())
-    b = store._namespaces[ns].index.get(a[1])
+    b = store.catalog.get(ns).index.get(a[1])
     assert b is None, f"hollow leaf left in the index (pins={b.pins}, readable={b.readable})"
-    assert len(store._leases) == 0 and not store._busy
+    assert len(store.leasing.leases()) == 0 and not store.leasing.busy_leases()
 
 
 def test_a_stream_whose_session_ends_during_its_lookup_leaves_no_lease(ssd_env: tuple[BlockStore, Clock]) -> None:
@@ -960,7 +963,7 @@ def test_a_stream_whose_session_ends_during_its_lookup_leaves_no_lease(ssd_env: 
     reader = store.open_session("reader", 2).session_id
     ns = store.open_namespace(NS).namespace_id
     a = chain(2)
-    ssd = store._ssd
+    ssd = store.ssd_tier
     assert ssd is not None
     real_read = ssd.read_into
     read0: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -985,24 +988,24 @@ def test_a_stream_whose_session_ends_during_its_lookup_leaves_no_lease(ssd_env: 
             held.update(args=(namespace_id, key, view))
             return read0
         ssd.read_into = read_into  # type: ignore[method-assign]
-        task = asyncio.ensure_future(store.stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
+        task = asyncio.ensure_future(streamer(store).stream_blocks(reader, ns, KeyRequest(hashes=a), 0, [],
                                                          lambda arrival: None, fetcher))
         for _ in range(100):
             await asyncio.sleep(0)
-            if store._promoting or task.done():
+            if len(store.promotion) or task.done():
                 break
-        assert store._promoting and not task.done(), "a[0] should be on its way up from SSD"
+        assert len(store.promotion) and not task.done(), "a[0] should be on its way up from SSD"
         store.close_session(reader)                            # the client went away
         real_read(*held["args"]).result(5)                     # type: ignore[misc]
         read0.set_result(None)
         with pytest.raises(FailedPrecondition, match="closed during the stream"):
             await task
-        await store.drain()
+        await store.finish_background()
 
     asyncio.run(main())
     assert asked == [], f"a peer was asked for {asked} blocks for a session that had ended"
-    assert len(store._leases) == 0, "a lease of an ended session was left behind"
-    assert all(b.pins == 0 for b in store._namespaces[ns].index)
+    assert len(store.leasing.leases()) == 0, "a lease of an ended session was left behind"
+    assert all(b.pins == 0 for b in store.catalog.get(ns).index)
 
 
 def test_a_call_that_starts_after_shutdown_quiesced_is_refused_not_cut_off(env: tuple[BlockStore, Clock]) -> None:
@@ -1066,7 +1069,7 @@ def test_no_copy_into_engine_buffers_starts_after_the_callers_deadline(env: tupl
 
     async def stream() -> None:
         until = asyncio.get_running_loop().time() + 0.15
-        await store.stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [2, 3],
+        await streamer(store).stream_blocks(s, ns, KeyRequest(hashes=keys), buffers.buffers_id, [2, 3],
                                   lambda a: arrivals.append(a.index), fetcher, copy_until=until)
 
     async def load() -> None:   # both blocks are cached here now
@@ -1081,7 +1084,7 @@ def test_no_copy_into_engine_buffers_starts_after_the_callers_deadline(env: tupl
         with pytest.raises(DeadlineExceeded):
             asyncio.run(load())
         assert not engine.numpy()[:2].any(), "load_blocks wrote the engine's buffers after the deadline"
-        assert store.stats().active_leases == 0 and not store._busy
+        assert store.stats().active_leases == 0 and not store.leasing.busy_leases()
         assert buffers.busy == 0
     finally:
         engine.close()
@@ -1100,11 +1103,11 @@ def test_a_corrupt_block_two_peers_read_at_once_is_dropped_and_counted_once(
     async def main() -> list[Any]:
         await _on_ssd_with_dram_leased(store, ns, a, 8)   # no DRAM slot: read into buffers of their own
         _corrupt_on_disk(store, ns, a[0])
-        return list(await asyncio.gather(store.checkout(ns, a[0]), store.checkout(ns, a[0])))
+        return list(await asyncio.gather(exchange(store).checkout(ns, a[0]), exchange(store).checkout(ns, a[0])))
 
     assert asyncio.run(main()) == [None, None]
     stats = store.stats()
     assert stats.tiers[1].read_errors == 2                       # two reads did fail ...
     assert stats.dropped_blocks == 1, stats.dropped_blocks        # ... of one block, lost once
     assert stats.tiers[1].blocks == 0 and stats.tiers[1].used_bytes == 0
-    assert store.held(ns, a) == 0
+    assert exchange(store).held(ns, a) == 0

@@ -1,0 +1,285 @@
+"""The block store: one front over the components that own the store's state.
+
+Every method runs on the daemon's event loop thread, so bookkeeping needs no locks; byte copies
+and disk I/O run on worker threads while the blocks involved are pinned (by a lease, a
+promotion or a write-back), and nothing pinned is ever evicted, demoted twice or freed.
+
+The components, each with its own state (see their modules): the catalog (namespaces and their
+prefix indexes), placement over the DRAM and SSD residencies (slots, pages, copies, eviction,
+the write-back queue), promotion (SSD to DRAM), write-back (DRAM to SSD), leasing (sessions,
+leases, reservations' lifetimes), reservations (slots for new blocks), reads (lookups) and the
+engine buffers. The policies (``dram.policy``, ``ssd.policy``; :mod:`kvstored.policy`) decide
+which leaf of their tier goes next; the components carry their decisions out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+
+from kvstored.buffers import BlockIds, RegisteredBuffers, TensorSource
+from kvstored.config import Config
+from kvstored.copy import CopyEngine
+from kvstored.errors import FailedPrecondition, InvalidArgument
+from kvstored.index import Tier
+from kvstored.leases import LeaseKind, Session
+from kvstored.store.background import Background
+from kvstored.store.catalog import Catalog, NamespaceState
+from kvstored.store.dram_residency import DramResidency
+from kvstored.store.engine_buffers import EngineBuffers
+from kvstored.store.leasing import Leasing
+from kvstored.store.placement import Placement
+from kvstored.store.promotion import Promotion
+from kvstored.store.reads import Reads
+from kvstored.store.reservations import Reservations
+from kvstored.store.restore import restore
+from kvstored.store.ssd_residency import SsdResidency
+from kvstored.store.values import (
+    CachedPrefix,
+    FlushProgress,
+    KeyRequest,
+    Reservation,
+    RestoreReport,
+    StoreStats,
+    TierStats,
+)
+from kvstored.store.writeback import WriteBack
+from kvstored.tiers.dram import Arena
+from kvstored.tiers.ssd import Progress, SSDError, SSDTier
+from kvstored_client.namespace import Namespace
+
+log = logging.getLogger("kvstored.store")
+
+
+@dataclass(slots=True)
+class PeerTraffic:
+    """Blocks exchanged with peers (the peer exchange counts them; the store reports them)."""
+
+    fetched: int = 0    # stored here from a peer that a stream fetched them from
+    served: int = 0     # sent whole to a peer that fetched them
+    received: int = 0   # pushed here by a peer and stored
+
+
+class BlockStore:
+    """The daemon's domain. Expected failures raise :mod:`kvstored.errors` types and change nothing."""
+
+    def __init__(self, config: Config, arena: Arena, copy: CopyEngine, ssd: SSDTier | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 new_session_id: Callable[[], str] = lambda: secrets.token_hex(16)) -> None:
+        self.config = config
+        self.arena = arena
+        self.copy = copy
+        self.ssd_tier = ssd
+        self._clock = clock
+        self._started = clock()
+        self.background = Background()
+        self.catalog = Catalog(config, ssd)
+        self.placement = Placement(DramResidency(config, arena.capacity, clock), SsdResidency(config, clock, ssd),
+                                   config.dram.writeback_watermark * arena.capacity)
+        self.promotion = Promotion(self.placement, arena, ssd, self.background)
+        self.writeback = WriteBack(config, clock, self.catalog, self.placement, arena, ssd, self.background)
+        self.leasing = Leasing(config, clock, self.placement, new_session_id)
+        self.reservations = Reservations(config, self.leasing, self.placement)
+        self.reads = Reads(config, self.leasing, self.placement, self.promotion)
+        self.buffers = EngineBuffers(config, self.catalog, self.leasing, self.reservations, self.reads, copy,
+                                     self.background)
+        self.peer_traffic = PeerTraffic()
+
+    # -- sessions ---------------------------------------------------------------------------
+    def open_session(self, client_name: str, pid: int) -> Session:
+        return self.leasing.open_session(client_name, pid)
+
+    def close_session(self, session_id: str) -> None:
+        """End a session: its leases end, its reservations abort, its buffers are unregistered."""
+        session = self.leasing.close_session(session_id)
+        if session is not None:
+            for buffers_id in list(session.buffers):
+                self.buffers.drop(buffers_id)
+
+    def has_session(self, session_id: str) -> bool:
+        """Whether ``session_id`` names an open session."""
+        return self.leasing.has_session(session_id)
+
+    # -- namespaces and keys ----------------------------------------------------------------
+    def open_namespace(self, spec: Namespace) -> NamespaceState:
+        """Create or find the namespace of ``spec``; its block size in bytes is fixed once known."""
+        return self.catalog.open(spec)
+
+    def resolve_keys(self, namespace_id: int, keys: KeyRequest) -> tuple[NamespaceState, list[bytes]]:
+        """The namespace and the chain of block keys named by ``keys`` (validated, within limits)."""
+        return self.catalog.resolve_keys(namespace_id, keys)
+
+    # -- reads ------------------------------------------------------------------------------
+    async def lookup(self, namespace_id: int, keys: KeyRequest, lease: bool = False,
+                     session_id: str = "") -> CachedPrefix:
+        """Longest cached prefix of ``keys``, with the tier of each block.
+
+        With ``lease``, the hit blocks are brought to DRAM (awaiting SSD reads; a block that
+        fails its checksum ends the prefix there) and pinned for a direct read. Without, blocks
+        found on a slower tier start moving to DRAM in the background (prefetch).
+        """
+        session = self.leasing.working_session(session_id) if lease else None
+        state, chain = self.catalog.resolve_keys(namespace_id, keys)
+        return await self.reads.lookup_chain(state, chain, session)
+
+    def prefetch(self, namespace_id: int, keys: KeyRequest) -> tuple[int, int]:
+        """Start promoting the cached prefix's slower-tier blocks; returns (hit, promoting)."""
+        state, chain = self.catalog.resolve_keys(namespace_id, keys)
+        return self.reads.prefetch(state, chain)
+
+    def release(self, session_id: str, lease_id: int, reservation_only: bool = False) -> None:
+        """End a read lease, or abort a reservation (only a reservation with ``reservation_only``).
+        FailedPrecondition when it already expired."""
+        self.leasing.release(session_id, lease_id, reservation_only)
+
+    # -- writes -----------------------------------------------------------------------------
+    def reserve(self, session_id: str, namespace_id: int, keys: KeyRequest,
+                block_bytes: int) -> Reservation:
+        """Allocate slots for the blocks of ``keys`` not cached yet (a suffix of the chain).
+
+        Fewer slots than asked come back when the tier cannot make room; none when another
+        client is writing the next block. Raises InvalidArgument for a wrong payload size.
+        """
+        session = self.leasing.working_session(session_id)
+        state, chain = self.catalog.resolve_keys(namespace_id, keys)
+        if block_bytes <= 0:
+            raise InvalidArgument("block_bytes must be positive")
+        if state.spec.block_bytes and block_bytes != state.spec.block_bytes:
+            raise InvalidArgument(f"namespace {state.spec.model!r} stores blocks of "
+                                  f"{state.spec.block_bytes} bytes; got {block_bytes}")
+        self.catalog.fix_block_bytes(state, block_bytes)
+        lease = self.reservations.reserve_chain(session, state, chain)
+        return Reservation(lease.lease_id, len(lease.pinned), [b.offset for b in lease.new],
+                           self.config.leases.reservation_ttl_s)
+
+    def seal(self, session_id: str, reservation_id: int) -> int:
+        """Make a reservation's written blocks visible; returns how many were sealed."""
+        return self.leasing.seal(session_id, reservation_id)
+
+    def reservation_chain(self, session_id: str, reservation_id: int) -> tuple[int, list[bytes]]:
+        """The namespace and keys of a live reservation's chain (present blocks, then those being
+        written); (0, []) when there is no such reservation."""
+        return self.leasing.reservation_chain(session_id, reservation_id)
+
+    def reap(self) -> int:
+        """End leases past their deadline, idle ones only; returns the count."""
+        return self.leasing.reap()
+
+    # -- registered engine buffers ----------------------------------------------------------
+    def register_buffers(self, session_id: str, namespace_id: int,
+                         sources: Sequence[TensorSource]) -> RegisteredBuffers:
+        """Map an engine's KV tensors; their block layout must match the namespace's."""
+        session = self.leasing.working_session(session_id)
+        return self.buffers.register(session, self.catalog.get(namespace_id), sources)
+
+    async def unregister_buffers(self, session_id: str, buffers_id: int) -> None:
+        """Stop using an engine's buffers. Returns once no copy touches them and they are unmapped
+        (CUDA handles closed): only then may the engine free the memory."""
+        await self.buffers.unregister(self.leasing.session(session_id), buffers_id)
+
+    async def save_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
+                          keys: KeyRequest, block_ids: BlockIds) -> tuple[int, int]:
+        """Copy the not-yet-cached blocks of a chain from engine buffers into the store.
+
+        Returns (already present, newly stored); stored may fall short when the tier is full.
+        """
+        session = self.leasing.working_session(session_id)
+        buffers = self.buffers.owned(session_id, buffers_id, namespace_id)
+        state, chain = self.catalog.resolve_keys(namespace_id, keys)
+        return await self.buffers.save(session, buffers, state, chain, block_ids)
+
+    async def load_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
+                          keys: KeyRequest, block_ids: BlockIds,
+                          started: Callable[[list[Tier]], None] | None = None,
+                          tensor_done: Callable[[int], None] | None = None,
+                          copy_until: float | None = None) -> list[Tier]:
+        """Copy the longest cached prefix of a chain into engine buffers; returns its tiers
+        (see :meth:`EngineBuffers.load`)."""
+        session = self.leasing.working_session(session_id)
+        buffers = self.buffers.owned(session_id, buffers_id, namespace_id)
+        state, chain = self.catalog.resolve_keys(namespace_id, keys)
+        return await self.buffers.load(session, buffers, state, chain, block_ids, started, tensor_done,
+                                       copy_until)
+
+    # -- administration ---------------------------------------------------------------------
+    def evict(self, model: str = "", tier: Tier | None = None) -> int:
+        """Drop cached blocks of the namespaces of ``model`` (all when empty) from ``tier`` (all
+        when None); pinned blocks stay, and so does the SSD copy of a block with a child that
+        keeps one. Returns how many blocks lost a copy or left the index. FailedPrecondition for
+        the SSD tier of a store without one (as :meth:`flushing`); NotFound for a model never seen."""
+        if tier is Tier.SSD and self.ssd_tier is None:
+            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)")
+        ids = self.catalog.ids_of(model)
+        return self.placement.evict_blocks([b for ns_id in ids for b in self.catalog.get(ns_id).index], tier)
+
+    async def evict_committed(self, model: str = "", tier: Tier | None = None) -> int:
+        """:meth:`evict`, returning once the SSD deletes it made are committed: a crash right
+        after ``kvctl evict`` no longer brings the evicted blocks back at restart. A delete whose
+        commit failed (counted in the SSD write errors) is made by the writer's next commit; the
+        blocks are out of the index either way, so that is logged, not raised."""
+        count = self.evict(model, tier)
+        # evicting DRAM deletes nothing on SSD: no waiting behind a write-back in progress
+        if self.ssd_tier is not None and tier is not Tier.DRAM:
+            try:
+                await asyncio.wrap_future(self.ssd_tier.barrier())
+            except SSDError as exc:
+                log.warning("evicted blocks' SSD deletes did not commit yet: %s", exc)
+        return count
+
+    async def flush(self, model: str = "") -> int:
+        """Write every DRAM block of ``model`` (all when empty) without an SSD copy to SSD now;
+        returns how many were written. Failures as :meth:`flushing`."""
+        written = 0
+        async for progress in self.flushing(model):
+            written = progress.written
+        return written
+
+    def flushing(self, model: str = "") -> AsyncGenerator[FlushProgress, None]:
+        """:meth:`flush` with its progress (see :meth:`WriteBack.flushing`)."""
+        return self.writeback.flushing(model)
+
+    def restore(self, progress: Progress | None = None) -> RestoreReport:
+        """Rebuild namespaces and the index from the SSD tier (at start, before serving);
+        ``progress(what, done, total)`` is called every PROGRESS_EVERY records."""
+        return restore(self.catalog, self.placement, self.ssd_tier, progress)
+
+    async def writeback_loop(self, interval_s: float = 0.5) -> None:
+        """Background task: keep DRAM's blocks without an SSD copy under the watermark."""
+        await self.writeback.loop(interval_s)
+
+    # -- introspection and shutdown ---------------------------------------------------------
+    def stats(self) -> StoreStats:
+        p, dram = self.placement, self.placement.dram
+        tiers = [TierStats("dram", dram.capacity, dram.used_bytes, dram.blocks(), p.dram_evictions)]
+        if self.ssd_tier is not None:
+            tiers.append(TierStats("ssd", self.config.ssd.capacity, p.ssd.used_bytes, p.ssd.blocks,
+                                   p.ssd_evictions, self.writeback.write_errors, self.promotion.read_errors))
+        r = self.reads
+        return StoreStats(self._clock() - self._started, tiers, r.lookups, r.lookup_blocks, r.hit_blocks,
+                          r.hit_tokens, self.leasing.saved_blocks, self.leasing.count(LeaseKind.READ),
+                          self.leasing.sessions(), len(self.catalog), self.catalog.block_count(),
+                          self.promotion.promotions, self.writeback.demotions, p.dropped,
+                          self.peer_traffic.fetched, self.peer_traffic.served, self.peer_traffic.received)
+
+    async def write_back_for_shutdown(self) -> int:
+        """Shutdown: write DRAM blocks without an SSD copy to SSD (under ``ssd.admission`` and the
+        SSD policy) until none is left that may go; returns how many were written."""
+        return await self.writeback.for_shutdown()
+
+    def dram_only_blocks(self) -> int:
+        """Sealed blocks whose only copy is in DRAM (lost when the daemon stops)."""
+        return self.placement.dram_only()
+
+    async def quiesce(self, timeout_s: float) -> bool:
+        """Wait until no request has a copy in flight nor a leased lookup waiting for SSD reads,
+        for at most ``timeout_s``; whether none has. From then on, requests that would start new
+        work are refused (Unavailable). See :meth:`Leasing.quiesce`."""
+        return await self.leasing.quiesce(timeout_s)
+
+    async def finish_background(self) -> None:
+        """Wait for background promotions and write-backs in flight (shutdown)."""
+        await self.background.finish()

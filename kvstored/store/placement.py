@@ -1,0 +1,255 @@
+"""Placement: where each block's bytes are (a DRAM slot, an SSD copy, both), and the moves that
+change it: binding and releasing slots, evicting to make room, dropping copies, and taking a
+block out of the index with everything it held.
+
+Tiers are exclusive in their eviction policies and inclusive in their bytes: a sealed block with a
+DRAM slot is tracked by its slot size's DRAM policy, one without by the SSD policy; a block may
+have both a slot and an SSD copy ("clean"), which makes evicting it from DRAM free. The DRAM
+blocks without an SSD copy wait in the write-back queue, oldest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Sequence
+
+from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, PROMOTING, SEALED, Block, Tier
+from kvstored.store.dram_residency import DramResidency
+from kvstored.store.ssd_residency import SsdResidency
+from kvstored.tiers.ssd import PROGRESS_EVERY, Progress
+
+log = logging.getLogger("kvstored.store")
+
+
+class WriteBackQueue:
+    """The sealed DRAM blocks without an SSD copy, oldest first (the write-back order), their
+    slot bytes, and the signal that wakes the write-back task."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[Block, None] = {}
+        self.bytes = 0
+        self.wanted = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self._blocks)
+
+    def add(self, block: Block) -> None:
+        self.bytes += block.index.slot_bytes
+        self._blocks[block] = None
+
+    def discard(self, block: Block) -> None:
+        """``block`` got an SSD copy or lost its slot."""
+        self.bytes -= block.index.slot_bytes
+        self._blocks.pop(block, None)
+
+
+class Placement:
+    """A block's copies across the DRAM and SSD tiers, kept consistent with the index, both
+    residencies' policies and the write-back queue. Counts evictions and blocks dropped."""
+
+    def __init__(self, dram: DramResidency, ssd: SsdResidency, writeback_watermark_bytes: float) -> None:
+        self.dram = dram
+        self.ssd = ssd
+        self.queue = WriteBackQueue()
+        self._watermark = writeback_watermark_bytes
+        self.dram_evictions = 0
+        self.ssd_evictions = 0
+        self.dropped = 0   # blocks whose last copy went (evicted, or lost: failed checksums)
+
+    def hit(self, blocks: Sequence[Block]) -> None:
+        """Tell the tiers' policies that a lookup hit ``blocks``, a prefix of one namespace's chain.
+
+        O(1) whatever the prefix length: the policies record a hit on the deepest block they track
+        (:mod:`kvstored.policy.usage`). A DRAM-resident prefix is closed under ancestors (only
+        leaves leave a tier), so the common case is a DRAM run, then an SSD-only run; the SSD
+        policy is only asked when the prefix ends off DRAM, so an all-DRAM hit costs it nothing.
+        """
+        if not blocks:
+            return
+        # Usually a DRAM run, then an SSD-only run; but a block may come up alone (a peer's
+        # checkout) or a chain's head lose its slots first (a stream's drop_clean_slots), so a
+        # prefix may also start on SSD and end in DRAM: the DRAM policy is asked then, and not the
+        # SSD policy. Its record on the deepest DRAM block reaches the SSD-only blocks above once
+        # they come up (this lookup brings them up) and are tracked above it; recorded on SSD too,
+        # the hit came up with them in their reuses and was counted twice when that record did.
+        first, last = blocks[0].offset != NO_SLOT, blocks[-1].offset != NO_SLOT
+        if first or last:
+            self.dram.policy_for(blocks[0]).hit(blocks)
+        if not last:
+            self.ssd.policy.hit(blocks)
+        self.dram.mark_pages(blocks)
+
+    # -- DRAM slots ---------------------------------------------------------------------------
+    def alloc(self, sb: int) -> int | None:
+        """A slot of ``sb`` bytes, evicting what the DRAM policies pick to make room (a block
+        with an SSD copy just loses its slot and joins the SSD policy; one without leaves the
+        index); None when nothing may leave."""
+        offset = self.dram.take_free(sb)
+        while offset is None:
+            self.queue.wanted.set()
+            room = self.dram.room_for(sb)
+            if room is None:
+                return None
+            for block in room.victims:
+                self.evict_slot(block)
+            assert room.page is None or self.dram.page_emptied(room.page), "page not emptied"
+            offset = self.dram.take_free(sb)
+        return offset
+
+    def bind(self, block: Block, offset: int) -> Block:
+        return self.dram.bind(block, offset)
+
+    def release_slot(self, block: Block, leaving: bool = False) -> None:
+        """Give back a block's DRAM slot (its bytes stay wherever else they are); ``leaving``:
+        the block leaves the index too."""
+        if block.offset == NO_SLOT:
+            return
+        if block.sealed and not block.on_ssd:
+            self.queue.discard(block)
+        # to the SSD tier (a move, not an eviction of its bytes), or gone
+        self.dram.release(block, moved=block.on_ssd and not leaving)
+
+    def evict_slot(self, block: Block) -> None:
+        """Evict ``block`` from DRAM: with an SSD copy it only loses its slot, else it is dropped."""
+        if block.on_ssd:
+            self.leave_dram_for_ssd(block)
+        else:
+            self.remove(block)
+            self.dropped += 1
+        self.dram_evictions += 1
+
+    def leave_dram_for_ssd(self, block: Block) -> None:
+        """Give up the DRAM slot of ``block`` (sealed, with an SSD copy): it stays on SSD only,
+        tracked by the SSD policy with the reuses the DRAM policy had counted for it."""
+        reuses = self.dram.policy_for(block).reuses(block)
+        self.release_slot(block)
+        self.ssd.policy.inserted([block], None if reuses is None else [reuses])
+
+    def drop_clean_slots(self, blocks: Sequence[Block], most: int) -> int:
+        """Free the DRAM slots of up to ``most`` of ``blocks`` (in order) that have an SSD copy and
+        nothing holding them; their bytes stay on SSD. Returns how many were freed."""
+        freed = 0
+        for block in blocks:
+            if freed == most:
+                break
+            if block.in_dram and block.on_ssd and not block.pins and not block.flags & (DEMOTING | PROMOTING):
+                self.leave_dram_for_ssd(block)
+                self.dram_evictions += 1
+                freed += 1
+        return freed
+
+    def sealed_now(self, blocks: list[Block]) -> None:
+        """Blocks of one chain whose bytes just landed in their DRAM slots become visible."""
+        if not blocks:
+            return
+        for block in blocks:
+            block.flags |= SEALED
+            self.queue.add(block)
+        self.dram.policy_for(blocks[0]).inserted(blocks)  # one chain: one namespace, one slot size
+        self.dram.mark_pages(blocks)
+        if self.queue.bytes > self._watermark:
+            self.queue.wanted.set()
+
+    # -- SSD copies ---------------------------------------------------------------------------
+    def ssd_written(self, block: Block, check: int) -> None:
+        """``block``'s SSD copy (reserved in the SSD residency) is written."""
+        self.ssd.written(block, check)
+        if block.in_dram:
+            self.queue.discard(block)
+
+    def drop_ssd_copy(self, block: Block, leaving: bool = False) -> None:
+        if not block.on_ssd:
+            return
+        self.ssd.dropped(block, leaving)
+        if block.in_dram and block.sealed:
+            self.queue.add(block)
+
+    def drop_lost_copy(self, block: Block, why: object) -> None:
+        """``block``'s SSD copy failed its checksum: drop it (counted once, however many reads
+        of the copy fail: peers reading it at once into buffers of their own)."""
+        if block.on_ssd:   # else an earlier failed read of this copy dropped it (and counted it)
+            log.warning("dropping block %s: %s", block.key.hex()[:16], why)
+            self.drop_ssd_copy(block)
+            self.dropped += 1
+
+    def make_ssd_room(self, nbytes: float, progress: Progress | None = None) -> bool:
+        """Evict SSD-only leaves (the SSD policy's victims) so ``nbytes`` more fit under the high
+        watermark; ``progress(what, evicted, 0)`` is called every PROGRESS_EVERY evictions."""
+        if self.ssd.fits(nbytes):
+            return True
+        target = self.ssd.low_target(nbytes)
+        evicted = 0
+        while self.ssd.used_bytes > target:
+            victim = self.ssd.policy.victim()
+            if victim is None:
+                break
+            self.remove(victim)  # untracks it: the next victim is another block
+            self.ssd_evictions += 1
+            self.dropped += 1   # SSD-only: its last copy
+            evicted += 1
+            if progress is not None and evicted % PROGRESS_EVERY == 0:
+                progress("restoring blocks from SSD: evicting to fit ssd.capacity", evicted, 0)
+        return self.ssd.fits(nbytes)
+
+    # -- the index ----------------------------------------------------------------------------
+    def remove(self, block: Block) -> None:
+        """Take a leaf out of the index and out of every tier; hollow ancestors follow."""
+        self.release_slot(block, leaving=True)
+        self.drop_ssd_copy(block, leaving=True)
+        block.index.remove(block)
+        self.remove_if_hollow(block.parent)
+
+    def remove_if_hollow(self, block: Block | None) -> None:
+        """Take ``block`` out of the index if it is hollow (sealed, its bytes lost), childless and
+        unheld; then its parent, likewise."""
+        # a block may have gone already: callers walk a prefix deepest first, and a hollow child's
+        # removal takes its hollow parent along
+        while block is not None and block.sealed and not block.readable and block.children == 0 \
+                and block.pins == 0 and not block.flags & PROMOTING and block.index.get(block.key) is block:
+            parent = block.parent
+            block.index.remove(block)
+            block = parent
+
+    def evict_blocks(self, blocks: Sequence[Block], tier: Tier | None) -> int:
+        """Drop ``blocks`` from ``tier`` (all when None); pinned blocks stay, and so does the SSD
+        copy of a block with a child that keeps one. Returns how many blocks lost a copy or left
+        the index."""
+        count = 0
+        # Blocks with a child that keeps an SSD copy (or is being written to SSD): theirs stays,
+        # or a restart would drop the child, its record hanging under no parent record.
+        under_ssd: set[Block] = set()
+        for block in sorted(blocks, key=lambda b: -b.depth):
+            if block.index.get(block.key) is not block:
+                continue   # left with a child removed before it (a hollow parent goes with its last child)
+            if block.pins or block.flags & (SEALED | DEMOTING | PROMOTING) != SEALED:
+                pass
+            elif tier is Tier.DRAM and block.in_dram:
+                if block.on_ssd:
+                    self.leave_dram_for_ssd(block)
+                    count += 1
+                elif block.children == 0:
+                    self.remove(block)
+                    count += 1
+            elif tier is Tier.SSD and block.on_ssd:
+                if block.in_dram and block not in under_ssd:
+                    self.drop_ssd_copy(block)
+                    count += 1
+                elif block.children == 0:
+                    self.remove(block)
+                    count += 1
+            elif tier is None and block.children == 0:
+                self.remove(block)
+                count += 1
+            if block.flags & (ON_SSD | DEMOTING) and block.parent is not None \
+                    and block.index.get(block.key) is block:
+                under_ssd.add(block.parent)
+        return count
+
+    def dram_only(self, namespace_ids: set[int] | None = None) -> int:
+        """Sealed blocks (of these namespaces; None: all) whose only copy is in DRAM."""
+        return sum(1 for b in self.queue if (namespace_ids is None or b.index.namespace_id in namespace_ids)
+                   and b.sealed and b.in_dram and not b.on_ssd)

@@ -1,0 +1,57 @@
+"""Restore: the catalog and the SSD residency rebuilt from the SSD tier's records at start."""
+
+from __future__ import annotations
+
+from kvstored.index import NO_SLOT, ON_SSD, SEALED, Block
+from kvstored.store.catalog import Catalog
+from kvstored.store.placement import Placement
+from kvstored.store.values import RestoreReport
+from kvstored.tiers.ssd import PROGRESS_EVERY, BlockRecord, Progress, SSDTier
+
+
+def restore(catalog: Catalog, placement: Placement, tier: SSDTier | None,
+            progress: Progress | None = None) -> RestoreReport:
+    """Rebuild namespaces and the index from the SSD tier (at start, before serving);
+    ``progress(what, done, total)`` is called every PROGRESS_EVERY records.
+
+    Records that do not decode, whose namespace is unknown (or one this config refuses:
+    blocks larger than ``dram.page_bytes``, a fast hash not allowed), whose parent is missing
+    or whose length is wrong are deleted from disk and counted; payload checksums are
+    verified when a block is read, so a corrupt payload is still never served.
+    """
+    if tier is None:
+        return RestoreReport(0, 0, 0)
+    catalog.restore_records()
+    records: list[BlockRecord] = []
+    dropped = 0
+    for n, item in enumerate(tier.scan(), 1):
+        if progress is not None and n % PROGRESS_EVERY == 0:
+            progress("restoring blocks from SSD: reading records", n, 0)
+        if isinstance(item, BlockRecord):
+            records.append(item)
+        else:
+            tier.delete_raw(item[0])
+            dropped += 1
+    restored: list[Block] = []
+    for n, rec in enumerate(sorted(records, key=lambda r: r.depth), 1):
+        if progress is not None and n % PROGRESS_EVERY == 0:
+            progress("restoring blocks from SSD: indexing", n, len(records))
+        state = catalog.find(rec.namespace_id)
+        parent = state.index.get(rec.parent) if state is not None and rec.depth else None
+        if state is None or rec.length != state.spec.block_bytes or (rec.depth and parent is None) \
+                or state.index.get(rec.key) is not None:
+            tier.delete(rec.namespace_id, rec.key)
+            dropped += 1
+            continue
+        block = state.index.insert(rec.key, parent, NO_SLOT)
+        block.flags = SEALED | ON_SSD
+        block.pins = 0
+        restored.append(block)
+    placement.ssd.restored(restored)
+    placement.dropped += dropped
+    before = placement.ssd_evictions
+    # The capacity may have been lowered since: back under it now (a minute for a million
+    # blocks here, told as the other steps are, or systemd takes the start for hung)
+    placement.make_ssd_room(0, progress)
+    evicted = placement.ssd_evictions - before
+    return RestoreReport(len(catalog), len(restored) - evicted, dropped, evicted)
