@@ -21,7 +21,8 @@ from typing import TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from kvstored.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstored.errors import InvalidArgument, ResourceExhausted
+from kvstored.tensor_memory import TensorMemory
 from kvstored_client.layout import BlockRegion, TensorLayout, layout_signature
 
 # For each block of a chain, the engine buffers' block it goes to or comes from. A numpy array as
@@ -83,29 +84,6 @@ class TensorSource:
     layout: TensorLayout
     cuda_ipc_handle: bytes = b""
     device_uuid: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorMemory:
-    """One registered tensor as the copy primitives see it."""
-
-    region: BlockRegion
-    part_offset: int          # where its rows start inside a block's payload
-    host: np.ndarray | None   # CPU twin: the mapped file as bytes
-    base: int                 # byte offset of element 0 in ``host``, or its device address
-    mapping: mmap.mmap | None = None   # CPU twin: its mapping (whose own fd tells the file's size)
-    end: int = 0              # the bytes of that file the tensor needs
-
-    def check_backing(self, index: int) -> None:
-        """FailedPrecondition when the file behind this tensor shrank since it was registered: a
-        copy touching a page past its end would raise SIGBUS and kill the daemon."""
-        if self.mapping is None:
-            return
-        size = self.mapping.size()   # fstat of the descriptor mmap keeps: no second one per tensor
-        if size < self.end:
-            raise FailedPrecondition(f"tensors[{index}]: its shared-memory file shrank to {size} bytes since "
-                                     f"it was registered (the tensor needs {self.end}); register the buffers "
-                                     "again")
 
 
 class RegisteredBuffers:

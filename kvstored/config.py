@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvstored.peers.transport import is_loopback
+from kvstored.addresses import is_loopback
 from kvstored.policy.registry import DEFAULT_POLICY, POLICIES
 from kvstored_client.paths import default_socket_path
 

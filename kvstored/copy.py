@@ -17,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvstored.buffers import BlockIds, RegisteredBuffers, TensorMemory
+from kvstored.buffers import BlockIds, RegisteredBuffers
 from kvstored.errors import DeadlineExceeded
+from kvstored.tensor_memory import TensorMemory
 from kvstored.tiers.dram import Arena
 
 TensorDone = Callable[[int], None]

@@ -17,7 +17,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without cupy
     raise ImportError("cupy is not installed (pip install 'kvstored[cuda]')") from exc
 
-from kvstored.buffers import TensorMemory
+from kvstored.tensor_memory import TensorMemory
 from kvstored.tiers.dram import Arena
 
 _IPC_LAZY_PEER_ACCESS = 1

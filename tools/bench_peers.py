@@ -46,7 +46,9 @@ from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstored.peers.transport import BlockServer, PeerAuth, PeerConnection, TLSFiles
+from kvstored.peers.auth import PeerAuth, TLSFiles
+from kvstored.peers.connection import PeerConnection
+from kvstored.peers.server import BlockServer
 from tools import pki
 
 NAMESPACE = 7

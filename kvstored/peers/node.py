@@ -20,26 +20,17 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstored.addresses import parse_address
 from kvstored.cluster.membership import EtcdMembership, Member, Membership, MembershipError, StaticMembership
 from kvstored.config import Config, ConfigError, PeersConfig
 from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound
+from kvstored.peers.auth import PeerAuth, TLSFiles, certificate_warning
+from kvstored.peers.connection import PeerConnection, PushResult, Stop
+from kvstored.peers.errors import PeerAuthError, PeerError, PeerRefused
 from kvstored.peers.exchange import PeerExchange
+from kvstored.peers.server import BlockServer
 from kvstored.peers.streaming import Fetched, Into, Landed
-from kvstored.peers.transport import (
-    MAX_TOKEN_BYTES,
-    BlockServer,
-    Limits,
-    PeerAuth,
-    PeerAuthError,
-    PeerConnection,
-    PeerError,
-    PeerRefused,
-    PushResult,
-    Stop,
-    TLSFiles,
-    certificate_warning,
-    parse_address,
-)
+from kvstored.peers.wire import MAX_TOKEN_BYTES, Limits
 from kvstored.store import BlockStore, CachedPrefix, KeyRequest
 
 log = logging.getLogger("kvstored.peers")

@@ -23,8 +23,8 @@ from kvstored import config as config_mod
 from kvstored.cluster.membership import MembershipError
 from kvstored.config import Config, ConfigError
 from kvstored.copy import CopyEngine
+from kvstored.peers.errors import PeerConfigError
 from kvstored.peers.node import PeerNode
-from kvstored.peers.transport import PeerConfigError
 from kvstored.server import heap, logs, sdnotify
 from kvstored.server.metrics import RpcTimer, Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer

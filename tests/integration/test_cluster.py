@@ -24,7 +24,9 @@ from loopback import free_ports
 
 import kvstored
 from kvstored import Namespace
-from kvstored.peers.transport import PeerAuth, PeerAuthError, PeerConnection
+from kvstored.peers.auth import PeerAuth
+from kvstored.peers.connection import PeerConnection
+from kvstored.peers.errors import PeerAuthError
 
 BLOCK = 64 << 10
 NS = Namespace(model="cluster-test", block_bytes=BLOCK)

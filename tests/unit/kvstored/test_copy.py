@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from kvstored.buffers import TensorMemory
 from kvstored.copy import CopyEngine
+from kvstored.tensor_memory import TensorMemory
 from kvstored.tiers.dram import Arena
 from kvstored_client.layout import TensorLayout
 

@@ -23,8 +23,10 @@ from kvstored import config
 from kvstored.cluster.membership import Member
 from kvstored.copy import CopyEngine
 from kvstored.errors import InvalidArgument
-from kvstored.peers import transport
+from kvstored.peers.auth import PeerAuth
+from kvstored.peers.connection import FetchResult, PeerConnection, Stop, push
 from kvstored.peers.node import PeerNode
+from kvstored.peers.wire import HELLO, MAGIC, OP_FETCH, VERSION, Limits, encode_request
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored_client.hashing import block_hashes
@@ -211,8 +213,8 @@ def test_blocks_checked_out_for_a_peer_that_went_away_unsent_are_not_counted_as_
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 sock.setblocking(False)
                 await loop.sock_connect(sock, ("127.0.0.1", port))
-                await loop.sock_sendall(sock, transport._HELLO.pack(transport.MAGIC, transport.VERSION, 0, 1) + b"t"
-                                        + transport._encode_request(transport.OP_FETCH, ns, keys, transport.Limits()))
+                await loop.sock_sendall(sock, HELLO.pack(MAGIC, VERSION, 0, 1) + b"t"
+                                        + encode_request(OP_FETCH, ns, keys, Limits()))
                 for _ in range(1000):   # block 0 being written, block 1 checked out ahead
                     if pins()[1]:
                         break
@@ -226,7 +228,7 @@ def test_blocks_checked_out_for_a_peer_that_went_away_unsent_are_not_counted_as_
             assert pins() == [0, 0, 0], "a block checked out for the peer stayed pinned"
             assert store.stats().peer_served_blocks == 0, "blocks that never reached the peer were counted"
             # a peer that reads them all: each counted once
-            conn = await transport.PeerConnection.open(("127.0.0.1", port), transport.PeerAuth(token="t"))
+            conn = await PeerConnection.open(("127.0.0.1", port), PeerAuth(token="t"))
             try:
                 res = await conn.fetch(ns, keys, lambda i, v: None, 30)
             finally:
@@ -309,7 +311,7 @@ def test_a_push_whose_blocks_left_this_node_does_not_mark_the_peer_down() -> Non
             assert a.store.evict() == 2            # gone here before the push goes out
             before = a.peers.failures
             stored, result = await a.peers.push_chain("b", NS.identity(), b"", keys, skip_held=True)
-            assert stored == 0 and result.stop is transport.Stop.MISSING, result
+            assert stored == 0 and result.stop is Stop.MISSING, result
             peer = a.peers._peers["b"]
             assert peer.state == "up" and not peer.last_error, (peer.state, peer.last_error)
             assert a.peers.failures == before
@@ -331,7 +333,7 @@ def test_a_peer_that_refuses_a_push_shows_as_refused_not_down() -> None:
             keys = chain(2)
             save(a.store, keys, ns=ns)
             stored, result = await a.peers.push_chain("b", ns, b"", keys)
-            assert stored == 0 and result.stop is transport.Stop.REFUSED, result
+            assert stored == 0 and result.stop is Stop.REFUSED, result
             peer = a.peers._peers["b"]
             assert peer.state == "refused" and f"{2 * BLOCK} bytes" in peer.last_error, (peer.state, peer.last_error)
             assert b.store.stats().index_blocks == 0
@@ -416,8 +418,8 @@ def test_a_pushed_block_larger_than_any_this_node_stores_is_refused_before_it_is
         async with cluster({"a": 8, "b": 8}) as nodes:
             b = nodes["b"].peers
             huge = 4 * BLOCK + 4096   # one byte page over dram.page_bytes (4 blocks)
-            result = await transport.push(b.listen, nodes["a"].peers._auth, NS.identity(),
-                                          [(chain(1)[0], bytes(huge))], 3.0)
+            result = await push(b.listen, nodes["a"].peers._auth, NS.identity(),
+                                [(chain(1)[0], bytes(huge))], 3.0)
             assert result.stored == 0 and not result.complete
             assert f"has {huge} bytes" in result.detail and f"at most {4 * BLOCK}" in result.detail, result
             assert nodes["b"].store.stats().index_blocks == 0
@@ -469,26 +471,25 @@ def test_connecting_to_a_peer_counts_against_the_deadline_of_a_question_and_of_a
     (the engine got DEADLINE_EXCEEDED, not the blocks that had arrived and a "timeout" end)."""
     from kvstored.peers import node as node_mod
     monkeypatch.setattr(node_mod, "IDLE_CONNECTIONS", 0)   # every exchange on a new connection
-    real_open, real_lookup, real_fetch = (transport.PeerConnection.open, transport.PeerConnection.lookup,
-                                          transport.PeerConnection.fetch)
+    real_open, real_lookup, real_fetch = (PeerConnection.open, PeerConnection.lookup, PeerConnection.fetch)
     ends: dict[str, list[float]] = {"lookup": [], "fetch": []}
 
-    async def slow_open(addr: Any, auth: Any, limits: Any = None) -> transport.PeerConnection:
+    async def slow_open(addr: Any, auth: Any, limits: Any = None) -> PeerConnection:
         await asyncio.sleep(0.3)
         return await real_open(addr, auth, limits)
 
-    async def lookup(self: transport.PeerConnection, namespace_id: int, keys: Any, deadline_s: float) -> int:
+    async def lookup(self: PeerConnection, namespace_id: int, keys: Any, deadline_s: float) -> int:
         ends["lookup"].append(asyncio.get_running_loop().time() + deadline_s)
         return await real_lookup(self, namespace_id, keys, deadline_s)
 
-    async def fetch(self: transport.PeerConnection, namespace_id: int, keys: Any, on_block: Any,
-                    deadline_s: float, **kw: Any) -> transport.FetchResult:
+    async def fetch(self: PeerConnection, namespace_id: int, keys: Any, on_block: Any,
+                    deadline_s: float, **kw: Any) -> FetchResult:
         ends["fetch"].append(asyncio.get_running_loop().time() + deadline_s)
         return await real_fetch(self, namespace_id, keys, on_block, deadline_s, **kw)
 
-    monkeypatch.setattr(transport.PeerConnection, "open", slow_open)
-    monkeypatch.setattr(transport.PeerConnection, "lookup", lookup)
-    monkeypatch.setattr(transport.PeerConnection, "fetch", fetch)
+    monkeypatch.setattr(PeerConnection, "open", slow_open)
+    monkeypatch.setattr(PeerConnection, "lookup", lookup)
+    monkeypatch.setattr(PeerConnection, "fetch", fetch)
 
     async def main() -> None:
         async with cluster({"a": 8, "b": 8}) as nodes:   # lookup_timeout_s 1, deadline_s 3
