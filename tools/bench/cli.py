@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tools.bench import peerenv, report
+from tools.bench import chart, peerenv, report
 from tools.bench.common import (
     REPO_ROOT,
     GiB,
@@ -293,7 +293,7 @@ class Bench:
             holder_log = self.logs / "mooncake-holder.log"
             segment = 4 * self.plan.ws + 512 * MiB  # three runs of keys alive at most, plus slack
             holder = self.procs.start("mooncake-holder", [
-                py, "-m", "tools.bench.peers", "mooncake-holder", "--port", str(rpc),
+                py, "-m", "tools.bench.peer_stores", "mooncake-holder", "--port", str(rpc),
                 "--segment-bytes", str(segment), "--seconds", str(self.plan.worker_timeout * 2)],
                 log=holder_log, cwd=REPO_ROOT, env=env)
             wait_for(lambda: "HOLDER READY" in holder_log.read_text(errors="replace"), 120,
@@ -335,8 +335,10 @@ class Bench:
             self.results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
             write_json(self.out / "results.json", self.results)
             (self.out / "results.md").write_text(report.markdown(self.results))
-            chart = report.chart(self.out, str(peerenv.PY), self.logs / "chart.log")
-            self.log(f"chart: {chart}")
+            why = chart.render("putget", self.out / "results.json", self.out / "chart.png", self.logs / "chart.log")
+            if why is not None:
+                (self.out / "chart.txt").write_text(f"skipped: {why}\n")
+            self.log(f"chart: {self.out / 'chart.png' if why is None else why}")
         return self.out
 
 

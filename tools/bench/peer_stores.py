@@ -1,4 +1,5 @@
-"""Peer contenders for workload 1, run from the bench venv (``.bench/venv``), never the product's.
+"""Peer contenders for workload 1, run from the bench venv (``.bench/venv``), never the product's;
+the driver is :mod:`tools.bench.putget`, which names them by ``--impl``.
 
 * Redis: ``redis`` + ``hiredis`` client against a ``redis-server`` the harness started.
 * Mooncake Store: a client process (no segment of its own) against a master and a holder process
@@ -13,11 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any
 
 import numpy as np
 
-from tools.bench.putget import Impl
+from tools.bench.contender import Impl
 
 MOONCAKE_SEGMENT_ENV = "KVBENCH_MOONCAKE_SEGMENT"
 
@@ -196,18 +196,8 @@ class LMCache(Impl):
         super().finish()
 
 
-def make_impl(name: str, a: argparse.Namespace) -> Any:
-    if name == "redis":
-        return Redis(a.port)
-    if name == "mooncake":
-        return Mooncake(a.port)
-    if name == "lmcache":
-        return LMCache()
-    raise SystemExit(f"unknown contender {name!r}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="helper processes for peers")
+    p = argparse.ArgumentParser(description="helper processes for the peer contenders (the Mooncake holder)")
     p.add_argument("role", choices=["mooncake-holder"])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--segment-bytes", type=int, required=True)
