@@ -115,6 +115,30 @@ class Procs:
         self.stop_all()
 
 
+def start_sender(argv: Sequence[str]) -> tuple[subprocess.Popen[str], int]:
+    """Start a helper process that prints the TCP port it listens on as its first line of stdout
+    and runs until its stdin closes (see :func:`stop_sender`); (the process, the port)."""
+    proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.strip().isdigit():
+        proc.kill()
+        proc.wait(10)
+        raise RuntimeError(f"sender {' '.join(argv[1:])} did not start")
+    return proc, int(line)
+
+
+def stop_sender(proc: subprocess.Popen[str]) -> None:
+    """Close the helper's stdin (its signal to end) and wait for it; killed after 10 s."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
 def run_worker(argv: Sequence[str], out_json: Path, timeout_s: float, log: Path,
                env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run a worker process to completion (bounded by ``timeout_s``) and read the JSON it wrote.

@@ -3,7 +3,7 @@ and authentication (mutual TLS with generated certificates, shared tokens, liste
 
 Faults are injected by a small TCP proxy between client and server that flips a byte, cuts the
 connection, or stops forwarding at a chosen offset of the stream; a real peer process is also
-killed with SIGKILL mid-transfer. Throughput is measured by tools/bench_peers.py, not here.
+killed with SIGKILL mid-transfer. Throughput is measured by `python -m tools.bench peers`, not here.
 """
 
 from __future__ import annotations
