@@ -56,8 +56,8 @@ def putget(results: dict[str, Any], png: str) -> None:
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
         xs, ys, lo, hi = [], [], [], []
-        for k, key in enumerate(keys):
-            r = table[key].get(name)
+        for k, row_key in enumerate(keys):
+            r = table[row_key].get(name)
             if r is None:
                 continue
             m = median(r["gbps"])

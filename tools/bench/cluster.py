@@ -167,8 +167,8 @@ def throughput(args: argparse.Namespace, a: Node, b: Node) -> dict[str, list[flo
             for name, run in paths[i % len(paths):] + paths[:i % len(paths)]:
                 rates[name].append(run())
     finally:
-        for receiver, proc in ((raw, raw_proc), (cycled, cycled_proc)):
-            receiver.close()
+        for limit, proc in ((raw, raw_proc), (cycled, cycled_proc)):
+            limit.close()
             stop_sender(proc)
         for _, mooncake in mooncakes:
             mooncake.close()

@@ -78,13 +78,9 @@ class Procs:
         self._procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, argv: Sequence[str], log: Path | None = None, **kw: Any) -> subprocess.Popen:
-        out = open(log, "ab") if log is not None else subprocess.DEVNULL
-        try:
+        with open(log, "ab") if log is not None else contextlib.nullcontext(subprocess.DEVNULL) as out:
             proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, **kw)
-        finally:
-            if log is not None:
-                out.close()
         self._procs.append((name, proc))
         return proc
 

@@ -16,13 +16,14 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from typing import Any
 
 from tools.bench.common import worker_output
 
 CHAIN = 2048
 
 
-def measure(n_blocks: int) -> dict[str, float]:
+def measure(n_blocks: int) -> dict[str, Any]:
     from kvstored import index as index_mod
     from kvstored.policy.registry import DEFAULT_POLICY, make_policy
 

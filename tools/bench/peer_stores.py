@@ -14,10 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tools.bench.contender import Impl
+
+if TYPE_CHECKING:   # it imports torch and lmcache: only in the bench venv, only for LMCache
+    from tools.bench.lmcache_cpu import CpuEngine
 
 MOONCAKE_SEGMENT_ENV = "KVBENCH_MOONCAKE_SEGMENT"
 
@@ -176,7 +180,7 @@ class LMCache(Impl):
         from tools.bench import lmcache_cpu
 
         self._mod = lmcache_cpu
-        self.engine = None
+        self.engine: CpuEngine | None = None
         self.notes = lmcache_cpu.describe()
 
     def prepare(self, block_bytes: int, n_blocks: int) -> None:
@@ -184,9 +188,11 @@ class LMCache(Impl):
         self.engine = self._mod.CpuEngine(block_bytes, n_blocks, self.CHUNK, self.src, self.dst)
 
     def put(self, keys: list[bytes], start: int, count: int) -> None:
+        assert self.engine is not None   # made by prepare()
         self.engine.store(keys, start, count)
 
     def get(self, keys: list[bytes], start: int, count: int) -> int:
+        assert self.engine is not None
         return self.engine.retrieve(keys, start, count)
 
     def finish(self) -> None:

@@ -87,9 +87,9 @@ def markdown(results: dict[str, Any]) -> str:
     table = putget_rows(results)
     contenders = [c["contender"] for c in results.get("putget", [])]
     order = [MEMCPY, KV_ARENA, KV_REG] + [c for c in contenders if c not in (MEMCPY, *KVSTORED)]
-    for key in sorted(table, key=lambda k: (-k[1], k[2], k[0] != "get")):
-        op, size, batch = key
-        row = table[key]
+    for row_key in sorted(table, key=lambda k: (-k[1], k[2], k[0] != "get")):
+        op, size, batch = row_key
+        row = table[row_key]
         best = _peer_best(row)
         for name in order:
             r = row.get(name)
@@ -244,8 +244,8 @@ def _targets(results: dict[str, Any]) -> list[tuple[str, float | None, Any, Any]
     if sc:
         calls = sc["calls"]
         bare = next((v for k, v in calls.items() if k.startswith("bare")), None)
-        kv = next((v for k, v in calls.items() if k.startswith("kvstored lookup(hashes")), None)
-        if bare and kv:
+        lookup = next((v for k, v in calls.items() if k.startswith("kvstored lookup(hashes")), None)
+        if bare and lookup:
             out.append(("small call (lookup of 1 block) next to bare gRPC p50 (informational; goal ≤ 1.5x)",
-                        kv["p50_us"]["median"] / bare["p50_us"]["median"], lambda v: v <= 1.5, x))
+                        lookup["p50_us"]["median"] / bare["p50_us"]["median"], lambda v: v <= 1.5, x))
     return out
