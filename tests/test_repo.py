@@ -1,7 +1,9 @@
-"""Repository checks: generated code in sync, lint and types, systemd unit, SDK stays light."""
+"""Repository checks: generated code in sync, lint and types, systemd unit, SDK stays light, tools/
+runs as modules and its modules keep to each other's public names, docs name commands that exist."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
@@ -121,6 +123,122 @@ def test_a_directory_the_unit_keeps_read_only_is_documented_where_it_is_configur
     assert ssd is not None and "ReadWritePaths=" in ssd.group(1), "[ssd] path: say it needs ReadWritePaths="
     service = re.search(r"^As a service:(.*?)(?=^## |\Z)", README, re.S | re.M)
     assert service is not None and "ReadWritePaths=" in service.group(1)
+
+
+# -- tools/ ------------------------------------------------------------------------------------
+TOOLS = ROOT / "tools"
+
+
+def _tools_sources() -> dict[str, tuple[ast.Module, str]]:
+    """Every Python file under tools/ by module name (``tools.bench.cli``): its tree and the package
+    its relative imports start from."""
+    out = {}
+    for path in sorted(TOOLS.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = name if parts[-1] == "__init__" else name.rpartition(".")[0]
+        out[name] = (ast.parse(path.read_text(), str(path)), package)
+    return out
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """``a.b.c`` for a chain of names and attributes, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return None if head is None else f"{head}.{node.attr}"
+    return None
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_nothing_under_tools_puts_directories_on_sys_path() -> None:
+    """Everything in tools/ runs as ``python -m tools...`` from the repository root (tests import
+    it from there too), so no file needs to put a directory on ``sys.path``; the old scripts did,
+    each its own way, and imported each other's internals through it."""
+    offenders = []
+    for path in sorted(TOOLS.rglob("*")):
+        if not path.is_file() or "__pycache__" in path.parts:
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:   # charts
+            continue
+        if path.suffix != ".py":
+            if "sys.path" in text:
+                offenders.append(str(path.relative_to(ROOT)))
+            continue
+        for node in ast.walk(ast.parse(text, str(path))):
+            uses = (isinstance(node, ast.Attribute) and _dotted(node) in ("sys.path", "site.addsitedir")) or (
+                isinstance(node, ast.ImportFrom) and node.module in ("sys", "site")
+                and any(a.name in ("path", "addsitedir") for a in node.names))
+            if uses:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
+
+
+def test_no_tools_module_uses_another_ones_private_names() -> None:
+    """What two modules of tools/ share is public in the module it belongs to: an underscore name
+    imported from another tools module (``from tools.bench.index_mem import _sealer``) or reached
+    through it (``report._med``) is a private detail that the other module may change freely."""
+    sources = _tools_sources()
+    offenders = []
+    for name, (tree, package) in sources.items():
+        modules: dict[str, str] = {}   # local name -> the tools module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "tools":
+                        modules[a.asname or "tools"] = a.name if a.asname else "tools"
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:   # from .x import y: relative to the package, one level up per extra dot
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                if base.split(".")[0] != "tools":
+                    continue
+                for a in node.names:
+                    if _private(a.name):
+                        offenders.append(f"{name}:{node.lineno} imports {base}.{a.name}")
+                    elif f"{base}.{a.name}" in sources:
+                        modules[a.asname or a.name] = f"{base}.{a.name}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                head = _dotted(node.value)
+                if head is None or head.split(".")[0] not in modules:
+                    continue
+                first, _, rest = head.partition(".")
+                target = modules[first] + (f".{rest}" if rest else "")
+                if target in sources and target != name:
+                    offenders.append(f"{name}:{node.lineno} uses {target}.{node.attr}")
+    assert len(sources) > 20, sorted(sources)
+    assert offenders == []
+
+
+def test_docs_name_only_tools_and_benchmark_commands_that_exist() -> None:
+    """README.md, BENCHMARKS.md and tools/bench/README.md keep the commands that produced their
+    figures: every ``tools/...`` path they name exists, every ``python -m tools...`` module too,
+    and every ``python -m tools.bench WORD`` is a subcommand (the scripts those commands named
+    moved into tools/bench when the benchmarks became one package)."""
+    from tools.bench.cli import SUBCOMMANDS
+
+    missing = []
+    for doc in ("README.md", "BENCHMARKS.md", "tools/bench/README.md"):
+        text = (ROOT / doc).read_text()
+        for path in re.findall(r"(?<![\w/.-])(tools/[\w./-]*\w)", text):
+            if not (ROOT / path).exists():
+                missing.append(f"{doc}: {path}")
+        for module in re.findall(r"python -m (tools(?:\.\w+)+)", text):
+            source = ROOT / Path(*module.split("."))
+            if not (source.with_suffix(".py").exists() or (source / "__main__.py").exists()):
+                missing.append(f"{doc}: python -m {module}")
+        for word in re.findall(r"python -m tools\.bench ([a-z][\w-]*)", text):
+            if word not in SUBCOMMANDS:
+                missing.append(f"{doc}: python -m tools.bench {word}")
+    assert missing == []
 
 
 # -- README against the code ------------------------------------------------------------------

@@ -1,1 +1,2 @@
-"""Side-by-side benchmark of kvstored against same-run limits and peers: ``python -m tools.bench``."""
+"""kvstored's benchmarks, one package: ``python -m tools.bench`` measures kvstored side by side with
+same-run limits and peer stores; ``python -m tools.bench SUBCOMMAND`` runs one focused benchmark."""

@@ -1,4 +1,4 @@
-"""``python -m tools.bench``: run the benchmark harness (see tools/bench/README.md)."""
+"""``python -m tools.bench [SUBCOMMAND] [options]``: the benchmarks (see tools/bench/README.md)."""
 
 import sys
 

@@ -1,20 +1,46 @@
-"""``python -m tools.bench.chart results.json chart.png`` (needs matplotlib: the bench venv has it)."""
+"""Every chart of the benchmarks, drawn with matplotlib into a PNG:
+
+* ``putget``: the side-by-side run's put/get bars and its lookup and small-call latencies, from its
+  ``results.json``;
+* ``first-last``: ``python -m tools.bench cluster``'s time to first vs last block per prompt, from
+  the ``results.json`` it writes with ``--out``.
+
+``python -m tools.bench.chart KIND results.json chart.png`` draws one. The product's venv need not
+have matplotlib (the bench venv has it): :func:`render` runs that command in the first interpreter
+that does and says why when none does.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import statistics
+import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-from tools.bench.report import MEMCPY, _med, _size, putget_rows
+from tools.bench import peerenv
+from tools.bench.common import REPO_ROOT
+from tools.bench.report import MEMCPY, median, putget_rows, size_label
 
 
-def main() -> int:
-    results = json.loads(open(sys.argv[1]).read())
+def _pyplot() -> Any:
+    # imported here, not at the top: render() runs in interpreters without matplotlib
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def putget(results: dict[str, Any], png: str) -> None:
+    """The side-by-side run: GB/s per op, block size and batch for each contender, then lookups
+    and small calls (p50 against the 2 ms lookup target)."""
+    plt = _pyplot()
     table = putget_rows(results)
     keys = sorted(table, key=lambda k: (-k[1], k[2], k[0] != "get"))
     names: list[str] = []
@@ -30,18 +56,18 @@ def main() -> int:
     width = 0.8 / max(1, len(names))
     for i, name in enumerate(names):
         xs, ys, lo, hi = [], [], [], []
-        for k, key in enumerate(keys):
-            r = table[key].get(name)
+        for k, row_key in enumerate(keys):
+            r = table[row_key].get(name)
             if r is None:
                 continue
-            m = _med(r["gbps"])
+            m = median(r["gbps"])
             xs.append(k + (i - (len(names) - 1) / 2) * width)
             ys.append(m)
             lo.append(m - min(r["gbps"]))
             hi.append(max(r["gbps"]) - m)
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name)
     ax.set_xticks(range(len(keys)))
-    ax.set_xticklabels([f"{op} {_size(s)}\nbatch {b}" for op, s, b in keys], fontsize=8)
+    ax.set_xticklabels([f"{op} {size_label(s)}\nbatch {b}" for op, s, b in keys], fontsize=8)
     ax.set_ylabel("GB/s (median, min-max)")
     ax.set_title("Put/get of KV blocks, same run")
     ax.legend(fontsize=8)
@@ -73,7 +99,64 @@ def main() -> int:
     else:
         ax.set_axis_off()
     fig.tight_layout()
-    fig.savefig(sys.argv[2], dpi=110)
+    fig.savefig(png, dpi=110)
+
+
+def first_last(data: dict[str, Any], png: str) -> None:
+    """The cluster benchmark: ms to the first and to the last block of a prompt streamed from the
+    peer into engine buffers, per prompt size (medians, log scales)."""
+    plt = _pyplot()
+    ttfb = {int(k): v for k, v in data["ttfb"].items()}
+    xs = sorted(ttfb)
+    first = [statistics.median(ttfb[x]["first_s"]) * 1e3 for x in xs]
+    last = [statistics.median(ttfb[x]["last_s"]) * 1e3 for x in xs]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(xs, first, "o-", label="time to first block")
+    ax.plot(xs, last, "s-", label="time to last block")
+    for x, f, last_ms in zip(xs, first, last):
+        ax.annotate(f"{f:.1f} ms", (x, f), textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8)
+        ax.annotate(f"{last_ms:.0f} ms", (x, last_ms), textcoords="offset points", xytext=(0, 6), ha="center",
+                    fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [f"{x // 1024}k" for x in xs])
+    ax.set_xlabel(f"prompt tokens (16-token blocks of {data['ttfb_block_bytes'] >> 10} KiB)")
+    ax.set_ylabel("ms after the request (median)")
+    ax.set_title("Decode node streams a prompt's KV from its peer into engine buffers")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+CHARTS: dict[str, Callable[[dict[str, Any], str], None]] = {"putget": putget, "first-last": first_last}
+
+
+def render(kind: str, results_json: Path, png: Path, log: Path | None = None) -> str | None:
+    """Draw chart ``kind`` of ``results_json`` into ``png`` with the bench venv's python or this
+    one, whichever has matplotlib first; its output goes to ``log``. None once drawn, else why not."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), MPLBACKEND="Agg")
+    for py in (str(peerenv.PY), sys.executable):
+        if not Path(py).exists():
+            continue
+        probe = subprocess.run([py, "-c", "import matplotlib"], capture_output=True, timeout=120, env=env)
+        if probe.returncode != 0:
+            continue
+        with open(log or os.devnull, "ab") as fh:
+            rc = subprocess.run([py, "-m", "tools.bench.chart", kind, str(results_json), str(png)], stdout=fh,
+                                stderr=subprocess.STDOUT, timeout=300, env=env, cwd=REPO_ROOT).returncode
+        return None if rc == 0 else f"chart failed{f' (see {log})' if log else ''}"
+    return "matplotlib is not installed (a full run of python -m tools.bench installs it into .bench/venv)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.bench.chart",
+                                description="Draw one of the benchmarks' charts into a PNG (needs matplotlib).")
+    p.add_argument("kind", choices=sorted(CHARTS))
+    p.add_argument("results_json")
+    p.add_argument("png")
+    a = p.parse_args(argv)
+    CHARTS[a.kind](json.loads(Path(a.results_json).read_text()), a.png)
     return 0
 
 

@@ -3,12 +3,16 @@
 Every server (kvstored daemons, redis-server, Mooncake master and holder) is started here on
 loopback or a Unix socket and stopped at the end, on error and on SIGTERM/SIGINT too. Each
 contender runs in a worker process; a contender that cannot run gets its reason in the table.
+
+``python -m tools.bench SUBCOMMAND [options]`` runs one of the focused benchmarks instead
+(SUBCOMMANDS, listed by --help), each a module of this package with its own options and output.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import shutil
 import signal
@@ -21,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tools.bench import peerenv, report
+from tools.bench import chart, peerenv, report
 from tools.bench.common import (
     REPO_ROOT,
     GiB,
@@ -39,10 +43,23 @@ from tools.bench.common import (
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 SIZES = (2 * MiB, 256 << 10)
 ALL_PEERS = ("redis", "mooncake", "lmcache")
+# subcommand -> (module with main(argv) -> exit status, what it measures)
+SUBCOMMANDS = {
+    "ssd": ("tools.bench.ssd", "SSD tier vs raw O_DIRECT disk; a daemon's load/stream from SSD"),
+    "lookup": ("tools.bench.lookup", "the store's lookup hot path in-process, per eviction policy"),
+    "gc": ("tools.bench.gc_pause", "the garbage collector's pause over a large index, before/after the freeze"),
+    "model": ("tools.bench.model", "TTFT of a real model: restored from DRAM vs fresh prefill"),
+    "peers": ("tools.bench.peer_channel", "peer block channel (plain, mutual TLS) vs raw TCP vs Mooncake TCP"),
+    "cluster": ("tools.bench.cluster", "two daemons: shipping vs raw TCP / Mooncake; first vs last block"),
+    "gpu": ("tools.bench.gpu", "GPU copies through the daemon vs plain cudaMemcpyAsync (CUDA hosts)"),
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__)
+    epilog = "subcommands (python -m tools.bench SUBCOMMAND --help for each one's options):\n" + "\n".join(
+        f"  {name:<8} {summary}" for name, (_, summary) in SUBCOMMANDS.items())
+    p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="small working sets and few samples (about a minute); peers only if already installed")
     p.add_argument("--no-peers", action="store_true", help="skip Redis, Mooncake and LMCache")
@@ -293,7 +310,7 @@ class Bench:
             holder_log = self.logs / "mooncake-holder.log"
             segment = 4 * self.plan.ws + 512 * MiB  # three runs of keys alive at most, plus slack
             holder = self.procs.start("mooncake-holder", [
-                py, "-m", "tools.bench.peers", "mooncake-holder", "--port", str(rpc),
+                py, "-m", "tools.bench.peer_stores", "mooncake-holder", "--port", str(rpc),
                 "--segment-bytes", str(segment), "--seconds", str(self.plan.worker_timeout * 2)],
                 log=holder_log, cwd=REPO_ROOT, env=env)
             wait_for(lambda: "HOLDER READY" in holder_log.read_text(errors="replace"), 120,
@@ -335,8 +352,10 @@ class Bench:
             self.results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
             write_json(self.out / "results.json", self.results)
             (self.out / "results.md").write_text(report.markdown(self.results))
-            chart = report.chart(self.out, str(peerenv.PY), self.logs / "chart.log")
-            self.log(f"chart: {chart}")
+            why = chart.render("putget", self.out / "results.json", self.out / "chart.png", self.logs / "chart.log")
+            if why is not None:
+                (self.out / "chart.txt").write_text(f"skipped: {why}\n")
+            self.log(f"chart: {self.out / 'chart.png' if why is None else why}")
         return self.out
 
 
@@ -351,7 +370,13 @@ def _raise_exit(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+    """``python -m tools.bench [SUBCOMMAND] [options]``; the exit status."""
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in SUBCOMMANDS:
+        module = importlib.import_module(SUBCOMMANDS[args[0]][0])
+        status: int = module.main(args[1:])
+        return status
+    a = parse_args(args)
     if a.shm_dir:  # the daemons (dram.shm_dir) and the SDK's shm buffers must agree
         os.environ["KVSTORED_SHM_DIR"] = str(Path(a.shm_dir).resolve())
     signal.signal(signal.SIGTERM, _raise_exit)

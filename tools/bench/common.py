@@ -78,13 +78,9 @@ class Procs:
         self._procs: list[tuple[str, subprocess.Popen]] = []
 
     def start(self, name: str, argv: Sequence[str], log: Path | None = None, **kw: Any) -> subprocess.Popen:
-        out = open(log, "ab") if log is not None else subprocess.DEVNULL
-        try:
+        with open(log, "ab") if log is not None else contextlib.nullcontext(subprocess.DEVNULL) as out:
             proc = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, **kw)
-        finally:
-            if log is not None:
-                out.close()
         self._procs.append((name, proc))
         return proc
 
@@ -113,6 +109,30 @@ class Procs:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
+
+
+def start_sender(argv: Sequence[str]) -> tuple[subprocess.Popen[str], int]:
+    """Start a helper process that prints the TCP port it listens on as its first line of stdout
+    and runs until its stdin closes (see :func:`stop_sender`); (the process, the port)."""
+    proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.strip().isdigit():
+        proc.kill()
+        proc.wait(10)
+        raise RuntimeError(f"sender {' '.join(argv[1:])} did not start")
+    return proc, int(line)
+
+
+def stop_sender(proc: subprocess.Popen[str]) -> None:
+    """Close the helper's stdin (its signal to end) and wait for it; killed after 10 s."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 def run_worker(argv: Sequence[str], out_json: Path, timeout_s: float, log: Path,

@@ -15,17 +15,19 @@ import hashlib
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
+from typing import Any
 
 from tools.bench.common import worker_output
 
 CHAIN = 2048
 
 
-def measure(n_blocks: int) -> dict[str, float]:
+def measure(n_blocks: int) -> dict[str, Any]:
     from kvstored import index as index_mod
     from kvstored.policy.registry import DEFAULT_POLICY, make_policy
 
-    seal = _sealer(index_mod)
+    seal = sealer(index_mod)
 
     gc.collect()
     tracemalloc.start()
@@ -50,7 +52,7 @@ def measure(n_blocks: int) -> dict[str, float]:
             "peak_bytes_per_block": (peak - base) / n_blocks, "build_s": elapsed}
 
 
-def fill(index: object, n_blocks: int, seal: object, first: int = 0) -> list[list[object]]:
+def fill(index: object, n_blocks: int, seal: Callable[[object], None], first: int = 0) -> list[list[object]]:
     """Insert ``n_blocks`` sealed, unpinned blocks into ``index`` as chains of CHAIN (32-byte
     sha256 keys, a parent, an arena offset), numbered from ``first``; the chains."""
     chains: list[list[object]] = []
@@ -65,14 +67,14 @@ def fill(index: object, n_blocks: int, seal: object, first: int = 0) -> list[lis
             key = hashlib.sha256(key + made.to_bytes(8, "little")).digest()
             parent = index.insert(key, parent, made * slot)  # type: ignore[attr-defined]
             parent.pins = 0
-            seal(parent)  # type: ignore[operator]
+            seal(parent)
             chain.append(parent)
             made += 1
         chains.append(chain)
     return chains
 
 
-def _sealer(index_mod: object):  # type: ignore[no-untyped-def]
+def sealer(index_mod: object) -> Callable[[object], None]:
     """How to mark a block sealed in this version of kvstored.index (state enum or flag bits)."""
     state = getattr(index_mod, "BlockState", None)
     if state is not None:

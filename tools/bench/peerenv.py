@@ -97,16 +97,16 @@ def ensure(peers: list[str], install: bool, log: Path) -> dict[str, str | None]:
     if "redis" in peers and shutil.which("redis-server") is None and install:
         _apt(["redis-server"], log)
     for peer in peers:
-        why = check(peer, log)
-        if peer == "mooncake" and why is not None and ".so" in why:
+        reason = check(peer, log)
+        if peer == "mooncake" and reason is not None and ".so" in reason:
             if install:
                 _apt(MOONCAKE_LIBS, log)
-                why = check(peer, log)
-        if peer == "redis" and why is None and shutil.which("redis-server") is None:
-            why = "redis-server not installed (apt-get install redis-server)"
-        if peer == "mooncake" and why is None and mooncake_master() is None:
-            why = "mooncake_master binary not found in the bench venv"
-        reasons[peer] = why
+                reason = check(peer, log)
+        if peer == "redis" and reason is None and shutil.which("redis-server") is None:
+            reason = "redis-server not installed (apt-get install redis-server)"
+        if peer == "mooncake" and reason is None and mooncake_master() is None:
+            reason = "mooncake_master binary not found in the bench venv"
+        reasons[peer] = reason
     return reasons
 
 

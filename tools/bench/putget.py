@@ -7,7 +7,8 @@ loaded rows byte for byte (outside the timing). Keys are new in every run (kvsto
 keep the first value of a key), so each put really stores.
 
 Run as a worker: ``python -m tools.bench.putget --impl NAME ... --out result.json``. Contenders
-that need peer packages live in :mod:`tools.bench.peers` and run from the bench venv.
+implement :class:`tools.bench.contender.Impl`; those that need peer packages live in
+:mod:`tools.bench.peer_stores` and run from the bench venv.
 """
 
 from __future__ import annotations
@@ -23,42 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from tools.bench import peer_stores
 from tools.bench.common import MiB, worker_output
-
-
-class Impl:
-    """A contender. ``src``/``dst`` are (n_blocks, block_bytes) uint8 arrays the driver fills/checks."""
-
-    name = "?"
-    src: np.ndarray
-    dst: np.ndarray
-
-    def prepare(self, block_bytes: int, n_blocks: int) -> None:
-        self.src = _faulted((n_blocks, block_bytes))
-        self.dst = _faulted((n_blocks, block_bytes))
-
-    def put(self, keys: list[bytes], start: int, count: int) -> None:
-        raise NotImplementedError
-
-    def get(self, keys: list[bytes], start: int, count: int) -> int:
-        """Load ``keys`` into dst rows start..start+count; returns how many blocks arrived."""
-        raise NotImplementedError
-
-    def drop(self, keys: list[bytes]) -> None:
-        """Forget the keys of an old run (outside the timing); default: rely on eviction."""
-
-    def finish(self) -> None:
-        """Free what ``prepare`` made."""
-        self.src = self.dst = None  # type: ignore[assignment]
-
-    def close(self) -> None:
-        pass
-
-
-def _faulted(shape: tuple[int, int]) -> np.ndarray:
-    arr = np.empty(shape, dtype=np.uint8)
-    arr.fill(0)  # touch every page now, not inside a timed pass
-    return arr
+from tools.bench.contender import Impl
 
 
 def fill_pattern(src: np.ndarray) -> None:
@@ -284,6 +252,9 @@ IMPLS: dict[str, Callable[[argparse.Namespace], Impl]] = {
     "memcpy": lambda a: Memcpy(),
     "kvstored-arena": lambda a: KvstoredArena(a.socket),
     "kvstored-registered": lambda a: KvstoredRegistered(a.socket),
+    "redis": lambda a: peer_stores.Redis(a.port),
+    "mooncake": lambda a: peer_stores.Mooncake(a.port),
+    "lmcache": lambda a: peer_stores.LMCache(),
 }
 
 
@@ -301,12 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     with worker_output(a.out) as result:
-        if a.impl in IMPLS:
-            impl = IMPLS[a.impl](a)
-        else:
-            from tools.bench import peers
-
-            impl = peers.make_impl(a.impl, a)
+        if a.impl not in IMPLS:
+            raise SystemExit(f"unknown contender {a.impl!r}")
+        impl = IMPLS[a.impl](a)
         result["impl"] = impl.name
         try:
             result["results"] = run_putget(impl, [int(s) for s in a.sizes.split(",")],

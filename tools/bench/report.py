@@ -1,15 +1,13 @@
-"""The report: a Markdown table from ``results.json`` (medians, min, max, ratios, targets), and a PNG."""
+"""The report: a Markdown table from ``results.json`` (medians, min, max, ratios, targets).
+
+The chart of the same results is drawn by :mod:`tools.bench.chart`.
+"""
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
-
-from tools.bench.common import REPO_ROOT
 
 KV_ARENA = "kvstored save/load"
 KV_REG = "kvstored save_blocks/load_blocks"
@@ -18,7 +16,8 @@ PEER_LABELS = {"redis": "Redis", "mooncake": "Mooncake Store", "lmcache": "LMCac
 KVSTORED = (KV_ARENA, KV_REG)
 
 
-def _size(b: int) -> str:
+def size_label(b: int) -> str:
+    """A block size as the tables and the chart write it: ``2 MiB``, ``256 KiB``."""
     return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
 
 
@@ -28,7 +27,8 @@ def _f(x: float | None, digits: int = 2) -> str:
     return f"{x:.{digits}f}"
 
 
-def _med(values: list[float]) -> float:
+def median(values: list[float]) -> float:
+    """The median of per-run figures (NaN when there are none)."""
     s = sorted(values)
     n = len(s)
     if not n:
@@ -46,7 +46,7 @@ def putget_rows(results: dict[str, Any]) -> dict[tuple[str, int, int], dict[str,
 
 
 def _peer_best(row: dict[str, dict[str, Any]]) -> tuple[str, float] | None:
-    peers = [(name, _med(r["gbps"])) for name, r in row.items() if name not in KVSTORED and name != MEMCPY]
+    peers = [(name, median(r["gbps"])) for name, r in row.items() if name not in KVSTORED and name != MEMCPY]
     return max(peers, key=lambda p: p[1]) if peers else None
 
 
@@ -55,13 +55,13 @@ def ratio(results: dict[str, Any], contender: str, op: str, size: int, batch: in
     row = putget_rows(results).get((op, size, batch), {})
     if contender not in row:
         return None
-    mine = _med(row[contender]["gbps"])
+    mine = median(row[contender]["gbps"])
     if against is None:
         best = _peer_best(row)
         return mine / best[1] if best else None
     if against not in row:
         return None
-    return mine / _med(row[against]["gbps"])
+    return mine / median(row[against]["gbps"])
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -87,18 +87,18 @@ def markdown(results: dict[str, Any]) -> str:
     table = putget_rows(results)
     contenders = [c["contender"] for c in results.get("putget", [])]
     order = [MEMCPY, KV_ARENA, KV_REG] + [c for c in contenders if c not in (MEMCPY, *KVSTORED)]
-    for key in sorted(table, key=lambda k: (-k[1], k[2], k[0] != "get")):
-        op, size, batch = key
-        row = table[key]
+    for row_key in sorted(table, key=lambda k: (-k[1], k[2], k[0] != "get")):
+        op, size, batch = row_key
+        row = table[row_key]
         best = _peer_best(row)
         for name in order:
             r = row.get(name)
             if r is None:
                 continue
             g = r["gbps"]
-            med = _med(g)
+            med = median(g)
             lim = row.get(MEMCPY)
-            x_lim = med / _med(lim["gbps"]) if lim and name != MEMCPY else None
+            x_lim = med / median(lim["gbps"]) if lim and name != MEMCPY else None
             x_peer = med / best[1] if best and name in KVSTORED else None
             notes = []
             if r.get("short_blocks"):
@@ -107,8 +107,8 @@ def markdown(results: dict[str, Any]) -> str:
                 notes.append(f"{r['wrong_rows']} rows with wrong bytes")
             if best and name in KVSTORED:
                 notes.append(f"best peer: {best[0]}")
-            w(f"| {op} | {_size(size)} | {batch} | {name} | {_f(med)} | {_f(min(g))} | {_f(max(g))} | "
-              f"{_f(_med(r['op_us']), 0)} | {_f(x_lim)} | {_f(x_peer)} | {'; '.join(notes)} |")
+            w(f"| {op} | {size_label(size)} | {batch} | {name} | {_f(med)} | {_f(min(g))} | {_f(max(g))} | "
+              f"{_f(median(r['op_us']), 0)} | {_f(x_lim)} | {_f(x_peer)} | {'; '.join(notes)} |")
     failed = [c for c in results.get("putget", []) if c.get("error") and not c.get("results")]
     partial = [c for c in results.get("putget", []) if c.get("error") and c.get("results")]
     for c in failed:
@@ -130,7 +130,7 @@ def markdown(results: dict[str, Any]) -> str:
         w("|---|---|---|---|---|")
         for r in results["streams"]:
             kind = "Unix socket (4 MiB buffers)" if r["kind"] == "unix" else "loopback TCP"
-            w(f"| {kind} | {_size(r['block_bytes'])} | {_f(r['median'])} | {_f(r['min'])} | {_f(r['max'])} |")
+            w(f"| {kind} | {size_label(r['block_bytes'])} | {_f(r['median'])} | {_f(r['min'])} | {_f(r['max'])} |")
         w("")
 
     # -- workload 2 ---------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def _targets(results: dict[str, Any]) -> list[tuple[str, float | None, Any, Any]
     for kv, short in ((KV_ARENA, "save/load"), (KV_REG, "save_blocks/load_blocks")):
         for size in (mib2, k256):
             for op, verb in (("get", "load"), ("put", "save")):
-                out.append((f"kvstored {short}: {verb} {_size(size)} x32 ≥ 0.7x memcpy",
+                out.append((f"kvstored {short}: {verb} {size_label(size)} x32 ≥ 0.7x memcpy",
                             ratio(results, kv, op, size, 32, MEMCPY), lambda v: v >= 0.7, x))
         for peer, peer_op in (("Redis", "GET"), ("Mooncake Store", "get")):
             for op, verb, pop in (("get", "load", peer_op), ("put", "save", "SET" if peer == "Redis" else "put")):
@@ -244,28 +244,8 @@ def _targets(results: dict[str, Any]) -> list[tuple[str, float | None, Any, Any]
     if sc:
         calls = sc["calls"]
         bare = next((v for k, v in calls.items() if k.startswith("bare")), None)
-        kv = next((v for k, v in calls.items() if k.startswith("kvstored lookup(hashes")), None)
-        if bare and kv:
+        lookup = next((v for k, v in calls.items() if k.startswith("kvstored lookup(hashes")), None)
+        if bare and lookup:
             out.append(("small call (lookup of 1 block) next to bare gRPC p50 (informational; goal ≤ 1.5x)",
-                        kv["p50_us"]["median"] / bare["p50_us"]["median"], lambda v: v <= 1.5, x))
+                        lookup["p50_us"]["median"] / bare["p50_us"]["median"], lambda v: v <= 1.5, x))
     return out
-
-
-def chart(out_dir: Path, bench_python: str, log: Path) -> str:
-    """Draw chart.png with matplotlib from the bench venv (or this interpreter); returns what happened."""
-    candidates = [p for p in (bench_python, sys.executable) if p and Path(p).exists()]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), MPLBACKEND="Agg")
-    for py in candidates:
-        probe = subprocess.run([py, "-c", "import matplotlib"], capture_output=True, timeout=120, env=env)
-        if probe.returncode != 0:
-            continue
-        with open(log, "ab") as fh:
-            rc = subprocess.run([py, "-m", "tools.bench.chart", str(out_dir / "results.json"),
-                                 str(out_dir / "chart.png")], stdout=fh, stderr=subprocess.STDOUT,
-                                timeout=300, env=env, cwd=REPO_ROOT).returncode
-        if rc == 0:
-            return str(out_dir / "chart.png")
-        return f"chart failed (see {log})"
-    reason = "skipped: matplotlib is not installed (a full run installs it into .bench/venv)"
-    (out_dir / "chart.txt").write_text(reason + "\n")
-    return reason

@@ -41,7 +41,7 @@ def receiver(kind: str, addr: str, block: int, ws: int, per_run: int, runs: int)
     conn.settimeout(120)
     _tune(conn)
     buf = np.zeros(ws, dtype=np.uint8)
-    view = memoryview(buf)
+    view = buf.data
     pos = 0
     for _ in range(runs):
         left = per_run
@@ -78,7 +78,7 @@ def measure(kind: str, block: int, ws: int, per_run: int, runs: int) -> list[flo
         s.settimeout(120)
         s.connect(addr if kind == "unix" else ("127.0.0.1", int(addr)))
         src = np.full(ws, 7, dtype=np.uint8)
-        view = memoryview(src)
+        view = src.data
         pos = 0
         out = []
         for run in range(runs + 1):  # run 0 warms up

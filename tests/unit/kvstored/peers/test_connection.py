@@ -1,7 +1,7 @@
 """The peer channel's connecting end on loopback: fetches in order and intact, corrupt, cut,
 killed, partitioned, silent and unreachable peers, pushes with known checksums, and answers that
 are malformed. A real peer process is killed with SIGKILL mid-transfer. Throughput is measured by
-tools/bench_peers.py, not here.
+`python -m tools.bench peers`, not here.
 """
 
 from __future__ import annotations

@@ -1,21 +1,21 @@
 """GPU copy benchmark (CUDA hosts only): D2H and H2D of 2 MiB blocks through the daemon
 (save_blocks / load_blocks from torch tensors) next to a plain cudaMemcpyAsync between the same
-kind of pinned host and device buffers, in the same run. Prints a Markdown table."""
+kind of pinned host and device buffers, in the same run. Prints a Markdown table; without a CUDA
+device it says so and exits 0. ``tools/gpu-check`` runs it.
+
+    python -m tools.bench gpu
+"""
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-import kvstored  # noqa: E402
-from tools.local_daemon import local_daemon  # noqa: E402
+import kvstored
+from tools.bench.local_daemon import local_daemon
 
 BLOCKS, RUNS = 64, 7
 SHAPE = (2, 256, 16, 8, 128)  # per layer, bf16; 32 layers -> 2 MiB per block
@@ -38,7 +38,10 @@ def plain(nbytes: int) -> tuple[float, float]:
     return statistics.median(d2h), statistics.median(h2d)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    # no options; a parser all the same, so that --help describes the run instead of starting it
+    argparse.ArgumentParser(prog="python -m tools.bench gpu", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0
@@ -65,7 +68,3 @@ def main() -> int:
         print(f"| H2D (load_blocks) | {ld:.1f} | {h2d:.1f} | {ld / h2d:.2f} |")
         client.unregister_buffers(buffers)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

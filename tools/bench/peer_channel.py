@@ -11,7 +11,7 @@ distinct blocks of ``--block-bytes`` (default 2 MiB) in memory, touched before t
   and under uvloop with mutual TLS (what a listener on a non-loopback address needs; fresh
   certificates from :mod:`tools.pki`; left out, saying why, without the ``cryptography`` package).
 * Mooncake Transfer Engine, protocol ``tcp`` (PyPI ``mooncake-transfer-engine-non-cuda``, run under
-  ``.bench/venv``'s python by ``tools/bench_peers_mooncake.py``): a target process registers one
+  ``.bench/venv``'s python by :mod:`tools.bench.mooncake_te`): a target process registers one
   region holding the blocks, an initiator process registers a destination region of ``--blocks`` slots
   and reads the blocks into it, P2P handshake (no metadata server). Two modes: ``batch_transfer_sync_read``
   of ``--blocks`` blocks per call (as kvstored fetches ``--blocks`` keys per call), and one
@@ -23,18 +23,14 @@ run, then one run of each Mooncake mode); the table gives medians over the runs 
 5, per kvstored path; raw TCP and Mooncake get one run per kvstored run) and each path's ratio to raw
 TCP's median. Targets: kvstored >= 0.7x raw and >= 1.5x Mooncake.
 
-    .venv/bin/python tools/bench_peers.py [--runs 7] [--run-bytes 512MiB] [--no-mooncake]
+    .venv/bin/python -m tools.bench peers [--runs 7] [--run-bytes 512MiB] [--no-mooncake]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import mmap
 import os
-import select
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,51 +38,24 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from kvstored.config import parse_size
 from kvstored.peers.auth import PeerAuth, TLSFiles
 from kvstored.peers.connection import PeerConnection
 from kvstored.peers.server import BlockServer
 from tools import pki
+from tools.bench import peerenv, rawtcp
+from tools.bench.common import start_sender, stop_sender
+from tools.bench.mooncake_te import MooncakeError, MooncakeReceiver
 
 NAMESPACE = 7
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCH_PYTHON = REPO_ROOT / ".bench" / "venv" / "bin" / "python"
-MOONCAKE_HELPER = Path(__file__).resolve().with_name("bench_peers_mooncake.py")
 MOONCAKE_MODES = {  # mode -> table row
     "batch": "Mooncake TE tcp (batch_transfer_sync_read)",
     "sync": "Mooncake TE tcp (transfer_sync_read per block)",
 }
 
 
-def make_blocks(count: int, size: int) -> list[tuple[bytes, bytearray]]:
-    blocks = []
-    for i in range(count):
-        buf = bytearray(os.urandom(64) * (size // 64))   # distinct per block, every page touched
-        buf[:8] = i.to_bytes(8, "big")
-        blocks.append((i.to_bytes(4, "big") * 8, buf))
-    return blocks
-
-
-# -- sender roles (run in a child process) ---------------------------------------------------------
-def serve_raw(count: int, size: int) -> None:
-    blocks = make_blocks(count, size)
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        print(listener.getsockname()[1], flush=True)
-        conn, _ = listener.accept()
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while True:
-                order = conn.recv(8)
-                if len(order) != 8:
-                    return
-                n = int.from_bytes(order, "big")
-                for i in range(n):
-                    conn.sendall(memoryview(blocks[i % count][1]))
-
-
+# -- the kvstored sender (a child process: python -m tools.bench.peer_channel --role ...) --------------
 def tls_auth(tls_dir: str, end: str) -> PeerAuth:
     """The mutual-TLS credentials :func:`tools.pki.mutual` wrote to ``tls_dir``, for ``end``."""
     d = Path(tls_dir)
@@ -94,7 +63,7 @@ def tls_auth(tls_dir: str, end: str) -> PeerAuth:
 
 
 def serve_transport(count: int, size: int, use_uvloop: bool, auth: PeerAuth) -> None:
-    blocks = {key: memoryview(buf) for key, buf in make_blocks(count, size)}
+    blocks = {key: memoryview(buf) for key, buf in rawtcp.make_blocks(count, size)}
 
     async def serve_block(namespace_id: int, key: bytes) -> memoryview | None:
         return blocks.get(key)
@@ -117,130 +86,13 @@ def run(coro: object, use_uvloop: bool) -> None:
         asyncio.run(coro)  # type: ignore[arg-type]
 
 
-def start_sender(role: str, args: argparse.Namespace, tls_dir: str = "") -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, __file__, "--role", role, "--blocks", str(args.blocks),
-                             "--block-bytes", str(args.block_bytes), "--tls-dir", tls_dir],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line.strip().isdigit():
-        proc.kill()
-        raise RuntimeError(f"sender {role} did not start")
-    return proc, int(line)
+def start_transport(role: str, args: argparse.Namespace, tls_dir: str) -> tuple[subprocess.Popen[str], int]:
+    """A sender of ``args.blocks`` blocks through kvstored's BlockServer under ``role``'s loop."""
+    return start_sender([sys.executable, "-m", "tools.bench.peer_channel", "--role", role,
+                         "--blocks", str(args.blocks), "--block-bytes", str(args.block_bytes), "--tls-dir", tls_dir])
 
 
-def stop_sender(proc: subprocess.Popen[str]) -> None:
-    if proc.stdin is not None:
-        proc.stdin.close()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
-# -- receivers (this process) -----------------------------------------------------------------------
-class RawReceiver:
-    """Receives the raw sender's stream: into one reused buffer (``slots`` 1), or block ``i`` into
-    slot ``i % slots`` of a pre-touched region, as a store receives blocks into arena slots."""
-
-    def __init__(self, port: int, size: int, slots: int = 1) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.buf = mmap.mmap(-1, size * slots)
-        for off in range(0, size * slots, mmap.PAGESIZE):   # touched before timing, as the arena is
-            self.buf[off] = 0
-        self.slots = slots
-
-    def run(self, nblocks: int, size: int) -> float:
-        region = memoryview(self.buf)
-        self.sock.sendall(nblocks.to_bytes(8, "big"))
-        t0 = time.perf_counter()
-        for i in range(nblocks):
-            view = region[(i % self.slots) * size:(i % self.slots + 1) * size]
-            got = 0
-            while got < size:
-                n = self.sock.recv_into(view[got:])
-                if n == 0:
-                    raise RuntimeError("raw sender closed early")
-                got += n
-        return nblocks * size / (time.perf_counter() - t0)
-
-    def close(self) -> None:
-        self.sock.close()
-        self.buf.close()
-
-
-class MooncakeError(RuntimeError):
-    pass
-
-
-def _read_reply(proc: subprocess.Popen[str], timeout: float, what: str) -> dict[str, Any]:
-    """One JSON line from a Mooncake helper (each request gets exactly one line back)."""
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    if not ready:
-        raise MooncakeError(f"{what}: no reply within {timeout:g} s")
-    line = proc.stdout.readline()
-    if not line:
-        raise MooncakeError(f"{what}: helper exited (status {proc.poll()}); see .bench/bench_peers_mooncake.log")
-    try:
-        reply: dict[str, Any] = json.loads(line)
-    except ValueError:
-        raise MooncakeError(f"{what}: unexpected output {line.strip()[:200]!r}") from None
-    if "error" in reply:
-        raise MooncakeError(f"{what}: {reply['error']}")
-    return reply
-
-
-class MooncakeReceiver:
-    """A Mooncake target (holds the blocks) and initiator (reads them) pair, both under the bench venv."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.procs: list[subprocess.Popen[str]] = []
-        python = Path(args.mooncake_python)
-        if not python.exists():
-            raise MooncakeError(f"no {python} (the peers' venv; tools/bench/peerenv.py makes it)")
-        log_dir = REPO_ROOT / ".bench"
-        self.log: IO[bytes] | int = (open(log_dir / "bench_peers_mooncake.log", "ab") if log_dir.is_dir()
-                                     else subprocess.DEVNULL)
-        common = ["--blocks", str(args.blocks), "--block-bytes", str(args.block_bytes)]
-        try:
-            target = self._start([str(python), str(MOONCAKE_HELPER), "target", *common])
-            info = _read_reply(target, 120, "Mooncake target start")
-            self.initiator = self._start([str(python), str(MOONCAKE_HELPER), "initiator", *common,
-                                          "--session", str(info["session"]), "--remote-base", str(info["base"]),
-                                          "--remote-stride", str(info["stride"])])
-            _read_reply(self.initiator, 120, "Mooncake initiator start")
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, argv: list[str]) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                cwd=REPO_ROOT)
-        self.procs.append(proc)
-        return proc
-
-    def run(self, nblocks: int, mode: str) -> float:
-        assert self.initiator.stdin is not None
-        try:
-            self.initiator.stdin.write(json.dumps({"nblocks": nblocks, "mode": mode}) + "\n")
-            self.initiator.stdin.flush()
-        except OSError as exc:
-            raise MooncakeError(f"Mooncake initiator gone: {exc}") from None
-        reply = _read_reply(self.initiator, 300, f"Mooncake {mode} run")
-        return nblocks * self.args.block_bytes / float(reply["seconds"])
-
-    def close(self) -> None:
-        for proc in reversed(self.procs):   # initiator first
-            stop_sender(proc)
-        self.procs.clear()
-        if not isinstance(self.log, int):
-            self.log.close()
-            self.log = subprocess.DEVNULL
-
-
+# -- the receiver (this process) ------------------------------------------------------------------------
 def transport_runs(port: int, args: argparse.Namespace, nblocks: int, runs: int, use_uvloop: bool,
                    between: Callable[[], None], auth: PeerAuth | None = None) -> list[float]:
     keys = [i.to_bytes(4, "big") * 8 for i in range(args.blocks)]
@@ -268,20 +120,19 @@ def transport_runs(port: int, args: argparse.Namespace, nblocks: int, runs: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    parser.add_argument("--role", choices=["raw", "transport-uvloop", "transport-asyncio"], help=argparse.SUPPRESS)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench peers",
+                                     description=__doc__.split("\n")[0] if __doc__ else None)
+    parser.add_argument("--role", choices=["transport-uvloop", "transport-asyncio"], help=argparse.SUPPRESS)
     parser.add_argument("--tls-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=32, help="distinct blocks the sender holds")
-    parser.add_argument("--block-bytes", type=int, default=2 << 20)
-    parser.add_argument("--run-bytes", type=int, default=512 << 20, help="bytes moved per run")
+    # sizes as the daemon's config takes them (512MiB), as the usage line above writes them
+    parser.add_argument("--block-bytes", type=parse_size, default=2 << 20)
+    parser.add_argument("--run-bytes", type=parse_size, default=512 << 20, help="bytes moved per run")
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--no-mooncake", action="store_true", help="leave Mooncake's Transfer Engine out")
-    parser.add_argument("--mooncake-python", default=str(BENCH_PYTHON),
+    parser.add_argument("--mooncake-python", default=str(peerenv.PY),
                         help="interpreter with mooncake installed (default: .bench/venv)")
     args = parser.parse_args(argv)
-    if args.role == "raw":
-        serve_raw(args.blocks, args.block_bytes)
-        return 0
     if args.role is not None:
         serve_transport(args.blocks, args.block_bytes, args.role == "transport-uvloop",
                         tls_auth(args.tls_dir, "server") if args.tls_dir else PeerAuth())
@@ -290,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--runs must be at least 5 (medians)")
 
     nblocks = max(1, args.run_bytes // args.block_bytes)
-    raw_proc, raw_port = start_sender("raw", args)
-    raw = RawReceiver(raw_port, args.block_bytes)
+    raw_proc, raw_port = rawtcp.start(args.blocks, args.block_bytes)
+    raw = rawtcp.RawReceiver(raw_port, args.block_bytes)
     raw_rates: list[float] = []
     results: dict[str, list[float]] = {}
     mc_rates: dict[str, list[float]] = {mode: [] for mode in MOONCAKE_MODES}
@@ -301,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         mc_failed = dict.fromkeys(MOONCAKE_MODES, "left out (--no-mooncake)")
     else:
         try:
-            mooncake = MooncakeReceiver(args)
+            mooncake = MooncakeReceiver(args.mooncake_python, args.blocks, args.block_bytes)
         except MooncakeError as exc:
             mc_failed = dict.fromkeys(MOONCAKE_MODES, str(exc))
 
@@ -335,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         raw.run(nblocks, args.block_bytes)   # warm-up
         mooncake_runs(False)                 # warm-up (connections, first touch of the destination)
         for name, role, use_uv, tls in paths:
-            proc, port = start_sender(role, args, tls)
+            proc, port = start_transport(role, args, tls)
             auth = tls_auth(tls, "client") if tls else None
             try:
                 transport_runs(port, args, nblocks, 1, use_uv, lambda: None, auth)   # warm-up

@@ -1,7 +1,12 @@
-"""Mooncake Transfer Engine roles for ``tools/bench_peers.py`` (run under the ``.bench/venv`` python).
+"""Mooncake Transfer Engine over TCP on loopback, the peer stores' counterpart of the raw TCP limit
+(:mod:`tools.bench.rawtcp`) in the peer-channel and cluster benchmarks: a target process holds the
+blocks, an initiator process reads them, and :class:`MooncakeReceiver` (in the benchmark's
+process) starts the pair and times its runs.
 
-Standard library plus ``mooncake.engine`` only: this file never imports kvstored, so it runs in the peers'
-own venv. Two roles, each a long-lived process driven over stdin / stdout with one JSON object per line:
+The two roles run under the ``.bench/venv`` python (``python -m tools.bench.mooncake_te ROLE``): at
+their top, this module imports only the standard library and :mod:`tools.bench.common`, and
+``mooncake.engine`` only in them, never kvstored. Each is a long-lived process driven over stdin /
+stdout with one JSON object per line:
 
 * ``target``: allocates ``--blocks`` distinct blocks of ``--block-bytes`` in one anonymous mmap (every
   page touched), starts a TransferEngine (protocol ``tcp``, ``P2PHANDSHAKE`` metadata: no etcd / http
@@ -23,9 +28,90 @@ import ctypes
 import json
 import mmap
 import os
+import select
+import subprocess
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
+
+from tools.bench.common import REPO_ROOT, stop_sender
+
+LOG = REPO_ROOT / ".bench" / "mooncake-te.log"   # the roles' stderr, when .bench/ exists
+
+
+# -- the driver (the benchmark's process) --------------------------------------------------------------
+class MooncakeError(RuntimeError):
+    """The Mooncake pair could not start or a run failed; the message says why (for the table)."""
+
+
+def read_reply(proc: subprocess.Popen[str], timeout: float, what: str) -> dict[str, Any]:
+    """One JSON line from a role (each request gets exactly one line back)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        raise MooncakeError(f"{what}: no reply within {timeout:g} s")
+    line = proc.stdout.readline()
+    if not line:
+        raise MooncakeError(f"{what}: helper exited (status {proc.poll()}); see {LOG}")
+    try:
+        reply: dict[str, Any] = json.loads(line)
+    except ValueError:
+        raise MooncakeError(f"{what}: unexpected output {line.strip()[:200]!r}") from None
+    if "error" in reply:
+        raise MooncakeError(f"{what}: {reply['error']}")
+    return reply
+
+
+class MooncakeReceiver:
+    """A target (holds ``blocks`` blocks of ``block_bytes``) and initiator (reads them) pair, both
+    under ``python``, the bench venv's."""
+
+    def __init__(self, python: str, blocks: int, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.procs: list[subprocess.Popen[str]] = []
+        if not Path(python).exists():
+            raise MooncakeError(f"no {python} (the peers' venv; tools/bench/peerenv.py makes it)")
+        self.log: IO[bytes] | int = open(LOG, "ab") if LOG.parent.is_dir() else subprocess.DEVNULL
+        role = [python, "-m", "tools.bench.mooncake_te"]
+        sizes = ["--blocks", str(blocks), "--block-bytes", str(block_bytes)]
+        try:
+            target = self._start([*role, "target", *sizes])
+            info = read_reply(target, 120, "Mooncake target start")
+            self.initiator = self._start([*role, "initiator", *sizes, "--session", str(info["session"]),
+                                          "--remote-base", str(info["base"]), "--remote-stride", str(info["stride"])])
+            read_reply(self.initiator, 120, "Mooncake initiator start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, argv: list[str]) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                cwd=REPO_ROOT)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, nblocks: int, mode: str) -> float:
+        """Read ``nblocks`` blocks in ``mode`` (``batch`` or ``sync``); bytes per second."""
+        assert self.initiator.stdin is not None
+        try:
+            self.initiator.stdin.write(json.dumps({"nblocks": nblocks, "mode": mode}) + "\n")
+            self.initiator.stdin.flush()
+        except OSError as exc:
+            raise MooncakeError(f"Mooncake initiator gone: {exc}") from None
+        reply = read_reply(self.initiator, 300, f"Mooncake {mode} run")
+        return nblocks * self.block_bytes / float(reply["seconds"])
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):   # initiator first
+            stop_sender(proc)
+        self.procs.clear()
+        if not isinstance(self.log, int):
+            self.log.close()
+            self.log = subprocess.DEVNULL
+
+
+# -- the roles (the bench venv's processes) ------------------------------------------------------------
 
 
 def _region(nbytes: int) -> tuple[mmap.mmap, int]:
@@ -53,7 +139,7 @@ def target(args: argparse.Namespace) -> None:
     count, size = args.blocks, args.block_bytes
     region, base = _region(count * size)
     seed = bytes(range(64))
-    for i in range(count):   # distinct per block, every page touched (like make_blocks in bench_peers.py)
+    for i in range(count):   # distinct per block, every page touched (like rawtcp.make_blocks)
         block = bytearray(seed * (size // 64))
         block[:8] = i.to_bytes(8, "big")
         region[i * size:(i + 1) * size] = block
@@ -113,7 +199,8 @@ def initiator(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.mooncake_te",
+                                     description="Mooncake Transfer Engine roles (helpers, under .bench/venv)")
     parser.add_argument("role", choices=["target", "initiator"])
     parser.add_argument("--blocks", type=int, required=True)
     parser.add_argument("--block-bytes", type=int, required=True)

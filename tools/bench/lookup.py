@@ -2,7 +2,7 @@
 a 32k-token prompt) looked up ``--calls`` times, plain and leased (lookup + release), under each
 DRAM eviction policy. Prints the best of ``--repeats`` rounds in microseconds per call.
 
-    .venv/bin/python tools/bench_lookup.py [--policy lru,lfu,credit] [--blocks 2048]
+    .venv/bin/python -m tools.bench lookup [--policy lru,lfu,credit] [--blocks 2048] [--calls 200] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -58,18 +58,15 @@ async def measure(policy: str, blocks: int, calls: int, repeats: int) -> tuple[f
             arena.close()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.bench lookup", description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", default=",".join(POLICIES))
     p.add_argument("--blocks", type=int, default=2048)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--repeats", type=int, default=5)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     for policy in a.policy.split(","):
         plain, leased = asyncio.run(measure(policy, a.blocks, a.calls, a.repeats))
         print(f"{policy:>7}: lookup {plain * 1e6:6.0f} us   leased lookup + release {leased * 1e6:6.0f} us"
               f"   ({a.blocks} blocks, best of {a.repeats} x {a.calls})")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

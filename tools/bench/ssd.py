@@ -31,7 +31,7 @@
   calls with the daemon idle (every block's promotion is set up on the event loop, so this is
   what other engines on the node wait).
 
-    python tools/bench_ssd.py [--dir DIR] [--blocks 256] [--runs 5] [--daemon-blocks 64]
+    python -m tools.bench ssd [--dir DIR] [--blocks 256] [--runs 5] [--daemon-blocks 64]
                               [--small-blocks 2048] [--read-threads N]
 """
 
@@ -43,7 +43,6 @@ import os
 import random
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -53,13 +52,11 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import kvstored
 from kvstored import Namespace
 from kvstored.config import SSDConfig
 from kvstored.tiers.ssd import SSDTier
-from tools.local_daemon import local_daemon
+from tools.bench.local_daemon import local_daemon
 
 BLOCK = 2 << 20
 SMALL = 64 << 10   # the blocks of the event-loop section
@@ -389,8 +386,9 @@ def loop_while_promoting(base: Path, raw_blocks: int, n: int, runs: int, depth: 
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench ssd", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--runs", type=int, default=5)
@@ -400,7 +398,7 @@ def main() -> int:
                         help="64 KiB blocks per load in the event-loop section (0: skip it)")
     parser.add_argument("--read-threads", type=int, default=SSDConfig().read_threads,
                         help="the daemons' ssd.read_threads, and the depth of the raw reads they are compared with")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     base = Path(tempfile.mkdtemp(dir=args.dir))
     src = aligned(BLOCK)
     dst = aligned(BLOCK)
@@ -514,6 +512,3 @@ def main() -> int:
                   f"{smed[name] / smed[base_name]:.2f} |")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,6 @@
-"""A kvstored daemon in a subprocess for the benchmark scripts: started on a socket in a temp
-directory, connected to, and stopped (SIGTERM) when the block ends, its directory removed."""
+"""A kvstored daemon in a subprocess for the benchmarks that drive one through a client (ssd, model,
+gpu): started on a socket in a temp directory, connected to, and stopped (SIGTERM) when the block
+ends, its directory removed."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import kvstored
-
-ROOT = Path(__file__).resolve().parent.parent
+from tools.bench.common import REPO_ROOT
 
 
 @contextmanager
@@ -24,7 +24,7 @@ def local_daemon(*args: str, timeout_s: float = 60.0, ssd_path: Path | None = No
     tmp = tempfile.mkdtemp(prefix="kvstored-bench-")
     sock = str(Path(tmp) / "kv.sock")
     daemon = subprocess.Popen([sys.executable, "-m", "kvstored", "--no-config", "--socket", sock, "--ssd-path",
-                               str(ssd_path or Path(tmp) / "ssd"), *args], cwd=ROOT)
+                               str(ssd_path or Path(tmp) / "ssd"), *args], cwd=REPO_ROOT)
     try:
         deadline = time.monotonic() + timeout_s
         while True:

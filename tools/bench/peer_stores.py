@@ -1,4 +1,5 @@
-"""Peer contenders for workload 1, run from the bench venv (``.bench/venv``), never the product's.
+"""Peer contenders for workload 1, run from the bench venv (``.bench/venv``), never the product's;
+the driver is :mod:`tools.bench.putget`, which names them by ``--impl``.
 
 * Redis: ``redis`` + ``hiredis`` client against a ``redis-server`` the harness started.
 * Mooncake Store: a client process (no segment of its own) against a master and a holder process
@@ -13,11 +14,14 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tools.bench.putget import Impl
+from tools.bench.contender import Impl
+
+if TYPE_CHECKING:   # it imports torch and lmcache: only in the bench venv, only for LMCache
+    from tools.bench.lmcache_cpu import CpuEngine
 
 MOONCAKE_SEGMENT_ENV = "KVBENCH_MOONCAKE_SEGMENT"
 
@@ -176,7 +180,7 @@ class LMCache(Impl):
         from tools.bench import lmcache_cpu
 
         self._mod = lmcache_cpu
-        self.engine = None
+        self.engine: CpuEngine | None = None
         self.notes = lmcache_cpu.describe()
 
     def prepare(self, block_bytes: int, n_blocks: int) -> None:
@@ -184,9 +188,11 @@ class LMCache(Impl):
         self.engine = self._mod.CpuEngine(block_bytes, n_blocks, self.CHUNK, self.src, self.dst)
 
     def put(self, keys: list[bytes], start: int, count: int) -> None:
+        assert self.engine is not None   # made by prepare()
         self.engine.store(keys, start, count)
 
     def get(self, keys: list[bytes], start: int, count: int) -> int:
+        assert self.engine is not None
         return self.engine.retrieve(keys, start, count)
 
     def finish(self) -> None:
@@ -196,18 +202,8 @@ class LMCache(Impl):
         super().finish()
 
 
-def make_impl(name: str, a: argparse.Namespace) -> Any:
-    if name == "redis":
-        return Redis(a.port)
-    if name == "mooncake":
-        return Mooncake(a.port)
-    if name == "lmcache":
-        return LMCache()
-    raise SystemExit(f"unknown contender {name!r}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="helper processes for peers")
+    p = argparse.ArgumentParser(description="helper processes for the peer contenders (the Mooncake holder)")
     p.add_argument("role", choices=["mooncake-holder"])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--segment-bytes", type=int, required=True)

@@ -1,35 +1,32 @@
 """TTFT of a real (random-weight) Llama on CPU: a prompt restored from kvstored's DRAM tier vs a
 fresh prefill, for 1k, 4k and 8k tokens. Starts its own daemon; prints a Markdown table.
 
-    python tools/bench_model.py [--tokens 1024,4096,8192] [--runs 3]
+    python -m tools.bench model [--tokens 1024,4096,8192] [--runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-warnings.filterwarnings("ignore")
+warnings.filterwarnings("ignore")   # before transformers is imported: its import-time warnings too
 
-from tools.local_daemon import local_daemon  # noqa: E402
+from tools.bench.local_daemon import local_daemon  # noqa: E402
 from tools.tiny_engine import Engine, ModelShape  # noqa: E402
 
 SHAPE = ModelShape(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=768, vocab=32000)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="1024,4096,8192")
     parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     lengths = [int(x) for x in args.tokens.split(",")]
     with local_daemon("--dram-capacity", "2GiB", "--set", "ssd.enabled=false", "--log-level", "warning") as client:
         engine = Engine(client, SHAPE, num_blocks=max(lengths) // 16 + 1)
@@ -60,7 +57,3 @@ def main() -> int:
             print(f"| {n} | {p * 1e3:.1f} | {r * 1e3:.1f} | {r / p:.3f} |")
         engine.close()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

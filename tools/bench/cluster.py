@@ -18,9 +18,10 @@ paths alike (each round starts at a different path), in this one run:
 
 Part 2, pipelined load: prompts of 4k, 32k and 128k tokens (16-token blocks of ``--ttfb-block-bytes``)
 saved on A; B's engine streams them into its registered buffers. Time to first block (the first
-``BlockArrival``) against time to last block, median over ``--runs``; with ``--chart`` a PNG.
+``BlockArrival``) against time to last block, median over ``--runs``; with ``--out DIR`` also
+``results.json`` and the chart of the two (:mod:`tools.bench.chart`'s ``first-last``).
 
-    .venv/bin/python tools/bench_cluster.py [--runs 5] [--run-bytes 512MiB] [--chart out.png]
+    .venv/bin/python -m tools.bench cluster [--runs 5] [--run-bytes 512MiB] [--out DIR]
 """
 
 from __future__ import annotations
@@ -40,15 +41,13 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import kvstored
 from kvstored import Namespace
 from kvstored.config import parse_size
-from tools.bench.common import free_port
-from tools.bench_peers import BENCH_PYTHON, MooncakeError, MooncakeReceiver, RawReceiver, start_sender, stop_sender
+from tools.bench import chart, peerenv, rawtcp
+from tools.bench.common import REPO_ROOT, free_port, stop_sender
+from tools.bench.mooncake_te import MooncakeError, MooncakeReceiver
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = (4096, 32768, 131072)
 CYCLED_BLOCKS = 32
 RAW = "raw TCP (the run's blocks)"
@@ -69,7 +68,7 @@ class Node:
              "--set", "ssd.enabled=false", "--set", "dram.page_bytes=32MiB",
              "--set", f"peers.listen=127.0.0.1:{port}", "--set", f"peers.node_id={name}",
              "--set", f"peers.static={static}", "--set", "peers.token=bench", "--set", "peers.deadline_s=120",
-             "--set", "log.level=warning"], stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+             "--set", "log.level=warning"], stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -120,16 +119,15 @@ def throughput(args: argparse.Namespace, a: Node, b: Node) -> dict[str, list[flo
     # The limits move what kvstored moves: the run's distinct blocks, out of memory as cold as A's
     # arena and into memory as cold as B's. The cycled rows (32 blocks, 64 MiB, sent over and
     # over into one buffer on the raw receiver) are how earlier runs measured them.
-    raw_proc, raw_port = start_sender("raw", argparse.Namespace(blocks=nblocks, block_bytes=bb))
-    raw = RawReceiver(raw_port, bb, slots=nblocks)
-    cycled_proc, cycled_port = start_sender("raw", argparse.Namespace(blocks=CYCLED_BLOCKS, block_bytes=bb))
-    cycled = RawReceiver(cycled_port, bb)
+    raw_proc, raw_port = rawtcp.start(nblocks, bb)
+    raw = rawtcp.RawReceiver(raw_port, bb, slots=nblocks)
+    cycled_proc, cycled_port = rawtcp.start(CYCLED_BLOCKS, bb)
+    cycled = rawtcp.RawReceiver(cycled_port, bb)
     mooncakes: list[tuple[str, MooncakeReceiver]] = []
     if not args.no_mooncake:
         try:
             for name, count in ((MOONCAKE, nblocks), (MOONCAKE_CYCLED, CYCLED_BLOCKS)):
-                mooncakes.append((name, MooncakeReceiver(argparse.Namespace(
-                    mooncake_python=str(BENCH_PYTHON), blocks=count, block_bytes=bb))))
+                mooncakes.append((name, MooncakeReceiver(str(peerenv.PY), count, bb)))
                 rates[name] = []
         except MooncakeError as exc:
             print(f"Mooncake left out: {exc}", file=sys.stderr)
@@ -169,8 +167,8 @@ def throughput(args: argparse.Namespace, a: Node, b: Node) -> dict[str, list[flo
             for name, run in paths[i % len(paths):] + paths[:i % len(paths)]:
                 rates[name].append(run())
     finally:
-        for receiver, proc in ((raw, raw_proc), (cycled, cycled_proc)):
-            receiver.close()
+        for limit, proc in ((raw, raw_proc), (cycled, cycled_proc)):
+            limit.close()
             stop_sender(proc)
         for _, mooncake in mooncakes:
             mooncake.close()
@@ -219,18 +217,9 @@ def first_last(args: argparse.Namespace, a: Node, b: Node) -> dict[int, tuple[li
     return out
 
 
-def chart(results_json: str, png: str) -> str:
-    """Draw the first/last block chart with matplotlib, here or in the peers' venv; "" or why not."""
-    script = str(Path(__file__).with_name("bench_cluster_chart.py"))
-    for python in (sys.executable, str(BENCH_PYTHON)):
-        if Path(python).exists() and subprocess.run([python, script, results_json, png],
-                                                     capture_output=True).returncode == 0:
-            return ""
-    return "no python with matplotlib (the peers' venv .bench/venv has it: python -m tools.bench once)"
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench cluster",
+                                     description=__doc__.split("\n")[0] if __doc__ else None)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--block-bytes", type=parse_size, default=2 << 20)
     parser.add_argument("--run-bytes", type=parse_size, default=512 << 20)
@@ -293,10 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / "results.json").write_text(json.dumps(data, indent=2))
         print(f"\nresults: {out / 'results.json'}")
         if "ttfb" in results:
-            why = chart(str(out / "results.json"), str(out / "chart.png"))
-            print(f"chart: {out / 'chart.png'}" if not why else f"no chart: {why}")
+            why = chart.render("first-last", out / "results.json", out / "chart.png")
+            print(f"chart: {out / 'chart.png'}" if why is None else f"no chart: {why}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

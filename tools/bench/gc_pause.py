@@ -5,7 +5,7 @@ after ``kvstored.server.heap.freeze`` (what the daemon does every ``server.gc_fr
 the freeze itself, at start and after ``--new`` more blocks (saves between two freezes).
 Medians of ``--runs`` passes, in milliseconds.
 
-    .venv/bin/python tools/bench_gc.py [--blocks 1000000] [--new 50000] [--runs 5]
+    .venv/bin/python -m tools.bench gc [--blocks 1000000] [--new 50000] [--runs 5]
 """
 
 from __future__ import annotations
@@ -13,16 +13,12 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvstored import index as index_mod
 from kvstored.policy.registry import DEFAULT_POLICY, make_policy
 from kvstored.server import heap
-from tools.bench.index_mem import _sealer, fill
+from tools.bench.index_mem import fill, sealer
 
 
 def full_pass_ms(runs: int) -> float:
@@ -34,13 +30,13 @@ def full_pass_ms(runs: int) -> float:
     return statistics.median(times)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.bench gc", description=__doc__.split("\n\n")[0])
     p.add_argument("--blocks", type=int, default=1_000_000)
     p.add_argument("--new", type=int, default=50_000)
     p.add_argument("--runs", type=int, default=5)
-    a = p.parse_args()
-    seal = _sealer(index_mod)
+    a = p.parse_args(argv)
+    seal = sealer(index_mod)
     index = index_mod.PrefixIndex(1)
     policy = make_policy(DEFAULT_POLICY, lambda: 0.0, a.blocks + a.new)
     for chain in fill(index, a.blocks, seal):
@@ -59,7 +55,3 @@ def main() -> int:
     for name, ms in rows:
         print(f"| {name} | {ms:.1f} |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

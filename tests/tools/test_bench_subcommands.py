@@ -1,0 +1,165 @@
+"""``python -m tools.bench SUBCOMMAND``: every focused benchmark answers ``--help`` with the options
+BENCHMARKS.md's commands use, and the cheap ones run end to end at a tiny size and print the table
+a user reads. Speed is never asserted (the machine is shared and small), only that every row is
+there with figures and that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.bench.cli import SUBCOMMANDS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# subcommand -> the options it must keep (the commands in BENCHMARKS.md and README.md use them)
+OPTIONS = {
+    "ssd": ["--dir", "--blocks", "--runs", "--daemon-blocks", "--small-blocks", "--read-threads"],
+    "lookup": ["--policy", "--blocks", "--calls", "--repeats"],
+    "gc": ["--blocks", "--new", "--runs"],
+    "model": ["--tokens", "--runs"],
+    "peers": ["--blocks", "--block-bytes", "--run-bytes", "--runs", "--no-mooncake", "--mooncake-python"],
+    "cluster": ["--runs", "--block-bytes", "--run-bytes", "--ttfb-block-bytes", "--no-mooncake",
+                "--skip-throughput", "--skip-ttfb", "--out"],
+    "gpu": [],
+}
+
+
+def bench(*args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
+    """``python -m tools.bench *args`` from the repository root, as a user runs it."""
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    """The Markdown table rows printed: first cell -> the other cells."""
+    rows = {}
+    for line in stdout.splitlines():
+        if line.startswith("| ") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_every_subcommand_has_its_options_listed_here() -> None:
+    assert sorted(OPTIONS) == sorted(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_a_subcommand_answers_help_with_its_options(name: str) -> None:
+    out = bench(name, "--help", timeout=120).stdout
+    assert out.startswith(f"usage: python -m tools.bench {name} "), out
+    missing = [option for option in OPTIONS[name] if option not in out]
+    assert missing == [], out
+
+
+def test_the_side_by_side_help_names_every_subcommand() -> None:
+    out = bench("--help", timeout=60).stdout
+    assert "--quick" in out and "--no-peers" in out
+    for name in SUBCOMMANDS:
+        assert f"\n  {name} " in out, (name, out)
+
+
+def test_lookup_prints_each_policy() -> None:
+    out = bench("lookup", "--blocks", "256", "--calls", "3", "--repeats", "1", "--policy", "lru,credit").stdout
+    lines = [line for line in out.splitlines() if "leased lookup + release" in line]
+    assert [line.split(":")[0].strip() for line in lines] == ["lru", "credit"], out
+    assert all("(256 blocks, best of 1 x 3)" in line for line in lines), out
+
+
+def test_gc_prints_every_pause() -> None:
+    """The full pass before and after the freeze, the freezes and the thaw."""
+    rows = table_rows(bench("gc", "--blocks", "20000", "--new", "2000", "--runs", "1", timeout=120).stdout)
+    for name in ("full pass, nothing frozen", "the freeze (a pass, then gc.freeze)", "full pass after the freeze",
+                 "the next freeze, 2,000 blocks later", "a thaw (everything unfrozen, one full pass, frozen again)"):
+        assert name in rows, f"row {name!r} missing: {rows}"
+        assert float(rows[name][0]) >= 0
+
+
+def test_ssd_runs_the_tier_and_the_daemon_path_and_prints_both_tables(tmp_path: Path) -> None:
+    """Every tier row against raw, the daemon's load and stream of a prompt found on SSD only, and
+    its load of many small blocks with another client's calls meanwhile (the run itself checks the
+    bytes each returns)."""
+    out = bench("ssd", "--dir", str(tmp_path), "--blocks", "8", "--runs", "1", "--daemon-blocks", "4",
+                "--small-blocks", "64", "--read-threads", "3").stdout
+    rows = table_rows(out)
+    for name in ("raw write", "tier write", "raw read", "tier read", "tier read, the daemon's depth",
+                 "tier read after churn",
+                 "raw read of the load's blocks, the daemon's depth", "daemon load_blocks from SSD",
+                 "daemon load_blocks from DRAM", "daemon stream from SSD", "daemon stream from SSD, out of the arena",
+                 "daemon stream from SSD out of the arena, first block", "raw read of one block",
+                 "daemon stream from SSD, first block", "daemon stream from DRAM, first block",
+                 "raw 64 KiB reads, the daemon's depth (GB/s)", "daemon load_blocks from SSD (GB/s)",
+                 "lookup, daemon idle, median (ms)", "lookup during the load, median (ms)",
+                 "lookup during the load, max (ms)"):
+        assert name in rows, f"row {name!r} missing:\n{out}"
+        assert all(float(x) > 0 for x in rows[name][:4]), rows[name]
+    # every comparison at the depth asked for: the daemons were started with that many read threads
+    assert "the daemon's depth 3" in out and out.count("3 read threads") == 2, out
+    assert not list(tmp_path.iterdir()), f"the run left files behind: {list(tmp_path.iterdir())}"
+
+
+def test_peers_measures_each_path_against_raw_tcp() -> None:
+    """The raw sender, the kvstored senders (uvloop, asyncio, mutual TLS when cryptography is
+    there) each run in a process of their own, started by module; Mooncake left out, saying why."""
+    out = bench("peers", "--runs", "5", "--blocks", "4", "--block-bytes", str(64 << 10),
+                "--run-bytes", str(256 << 10), "--no-mooncake").stdout
+    rows = table_rows(out)
+    for name in ("raw TCP (blocking sendall / recv_into)", "kvstored peers (uvloop)", "kvstored peers (asyncio)",
+                 "kvstored peers (uvloop, mutual TLS)"):
+        assert name in rows, f"row {name!r} missing:\n{out}"
+    for name in ("raw TCP (blocking sendall / recv_into)", "kvstored peers (uvloop)", "kvstored peers (asyncio)"):
+        assert int(rows[name][0]) >= 5 and float(rows[name][1]) > 0, rows[name]
+    assert rows["Mooncake TE tcp (batch_transfer_sync_read)"][-1] == "not measured: left out (--no-mooncake)"
+    assert "kvstored / Mooncake: n/a" in out
+
+
+def test_cluster_ships_between_two_daemons_and_writes_its_results(tmp_path: Path) -> None:
+    """Two daemons on loopback (the shipping part only: the pipelined load's prompts are fixed at
+    up to 128k tokens); its results.json next to the table."""
+    out = bench("cluster", "--runs", "5", "--block-bytes", "256KiB", "--run-bytes", "2MiB", "--skip-ttfb",
+                "--ttfb-block-bytes", "4KiB",  # the daemons are sized for the (skipped) prompts: keep them small
+                "--no-mooncake", "--out", str(tmp_path / "out")).stdout
+    rows = table_rows(out)
+    for name in ("raw TCP (the run's blocks)", "raw TCP (32 blocks cycled)", "kvstored pull (Client.pull)",
+                 "kvstored pull (stream)", "kvstored push (migrate)"):
+        assert name in rows and float(rows[name][0]) > 0, f"row {name!r} missing:\n{out}"
+    assert (tmp_path / "out" / "results.json").exists()
+
+
+def test_gpu_without_a_device_says_so() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: tools/gpu-check runs this benchmark")
+    assert bench("gpu", timeout=120).stdout.strip() == "no CUDA device: nothing to measure"
+
+
+def test_the_raw_tcp_limit_lands_each_block_in_a_slot_of_its_own() -> None:
+    """The cluster benchmark's limit moves what kvstored moves: as many distinct blocks as the run,
+    each received into its own slot (as B lands blocks in its arena), not one buffer over and over."""
+    from tools.bench import rawtcp
+    from tools.bench.common import stop_sender
+
+    size, count = 64 << 10, 6
+    proc, port = rawtcp.start(count, size)
+    receiver = rawtcp.RawReceiver(port, size, slots=count)
+    try:
+        assert receiver.run(count, size) > 0
+        # the sender stamps block i's first 8 bytes with i
+        assert [int.from_bytes(receiver.buf[i * size:i * size + 8], "big") for i in range(count)] == list(range(count))
+    finally:
+        receiver.close()
+        stop_sender(proc)
+
+
+def test_a_misspelt_subcommand_is_refused_rather_than_starting_the_side_by_side_run() -> None:
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "nosuch"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "unrecognized arguments: nosuch" in proc.stderr, proc.stderr
+
