@@ -13,11 +13,12 @@ from clock import Clock
 
 from kvstored import config
 from kvstored.copy import CopyEngine
+from kvstored.peers.chain_streams import ChainStreamer
 from kvstored.peers.exchange import PeerExchange
-from kvstored.peers.streaming import ChainStreamer
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import SSDTier
+from kvstored_client.hashing import block_hashes
 
 
 @contextlib.contextmanager
@@ -40,6 +41,11 @@ def open_store(tmp_path: Path, values: dict[str, dict[str, object]],
             tier.close()
         copy.close()
         arena.close()
+
+
+def chain(n: int, start: int = 0) -> list[bytes]:
+    """The keys of ``n`` blocks of 16 tokens, tokens ``start`` onwards (the default namespace's)."""
+    return block_hashes(list(range(start, start + 16 * n)))
 
 
 _EXCHANGES: weakref.WeakKeyDictionary[BlockStore, PeerExchange] = weakref.WeakKeyDictionary()

@@ -445,3 +445,134 @@ def test_the_test_command_passes_in_a_checkout_only_its_owner_may_enter(tmp_path
     tail = (out.stdout + out.stderr)[-4000:]
     assert out.returncode == 0, tail
     assert re.search(rf"\b{count} passed\b", out.stdout), tail   # all of them: none skipped or failed
+
+
+# -- layering ---------------------------------------------------------------------------------
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of this tree it imports (lazy imports in functions included; a
+    ``from package import name`` names the submodule when there is one, else the package)."""
+    import ast
+
+    paths: dict[str, Path] = {}
+    for base, top in (("kvstored", ROOT), ("client/kvstored_client", ROOT / "client"), ("tools", ROOT)):
+        for path in sorted((ROOT / base).rglob("*.py")):
+            parts = list(path.relative_to(top).with_suffix("").parts)
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def ours(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        found: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(ours(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                for alias in node.names:
+                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else ours(base))
+        graph[module] = {m for m in found if m is not None and m != module}
+    return graph
+
+
+def _under(module: str, *packages: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+# (who, what it may not import, why)
+_FORBIDDEN = [
+    (("kvstored_client",), ("kvstored",), "the SDK imports nothing of the daemon"),
+    (("kvstored.policy",),
+     ("kvstored.tiers", "kvstored.store", "kvstored.server", "kvstored.peers", "kvstored.cluster"),
+     "policy is pure: no tier, store, server or transport"),
+    (("kvstored.tiers",), ("kvstored.store", "kvstored.server", "kvstored.peers", "kvstored.cluster"),
+     "tiers are mechanism under the store"),
+    (("kvstored.store",), ("kvstored.peers", "kvstored.server", "kvstored.cluster", "kvstored.kvctl"),
+     "the store is below the peers and the server"),
+    (("kvstored.peers", "kvstored.cluster"), ("kvstored.server", "kvstored.kvctl"),
+     "nothing below the server imports it"),
+    (("kvstored.config", "kvstored.addresses", "kvstored.errors", "kvstored.index", "kvstored.leases",
+      "kvstored.tensor_memory", "kvstored.buffers", "kvstored.copy", "kvstored.cuda", "kvstored.handover"),
+     ("kvstored.store", "kvstored.peers", "kvstored.server", "kvstored.cluster", "kvstored.tiers.ssd"),
+     "the low modules import nothing above them"),
+]
+
+
+def _layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, imported in sorted(graph.items()):
+        for target in sorted(imported):
+            for who, banned, why in _FORBIDDEN:
+                if _under(module, *who) and _under(target, *banned) and not _under(target, *who):
+                    bad.append(f"{module} -> {target}: {why}")
+            if _under(module, "kvstored") and not _under(module, "kvstored_client") \
+                    and _under(target, "kvstored_client") and "._" in target:
+                bad.append(f"{module} -> {target}: the daemon imports the SDK's public contract only")
+            if _under(target, "kvstored.server") and not _under(module, "kvstored.server", "kvstored.__main__") \
+                    and not _under(module, "tools"):
+                bad.append(f"{module} -> {target}: nothing below the server imports it")
+    # cycles (a package's __init__ importing its own submodules is not one)
+    edges = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+
+    def visit(v: str) -> None:   # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                bad.append(f"import cycle: {' <-> '.join(sorted(component))}")
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return bad
+
+
+def test_the_layering_holds() -> None:
+    """Dependencies point one way (DESIGN.md): no import cycles in kvstored/, client/ or tools/;
+    the SDK imports nothing of the daemon, and the daemon only the SDK's public contract; policy
+    imports no tier, store, server or transport; the store imports neither the peers nor the
+    server, and nothing below the server imports it; the low modules (config, addresses, index,
+    buffers, copy ...) import nothing above them."""
+    assert _layering_violations(_import_graph()) == []
+
+
+@pytest.mark.parametrize(("module", "target"), [
+    ("kvstored.config", "kvstored.peers.connection"),       # config took is_loopback from the transport
+    ("kvstored.cuda", "kvstored.buffers"),                  # buffers and cuda imported each other
+    ("tools.bench.peer_stores", "tools.bench.putget"),      # so did the put/get bench and its peers
+    ("kvstored.server.servicer", "kvstored_client._private"),   # the daemon reached into the SDK
+    ("kvstored.store.front", "kvstored.peers.node"),        # the store called into the peers
+    ("kvstored.policy.credit", "kvstored.tiers.ssd"),
+    ("kvstored_client.client", "kvstored.store"),
+    ("kvstored.peers.node", "kvstored.server.metrics"),
+])
+def test_the_layering_check_finds_the_imports_it_forbids(module: str, target: str) -> None:
+    graph = _import_graph()
+    assert module in graph and _layering_violations(graph) == []
+    graph[module] = graph[module] | {target}
+    assert _layering_violations(graph), f"{module} -> {target} went unnoticed"

@@ -7,7 +7,7 @@ Control traffic between daemons goes over gRPC; this channel carries only block 
 The channel is mechanism only: it moves bytes by key, checks them and reports what happened; what
 to fetch, from whom and where to keep it is decided by its callers (:mod:`kvstored.peers.node`).
 Its parts: :mod:`~kvstored.peers.wire` (the format), :mod:`~kvstored.peers.auth` (who may talk),
-:mod:`~kvstored.peers.stream` (the byte stream under both ends), :mod:`~kvstored.peers.server`
+:mod:`~kvstored.peers.byte_stream` (the byte stream under both ends), :mod:`~kvstored.peers.server`
 (the listening end), :mod:`~kvstored.peers.connection` (the connecting end, and what a transfer
 reports), :mod:`~kvstored.peers.errors`.
 

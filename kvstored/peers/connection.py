@@ -16,8 +16,8 @@ import xxhash
 
 from kvstored.addresses import parse_address
 from kvstored.peers.auth import PeerAuth
+from kvstored.peers.byte_stream import Closed, Stream
 from kvstored.peers.errors import PeerAuthError, PeerError, PeerRefused
-from kvstored.peers.stream import Closed, Stream
 from kvstored.peers.wire import (
     ACK,
     BLOCK,

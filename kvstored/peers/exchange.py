@@ -15,12 +15,9 @@ from dataclasses import dataclass
 import xxhash
 
 from kvstored.index import NO_SLOT, PROMOTING, Block
+from kvstored.peers.server import CheckedOut
 from kvstored.store import BlockStore
 from kvstored.store.catalog import NamespaceState
-
-# A block checked out for a peer: its bytes and their xxh3-64 (None: unknown), or None when this
-# node does not hold it.
-Served = tuple[memoryview, int | None] | None
 
 
 @dataclass(slots=True, eq=False)
@@ -97,7 +94,7 @@ class PeerExchange:
         return dropped
 
     # -- blocks out ---------------------------------------------------------------------------
-    def serve(self, namespace_id: int, key: bytes) -> Served | Awaitable[Served]:
+    def serve(self, namespace_id: int, key: bytes) -> CheckedOut | Awaitable[CheckedOut | None] | None:
         """:meth:`checkout` for a peer fetching the block: the result itself when the block is in
         DRAM (no task per block on the peer channel's send path), else checkout's awaitable."""
         state = self._catalog.find(namespace_id)
@@ -110,7 +107,7 @@ class PeerExchange:
             return self._checked_out(block, self._arena.view(block.offset, block.index.block_bytes).data, True)
         return self.checkout(namespace_id, key)
 
-    async def checkout(self, namespace_id: int, key: bytes, *, served: bool = True) -> Served:
+    async def checkout(self, namespace_id: int, key: bytes, *, served: bool = True) -> CheckedOut | None:
         """Pin a block for a peer to read, bringing it to DRAM first (or, when DRAM has no slot for
         it, reading its SSD copy into a buffer of its own); its bytes and their xxh3-64
         checksum (computed once per block: a hot prefix served to many peers is hashed once), or
@@ -140,7 +137,7 @@ class PeerExchange:
             return None
         return self._checked_out(block, view, served)
 
-    def _checked_out(self, block: Block, view: memoryview, served: bool) -> Served:
+    def _checked_out(self, block: Block, view: memoryview, served: bool) -> CheckedOut:
         """A pinned block's bytes go to a peer: counted (when ``served``) and hashed once."""
         if served:
             self._placement.hit([block])

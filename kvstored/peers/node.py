@@ -25,11 +25,11 @@ from kvstored.cluster.membership import EtcdMembership, Member, Membership, Memb
 from kvstored.config import Config, ConfigError, PeersConfig
 from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound
 from kvstored.peers.auth import PeerAuth, TLSFiles, certificate_warning
+from kvstored.peers.chain_streams import Fetched, Into, Landed
 from kvstored.peers.connection import PeerConnection, PushResult, Stop
 from kvstored.peers.errors import PeerAuthError, PeerError, PeerRefused
 from kvstored.peers.exchange import PeerExchange
 from kvstored.peers.server import BlockServer
-from kvstored.peers.streaming import Fetched, Into, Landed
 from kvstored.peers.wire import MAX_TOKEN_BYTES, Limits
 from kvstored.store import BlockStore, CachedPrefix, KeyRequest
 
@@ -351,7 +351,7 @@ class PeerNode:
     # -- pulls --------------------------------------------------------------------------------
     async def fetch(self, namespace_id: int, keys: list[bytes], into: Into, landed: Landed, *,
                     until: float | None = None) -> Fetched:
-        """A :data:`kvstored.peers.streaming.Fetcher`: fetch ``keys`` in order from the peers. Never raises
+        """A :data:`kvstored.peers.chain_streams.Fetcher`: fetch ``keys`` in order from the peers. Never raises
         for a peer's failure: the result says how far it got and why.
 
         The peers are asked about the next :data:`FIRST_WINDOW` keys only, so the first block

@@ -14,8 +14,8 @@ from typing import Protocol, TypeAlias
 import xxhash
 
 from kvstored.peers.auth import PeerAuth, listener_allowed
+from kvstored.peers.byte_stream import SPILL_BYTES, Closed, Stream
 from kvstored.peers.errors import PeerConfigError
-from kvstored.peers.stream import SPILL_BYTES, Closed, Stream
 from kvstored.peers.wire import (
     ACK,
     BLOCK,
@@ -52,7 +52,8 @@ log = logging.getLogger("kvstored.peers")
 
 _LINGER_S = 5.0            # how long a refused push is drained, waiting for the pusher to close
 
-Served: TypeAlias = memoryview | tuple[memoryview, int | None] | None
+CheckedOut: TypeAlias = tuple[memoryview, int | None]   # a block's bytes and their xxh3-64 (None: unknown)
+Served: TypeAlias = memoryview | CheckedOut | None
 # may answer at once (a block in memory) or with an awaitable (one that must be read first)
 ServeBlock = Callable[[int, bytes], "Served | Awaitable[Served]"]
 ReleaseBlock = Callable[[int, bytes], None]

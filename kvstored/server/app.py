@@ -25,7 +25,7 @@ from kvstored.config import Config, ConfigError
 from kvstored.copy import CopyEngine
 from kvstored.peers.errors import PeerConfigError
 from kvstored.peers.node import PeerNode
-from kvstored.server import heap, logs, sdnotify
+from kvstored.server import gc_freeze, logs, sdnotify
 from kvstored.server.metrics import RpcTimer, Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.server.startup import StartupProgress, StartupStopped
@@ -347,8 +347,8 @@ async def serve(cfg: Config) -> int:
     tasks = [asyncio.ensure_future(reaper())]
     if cfg.server.gc_freeze_interval_s:
         # the restored index first: its blocks are the bulk of the heap from the start
-        log.debug("garbage collection and freeze after start-up: %.1f ms", heap.freeze() * 1e3)
-        tasks.append(asyncio.ensure_future(heap.freeze_loop(cfg.server.gc_freeze_interval_s)))
+        log.debug("garbage collection and freeze after start-up: %.1f ms", gc_freeze.freeze() * 1e3)
+        tasks.append(asyncio.ensure_future(gc_freeze.freeze_loop(cfg.server.gc_freeze_interval_s)))
     if ssd is not None:
         tasks.append(asyncio.ensure_future(store.writeback_loop()))
         tasks.append(asyncio.ensure_future(reader_check(cfg.ssd.reader_check_interval_s)))

@@ -16,8 +16,8 @@ from kvstored.buffers import BlockIds, TensorSource
 from kvstored.errors import Cancelled, FailedPrecondition, InvalidArgument, KVError
 from kvstored.handover import Arrival
 from kvstored.index import Tier
+from kvstored.peers.chain_streams import ChainStreamer, Fetcher
 from kvstored.peers.node import MigrateProgress, PeerNode
-from kvstored.peers.streaming import ChainStreamer, Fetcher
 from kvstored.server.status import abort, mapped
 from kvstored.server.streams import RunningStreams
 from kvstored.store import BlockStore, FlushProgress, KeyRequest, StreamEnd

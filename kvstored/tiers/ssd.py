@@ -40,12 +40,11 @@ import lmdb
 import numpy as np
 import xxhash
 
-from kvstored.tiers.holes import punch_hole
+from kvstored.tiers.slot_files import ALIGN, SlotFile
 
 log = logging.getLogger("kvstored.ssd")
 
 FORMAT_VERSION = 2
-ALIGN = 4096  # O_DIRECT wants offsets, lengths and buffers aligned to the device's block
 # Reads of consecutive slots queued together are merged into one preadv up to this many bytes:
 # for small blocks a read's thread hand-offs and GIL waits cost more than the read (64 KiB blocks
 # came up at half the speed); a 2 MiB block is read alone.
@@ -140,123 +139,6 @@ def decode_meta(raw: bytes, key: bytes) -> BlockRecord:
     return BlockRecord(ns, bytes(key[8:]), parent, depth, length, check, slot)
 
 
-def _stride(length: int) -> int:
-    return -(-length // ALIGN) * ALIGN
-
-
-def _aligned(buf: np.ndarray) -> bool:
-    return buf.ctypes.data % ALIGN == 0 and buf.nbytes % ALIGN == 0
-
-
-class _SlotFile:
-    """The payload file of one block size: fixed slots, an O_DIRECT and a buffered descriptor."""
-
-    def __init__(self, path: Path, length: int, used: set[int]) -> None:
-        self.length = length
-        self.stride = _stride(length)
-        self.buffered = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            self.direct: int | None = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
-        except OSError:  # a filesystem without O_DIRECT (e.g. tmpfs): buffered I/O only
-            self.direct = None
-        top = max(used, default=-1) + 1
-        # free slots, each list taken from its end (lowest slot first): those that hold disk
-        # space, taken before those punched out (a write into a hole allocates it again)
-        self.free = sorted(set(range(top)) - used, reverse=True)
-        self.punched: list[int] = []
-        self.top = top
-        self.holes = True   # until the filesystem says it cannot punch them
-        self._punch_failed = False   # a punch failed (logged once: the next commits try again)
-        try:
-            if os.fstat(self.buffered).st_size > top * self.stride:
-                # slots past the highest one in use hold nothing anybody references (blocks
-                # that left before the last stop): their disk space goes back
-                os.ftruncate(self.buffered, top * self.stride)
-        except OSError as exc:   # the tier works all the same
-            log.warning("could not cut %s to its slots in use: %s", path, exc)
-
-    @property
-    def free_slots(self) -> int:
-        return len(self.free) + len(self.punched)
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Payload bytes of the slots that hold disk space (in use, or free and not punched)."""
-        return (self.top - len(self.punched)) * self.length
-
-    def punch_free(self, nbytes: int) -> int:
-        """Punch out free slots until ``nbytes`` of payload slots gave their disk space back, or
-        none is left to punch; the bytes given back. 0 where the filesystem cannot punch holes
-        (logged once; the space is then only reused, as before)."""
-        done = 0
-        while done < nbytes and self.free and self.holes:
-            slot = self.free[-1]
-            try:
-                self.holes = punch_hole(self.buffered, slot * self.stride, self.stride)
-            except OSError as exc:   # the slot is free all the same; its space is reused later
-                if not self._punch_failed:
-                    self._punch_failed = True
-                    log.warning("could not give back the disk space of a free payload slot: %s", exc)
-                break
-            if not self.holes:
-                log.info("this filesystem cannot punch holes: free payload slots keep their disk space until reused")
-                break
-            self.punched.append(self.free.pop())
-            done += self.length
-        return done
-
-    def take(self) -> int:
-        if self.free:
-            return self.free.pop()
-        if self.punched:
-            return self.punched.pop()
-        self.top += 1
-        return self.top - 1
-
-    def give_back(self, slot: int) -> None:
-        """``slot`` is free again (nothing committed references it). When it was the last one in
-        use, the file gives its disk space back: a size whose blocks have all left (a model no
-        longer served, an eviction) does not keep the disk it once took beside the sizes in use."""
-        if self.free_slots + 1 == self.top:
-            self.free.clear()
-            self.punched.clear()
-            self.top = 0
-            try:
-                os.ftruncate(self.buffered, 0)
-            except OSError as exc:   # the slots are free all the same; the space waits for a restart
-                log.warning("could not truncate an empty payload file: %s", exc)
-        else:
-            self.free.append(slot)
-
-    def write(self, slot: int, payload: np.ndarray) -> None:
-        fd = self.direct if self.direct is not None and _aligned(payload) else self.buffered
-        view = memoryview(payload).cast("B")  # type: ignore[arg-type]
-        done = os.pwrite(fd, view, slot * self.stride)
-        while done < len(view):  # short writes happen on some filesystems near full
-            n = os.pwrite(fd, view[done:], slot * self.stride + done)
-            if n == 0:
-                raise OSError(28, "No space left on device")
-            done += n
-
-    def read(self, slot: int, dst: np.ndarray) -> int:
-        return self.read_run(slot, [dst])
-
-    def read_run(self, slot: int, dsts: list[np.ndarray]) -> int:
-        """Read slots ``slot``, ``slot + 1``, ... into ``dsts`` in one call (slots of whole pages
-        when more than one: the stride must equal the length); bytes read."""
-        direct = self.direct is not None and all(_aligned(d) for d in dsts)
-        fd = self.direct if direct and self.direct is not None else self.buffered
-        return os.preadv(fd, [memoryview(d).cast("B") for d in dsts], slot * self.stride)  # type: ignore[arg-type]
-
-    def sync(self) -> None:
-        os.fdatasync(self.buffered)
-
-    def close(self) -> None:
-        os.close(self.buffered)
-        if self.direct is not None:
-            os.close(self.direct)
-
-
 @dataclass(slots=True)
 class _Op:
     kind: str                       # "put" | "delete" | "namespace" | "barrier"
@@ -285,7 +167,7 @@ class SSDTier:
         self._lock_fd = _lock_directory(self.path)
         # The index needs ~150 bytes a block; the map is sparse address space, so generous is free.
         self.map_size = max(map_size, 1 << 20)
-        self._files: dict[int, _SlotFile] = {}
+        self._files: dict[int, SlotFile] = {}
         self._files_lock = threading.Lock()
         env = None
         try:
@@ -384,11 +266,11 @@ class SSDTier:
             return False
         return True
 
-    def _file(self, length: int, used: set[int] | None = None) -> _SlotFile:
+    def _file(self, length: int, used: set[int] | None = None) -> SlotFile:
         with self._files_lock:
             f = self._files.get(length)
             if f is None:
-                f = self._files[length] = _SlotFile(self.path / f"payload-{length}.dat", length, used or set())
+                f = self._files[length] = SlotFile(self.path / f"payload-{length}.dat", length, used or set())
             return f
 
     # -- writes (one thread owns every write) ------------------------------------------------
@@ -479,7 +361,7 @@ class SSDTier:
                     _settle(left.done, SSDError("the SSD writer stopped"))
 
     def _commit(self, batch: list[_Op]) -> None:
-        written: dict[int, tuple[_SlotFile, int]] = {}   # id(put op) -> where its payload went
+        written: dict[int, tuple[SlotFile, int]] = {}   # id(put op) -> where its payload went
         failed: dict[int, Exception] = {}
         if self._lost_deletes:
             self._retry_lost_deletes()
@@ -561,10 +443,10 @@ class SSDTier:
             _settle(op.done, behind if op.kind == "barrier" else failed.get(id(op)),
                     op.check.result() if id(op) in written and op.check else None)
 
-    def _apply(self, batch: list[_Op], written: dict[int, tuple[_SlotFile, int]]) -> list[tuple[_SlotFile, int]]:
+    def _apply(self, batch: list[_Op], written: dict[int, tuple[SlotFile, int]]) -> list[tuple[SlotFile, int]]:
         """Commit the batch's index changes in the order they were queued (a put then a delete of
         one key leaves no record); the slots the committed transaction no longer references."""
-        freed: list[tuple[_SlotFile, int]] = []
+        freed: list[tuple[SlotFile, int]] = []
         with self._env.begin(write=True) as txn:
             for op in batch:
                 if op.kind == "namespace":
@@ -629,12 +511,12 @@ class SSDTier:
                         "blocks come back at the next start", len(self._lost_deletes))
 
     @staticmethod
-    def _give_back(written: dict[int, tuple[_SlotFile, int]]) -> None:
+    def _give_back(written: dict[int, tuple[SlotFile, int]]) -> None:
         for f, slot in written.values():
             f.give_back(slot)
         written.clear()
 
-    def _fail_puts(self, written: dict[int, tuple[_SlotFile, int]], failed: dict[int, Exception],
+    def _fail_puts(self, written: dict[int, tuple[SlotFile, int]], failed: dict[int, Exception],
                    error: Exception) -> None:
         for key in written:
             failed[key] = error

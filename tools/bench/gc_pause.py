@@ -1,7 +1,7 @@
 """The cyclic garbage collector's pause with a large index, in-process: a full pass (what Python
 starts by itself each time the long-lived objects have grown by a quarter, with every other call
 waiting) over a ``PrefixIndex`` of ``--blocks`` blocks and their default-policy records, before and
-after ``kvstored.server.heap.freeze`` (what the daemon does every ``server.gc_freeze_interval_s``);
+after ``kvstored.server.gc_freeze.freeze`` (what the daemon does every ``server.gc_freeze_interval_s``);
 the freeze itself, at start and after ``--new`` more blocks (saves between two freezes).
 Medians of ``--runs`` passes, in milliseconds.
 
@@ -17,7 +17,7 @@ import time
 
 from kvstored import index as index_mod
 from kvstored.policy.registry import DEFAULT_POLICY, make_policy
-from kvstored.server import heap
+from kvstored.server import gc_freeze
 from tools.bench.index_mem import fill, sealer
 
 
@@ -42,12 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     for chain in fill(index, a.blocks, seal):
         policy.inserted(chain)  # type: ignore[arg-type]
     rows = [("full pass, nothing frozen", full_pass_ms(a.runs))]
-    rows.append(("the freeze (a pass, then gc.freeze)", heap.freeze() * 1e3))
+    rows.append(("the freeze (a pass, then gc.freeze)", gc_freeze.freeze() * 1e3))
     rows.append(("full pass after the freeze", full_pass_ms(a.runs)))
     for chain in fill(index, a.new, seal, first=a.blocks):
         policy.inserted(chain)  # type: ignore[arg-type]
-    rows.append((f"the next freeze, {a.new:,} blocks later", heap.freeze() * 1e3))
-    rows.append(("a thaw (everything unfrozen, one full pass, frozen again)", heap.thaw() * 1e3))
+    rows.append((f"the next freeze, {a.new:,} blocks later", gc_freeze.freeze() * 1e3))
+    rows.append(("a thaw (everything unfrozen, one full pass, frozen again)", gc_freeze.thaw() * 1e3))
     gc.unfreeze()
     print(f"\nThe collector with an index of {a.blocks:,} blocks ({DEFAULT_POLICY} policy), ms, medians of {a.runs}\n")
     print("| pause | ms |")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from store_harness import exchange, streamer
+from store_harness import chain, exchange, streamer
 
 from kvstored import config
 from kvstored.copy import CopyEngine
@@ -21,7 +21,6 @@ from kvstored.errors import NotFound
 from kvstored.index import SEALED, PrefixIndex
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
-from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
 BLOCK = 4096          # bytes per block; the arena holds 8 of them (two pages of 4)
@@ -40,10 +39,6 @@ def store(tmp_path: Path) -> Iterator[BlockStore]:
     yield BlockStore(cfg, arena, copy, clock=lambda: 1000.0)   # fixed: stats compare equal
     copy.close()
     arena.close()
-
-
-def chain(n: int, start: int = 0) -> list[bytes]:
-    return block_hashes(list(range(start, start + 16 * n)))
 
 
 def payload(i: int, size: int = BLOCK) -> memoryview:
@@ -571,7 +566,7 @@ def test_a_fetched_first_block_reaches_the_reader_before_the_next_is_received(st
     """Into engine buffers, block 0's copy and event go out before the fetch lands block 1: while a
     long prompt streams in, the first block's copy would otherwise queue behind the receiving."""
     from kvstored.buffers import TensorSource
-    from kvstored.peers.streaming import Fetched
+    from kvstored.peers.chain_streams import Fetched
     from kvstored_client import shm
     from kvstored_client.layout import TensorLayout
 

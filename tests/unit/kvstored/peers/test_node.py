@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from loopback import free_ports
 from silent_peer import node_with_a_silent_peer
-from store_harness import exchange, streamer
+from store_harness import chain, exchange, streamer
 
 from kvstored import config
 from kvstored.cluster.membership import Member
@@ -29,7 +29,6 @@ from kvstored.peers.node import PeerNode
 from kvstored.peers.wire import HELLO, MAGIC, OP_FETCH, VERSION, Limits, encode_request
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
-from kvstored_client.hashing import block_hashes
 from kvstored_client.namespace import Namespace
 
 BLOCK = 4096
@@ -78,10 +77,6 @@ async def cluster(slots: dict[str, int], **settings: Any) -> AsyncIterator[dict[
 
 def run(coro: Coroutine[Any, Any, Any]) -> Any:
     return asyncio.run(coro)
-
-
-def chain(n: int, start: int = 0) -> list[bytes]:
-    return block_hashes(list(range(start, start + 16 * n)))
 
 
 def save(store: BlockStore, keys: list[bytes], fill: Callable[[int], bytes] = lambda i: bytes([i % 251 + 1]) * BLOCK,

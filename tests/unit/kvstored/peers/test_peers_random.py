@@ -46,8 +46,9 @@ from kvstored.buffers import TensorSource
 from kvstored.copy import CopyEngine
 from kvstored.errors import KVError
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, Block, Tier
-from kvstored.peers.exchange import PeerLanding, Served
+from kvstored.peers.exchange import PeerLanding
 from kvstored.peers.node import IDLE_CONNECTIONS, PeerNode
+from kvstored.peers.server import CheckedOut
 from kvstored.policy.registry import POLICIES
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
@@ -181,7 +182,7 @@ class Fuzz:
         ex = node.peers.exchange
         checkout, serve = ex.checkout, ex.serve
 
-        def damaged(got: Served) -> Served:
+        def damaged(got: CheckedOut | None) -> CheckedOut | None:
             if got is None or not node.corrupting or self.faults.random() < 0.5:
                 return got
             view, check = got
@@ -189,10 +190,10 @@ class Fuzz:
             bad[self.faults.randrange(len(bad))] ^= 0x40
             return memoryview(bad), xxhash.xxh3_64_intdigest(view) if check is None else check
 
-        async def damaged_checkout(namespace_id: int, key: bytes, *, served: bool = True) -> Served:
+        async def damaged_checkout(namespace_id: int, key: bytes, *, served: bool = True) -> CheckedOut | None:
             return damaged(await checkout(namespace_id, key, served=served))
 
-        def damaged_serve(namespace_id: int, key: bytes) -> Served | Awaitable[Served]:
+        def damaged_serve(namespace_id: int, key: bytes) -> CheckedOut | Awaitable[CheckedOut | None] | None:
             got = serve(namespace_id, key)   # an awaitable is the (damaged) checkout's
             return got if inspect.isawaitable(got) else damaged(got)
 

@@ -26,10 +26,10 @@ from peer_channel import (
 
 from kvstored.peers import wire
 from kvstored.peers.auth import PeerAuth
+from kvstored.peers.byte_stream import Stream
 from kvstored.peers.connection import FetchResult, PeerConnection, Stop, push
 from kvstored.peers.errors import PeerAuthError, PeerError
 from kvstored.peers.server import BlockServer
-from kvstored.peers.stream import Stream
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from clock import Clock
-from store_harness import exchange, gate_ssd_read, open_store, streamer
+from store_harness import chain, exchange, gate_ssd_read, open_store, streamer
 
 from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstored.policy.credit import DEFAULT_TAU_S
@@ -47,10 +47,6 @@ def env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
 
 def lookup(store: BlockStore, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
     return asyncio.run(store.lookup(*args, **kwargs))  # type: ignore[arg-type]
-
-
-def chain(n: int, start: int = 0) -> list[bytes]:
-    return block_hashes(list(range(start, start + 16 * n)))
 
 
 def save(store: BlockStore, sid: str, ns: int, keys: list[bytes]) -> int:
@@ -1257,7 +1253,7 @@ async def _open_gate_and_end(store: BlockStore, gate: threading.Event, task: asy
 
 def _counting_fetcher(calls: list[int]):  # type: ignore[no-untyped-def]
     """A peer fetcher that records how many blocks it was asked for and has none of them."""
-    from kvstored.peers.streaming import Fetched
+    from kvstored.peers.chain_streams import Fetched
 
     async def fetcher(namespace_id, want, into, landed):  # type: ignore[no-untyped-def]
         calls.append(len(want))

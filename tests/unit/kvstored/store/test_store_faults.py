@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 from clock import Clock
-from store_harness import exchange, streamer
+from store_harness import chain, exchange, streamer
 
 from kvstored import config
 from kvstored.copy import CopyEngine
 from kvstored.errors import KVError
-from kvstored.peers.streaming import Fetched
+from kvstored.peers.chain_streams import Fetched
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored_client.hashing import block_hashes
@@ -24,10 +24,6 @@ from kvstored_client.namespace import Namespace
 
 BLOCK = 4096
 NS = Namespace(model="m", block_bytes=BLOCK)
-
-
-def chain(n: int, start: int = 0) -> list[bytes]:
-    return block_hashes(list(range(start, start + 16 * n)))
 
 
 def _engine_buffers(store: BlockStore, session_id: str, ns: int):  # type: ignore[no-untyped-def]

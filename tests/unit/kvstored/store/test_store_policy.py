@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from clock import Clock
-from store_harness import exchange, gate_ssd_read, open_store
+from store_harness import chain, exchange, gate_ssd_read, open_store
 
 from kvstored.errors import ResourceExhausted
 from kvstored.index import Tier
@@ -35,10 +35,6 @@ def make_store(tmp_path: Path, dram: str, ssd: str | None = None, ssd_blocks: in
                 "high_watermark": 0.95, "low_watermark": 0.5, "sync": False, "admission": admission}}
     with open_store(tmp_path, values, ssd is not None) as made:
         yield made
-
-
-def chain(n: int, start: int = 0) -> list[bytes]:
-    return block_hashes(list(range(start, start + 16 * n)))
 
 
 def save(store: BlockStore, sid: str, ns: int, keys: list[bytes]) -> int:

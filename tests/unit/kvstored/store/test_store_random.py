@@ -39,8 +39,8 @@ from kvstored.buffers import TensorSource
 from kvstored.copy import CopyEngine
 from kvstored.errors import KVError
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, Block, Tier
+from kvstored.peers.chain_streams import Fetched
 from kvstored.peers.exchange import PeerLanding
-from kvstored.peers.streaming import Fetched
 from kvstored.policy.registry import POLICIES
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena

@@ -368,7 +368,7 @@ def test_a_full_map_fails_the_puts_of_a_batch_not_its_deletes(tmp_path: Path,
 def test_a_failed_sync_fails_the_puts_of_a_batch_not_its_deletes(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """An fdatasync that fails (EIO) failed the whole batch: its deletes too."""
-    import kvstored.tiers.ssd as ssd_mod
+    from kvstored.tiers import slot_files
 
     ssd = SSDTier(str(tmp_path), 64 << 20)
     try:
@@ -378,7 +378,7 @@ def test_a_failed_sync_fails_the_puts_of_a_batch_not_its_deletes(tmp_path: Path,
         def eio(self):  # type: ignore[no-untyped-def]
             raise OSError(5, "Input/output error")
 
-        monkeypatch.setattr(ssd_mod._SlotFile, "sync", eio)
+        monkeypatch.setattr(slot_files.SlotFile, "sync", eio)
         gone = ssd.delete(1, b"k" * 32)
         new = ssd.put(1, b"n" * 32, b"", 0, payload(2))
         held.release()

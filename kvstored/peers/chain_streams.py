@@ -17,6 +17,7 @@ from kvstored.errors import FailedPrecondition, InvalidArgument, ResourceExhaust
 from kvstored.handover import Arrival, Handover
 from kvstored.index import Block, Tier
 from kvstored.leases import Lease, LeaseKind, Session
+from kvstored.peers.connection import Into
 from kvstored.store import BlockStore, KeyRequest, StreamEnd
 from kvstored.store.catalog import NamespaceState
 from kvstored.store.engine_buffers import ignore_arrival
@@ -35,7 +36,6 @@ class Fetched:
 
 # fetcher(namespace_id, keys, into, landed): fetch ``keys`` in order from some peer; receive block i
 # into ``into(i, length)``, then await ``landed(i, peer)``. Never raises for a peer's failure.
-Into = Callable[[int, int], Awaitable[memoryview]]
 Landed = Callable[[int, str], Awaitable[None]]
 Fetcher = Callable[[int, list[bytes], Into, Landed], Awaitable[Fetched]]
 
