@@ -45,8 +45,8 @@ from kvstored.policy.interface import BlockPolicy
 from kvstored.policy.registry import make_policy
 from kvstored.tiers.dram import Arena, SlotAllocator, slot_size
 from kvstored.tiers.ssd import PROGRESS_EVERY, BlockRecord, Corrupt, MapFull, Progress, SSDError, SSDTier
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 log = logging.getLogger("kvstored.store")
 T = TypeVar("T")

@@ -43,6 +43,22 @@ def test_sdk_import_loads_no_daemon_dependencies() -> None:
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_the_daemon_imports_of_the_sdk_only_the_contract_and_its_top_level_names() -> None:
+    """What the daemon and the SDK share is named: ``kvstored_client.contract``. The daemon
+    reaching into another SDK module (as it did into the private ``_proto``) is a dependency
+    nobody sees when changing the SDK."""
+    import ast
+
+    stray = []
+    for path in sorted((ROOT / "kvstored").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            stray += [f"{path.relative_to(ROOT)}: {name}" for name in names
+                      if name.startswith("kvstored_client.") and not name.startswith("kvstored_client.contract")]
+    assert stray == []
+
+
 @pytest.mark.parametrize("args", [("--help",), ("-h",), ("--quick",)])
 def test_gpu_check_with_arguments_runs_nothing(tmp_path: Path, args: tuple[str, ...]) -> None:
     """``tools/gpu-check --help`` ran the whole check, pip-installing what the interpreter lacked

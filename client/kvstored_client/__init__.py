@@ -5,6 +5,9 @@ Light on purpose: grpcio, protobuf, numpy, cbor2 and xxhash; torch only if you p
 
 from kvstored_client import shm
 from kvstored_client.client import Buffers, Client, LoadResult, LookupResult, SaveResult
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.layout import TensorLayout
+from kvstored_client.contract.namespace import Namespace
 from kvstored_client.errors import (
     ClientClosed,
     DaemonNotRunning,
@@ -16,9 +19,6 @@ from kvstored_client.errors import (
     NotFound,
     ResourceExhausted,
 )
-from kvstored_client.hashing import block_hashes
-from kvstored_client.layout import TensorLayout
-from kvstored_client.namespace import Namespace
 from kvstored_client.version import __version__
 
 __all__ = [

@@ -29,8 +29,13 @@ import numpy as np
 from google.protobuf import json_format
 
 from kvstored_client import cuda_export, shm
-from kvstored_client._proto import kvstored_pb2 as pb
-from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.contract.hashing import ChainHasher
+from kvstored_client.contract.layout import TensorLayout, layout_signature
+from kvstored_client.contract.namespace import Namespace
+from kvstored_client.contract.paths import discover_socket_path
+from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.contract.wire import namespace_from_pb, namespace_to_pb
 from kvstored_client.errors import (
     ClientClosed,
     DaemonNotRunning,
@@ -42,11 +47,6 @@ from kvstored_client.errors import (
     NotFound,
     from_rpc_error,
 )
-from kvstored_client.hashing import ChainHasher
-from kvstored_client.layout import TensorLayout, layout_signature
-from kvstored_client.namespace import Namespace
-from kvstored_client.paths import discover_socket_path
-from kvstored_client.wire import namespace_from_pb, namespace_to_pb
 
 MAX_MESSAGE_BYTES = 64 << 20
 # gRPC backs off reconnecting after a failed connect (1 s, growing 1.6x up to 120 s): calls made

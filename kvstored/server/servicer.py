@@ -20,11 +20,11 @@ from kvstored.server.status import abort, mapped
 from kvstored.server.streams import RunningStreams
 from kvstored.store import Arrival, BlockStore, Fetcher, FlushProgress, KeyRequest, StreamEnd
 from kvstored.tiers.dram import Arena
-from kvstored_client._proto import kvstored_pb2 as pb
-from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.layout import TensorLayout
-from kvstored_client.version import __version__
-from kvstored_client.wire import namespace_from_pb, namespace_to_pb
+from kvstored_client import __version__
+from kvstored_client.contract.layout import TensorLayout
+from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.contract.wire import namespace_from_pb, namespace_to_pb
 
 log = logging.getLogger("kvstored.server")
 # After a stream's first block (sent at once), later blocks are gathered for a tenth of the time

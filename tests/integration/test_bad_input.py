@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvstored
-from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 
 class Raw:

@@ -16,7 +16,7 @@ import pytest
 import kvstored
 from conftest import Daemon, wait_serving
 from kvstored import Namespace
-from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 
 def rows(n: int, width: int = 4096, seed: int = 0) -> np.ndarray:

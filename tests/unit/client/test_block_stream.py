@@ -16,8 +16,8 @@ def test_an_arena_stream_hands_over_block_0_without_first_copying_the_whole_even
 
     import numpy as np
 
-    from kvstored_client._proto import kvstored_pb2 as pb
     from kvstored_client.client import BlockStream
+    from kvstored_client.contract.proto import kvstored_pb2 as pb
 
     n, size = 64, 256
     backing = np.arange(n * size, dtype=np.uint32).astype(np.uint8)

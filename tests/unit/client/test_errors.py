@@ -62,7 +62,7 @@ def test_a_client_made_while_the_daemon_stops_raises_daemon_not_running(tmp_path
     raised a bare KVStoreError("CANCELLED") instead of DaemonNotRunning."""
     from concurrent import futures
 
-    from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
+    from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 
     class Stopping(pb_grpc.KVStoreServicer):
         def Hello(self, request, context):  # type: ignore[no-untyped-def]

@@ -15,7 +15,7 @@ import pytest
 
 from kvstored.buffers import RegisteredBuffers, TensorSource
 from kvstored.errors import InvalidArgument
-from kvstored_client.layout import TensorLayout
+from kvstored_client.contract.layout import TensorLayout
 
 
 def _open_fds(under: Path) -> int:
@@ -73,7 +73,7 @@ import numpy as np
 from kvstored.buffers import RegisteredBuffers, TensorSource
 from kvstored.errors import InvalidArgument
 from kvstored.errors import KVError
-from kvstored_client.layout import TensorLayout
+from kvstored_client.contract.layout import TensorLayout
 with open({str(mnt / "sparse")!r}, "wb") as fh:
     fh.truncate(4 << 20)
 layout = TensorLayout((4, 1 << 20), (1 << 20, 1), "uint8", 0)
@@ -131,7 +131,7 @@ def test_a_registration_past_the_daemons_open_file_limit_is_resource_exhausted(t
 import resource, sys
 from kvstored.buffers import RegisteredBuffers, TensorSource
 from kvstored.errors import KVError
-from kvstored_client.layout import TensorLayout
+from kvstored_client.contract.layout import TensorLayout
 layout = TensorLayout((4, 16, 8), (128, 8, 1), "float16", 0)
 for i in range(64):
     with open({str(tmp_path)!r} + f"/buf{{i}}", "wb") as fh:

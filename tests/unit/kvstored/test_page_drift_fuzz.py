@@ -23,8 +23,8 @@ from kvstored.errors import KVError
 from kvstored.index import Block, Tier
 from kvstored.policy.registry import POLICIES
 from kvstored.store import BlockStore, KeyRequest, PeerLanding
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 BIG, SMALL = 4096, 1024
 PAGE = 4 * BIG

@@ -17,8 +17,8 @@ from kvstored.copy import CopyEngine
 from kvstored.errors import KVError
 from kvstored.store import BlockStore, Fetched, KeyRequest
 from kvstored.tiers.dram import Arena
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 BLOCK = 4096
 NS = Namespace(model="m", block_bytes=BLOCK)
@@ -32,7 +32,7 @@ def _engine_buffers(store: BlockStore, session_id: str, ns: int):  # type: ignor
     """Four engine blocks of BLOCK bytes in shared memory, registered with the store."""
     from kvstored.buffers import TensorSource
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.layout import TensorLayout
 
     engine = shm.empty((4, BLOCK), "uint8")
     return engine, store.register_buffers(session_id, ns, [TensorSource(
@@ -303,7 +303,7 @@ def test_a_placeholder_id_is_never_stored_as_a_blocks_bytes(env: tuple[BlockStor
     from kvstored.buffers import TensorSource
     from kvstored.errors import InvalidArgument
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.layout import TensorLayout
 
     store, _ = env
     s = store.open_session("engine", 1).session_id
@@ -547,7 +547,7 @@ def test_a_stream_cancelled_twice_while_its_copy_runs_leaves_no_busy_lease(env: 
 def _register_rows(store: BlockStore, session_id: str, ns: int, engine: Any, rows: int) -> Any:
     """Register ``engine`` (``rows`` rows of one block each) as one tensor."""
     from kvstored.buffers import TensorSource
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.layout import TensorLayout
     return store.register_buffers(session_id, ns, [TensorSource(
         engine.name, 0, TensorLayout((rows, BLOCK), (BLOCK, 1), "uint8", 0))])
 

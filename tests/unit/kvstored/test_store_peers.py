@@ -20,8 +20,8 @@ from kvstored.errors import NotFound
 from kvstored.index import SEALED, PrefixIndex
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 BLOCK = 4096          # bytes per block; the arena holds 8 of them (two pages of 4)
 SLOTS = 8
@@ -572,7 +572,7 @@ def test_a_fetched_first_block_reaches_the_reader_before_the_next_is_received(st
     from kvstored.buffers import TensorSource
     from kvstored.store import Fetched
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.layout import TensorLayout
 
     engine = shm.empty((4, BLOCK), "uint8")
     session = store.open_session("decode", 1)

@@ -18,8 +18,8 @@ from kvstored.errors import ResourceExhausted
 from kvstored.index import Tier
 from kvstored.policy.registry import POLICIES
 from kvstored.store import BlockStore, KeyRequest
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 BLOCK = 4096  # bytes per block; pages of 16 KiB hold 4 blocks, the arena 8
 
@@ -453,7 +453,7 @@ def test_a_load_blocks_racing_unregister_never_reports_blocks_it_did_not_copy(tm
     from kvstored.buffers import TensorSource
     from kvstored.errors import KVError
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.layout import TensorLayout
 
     with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=64) as (store, _):
         s = store.open_session("engine", 1).session_id

@@ -43,9 +43,9 @@ from kvstored.store import BlockStore, Fetched, KeyRequest, PeerLanding
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDError, SSDTier
 from kvstored_client import shm
-from kvstored_client.hashing import block_hashes
-from kvstored_client.layout import TensorLayout
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.layout import TensorLayout
+from kvstored_client.contract.namespace import Namespace
 
 PAGE = 16384
 SIZES = (4096, 2048)            # block bytes of the two namespaces: 4 and 8 slots a page

@@ -26,8 +26,8 @@ from kvstored.peers import transport
 from kvstored.peers.node import PeerNode
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 BLOCK = 4096
 NS = Namespace(model="m", block_bytes=BLOCK)

@@ -51,9 +51,9 @@ from kvstored.store import BlockStore, KeyRequest, PeerLanding, Served
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, SSDTier
 from kvstored_client import shm
-from kvstored_client.hashing import block_hashes
-from kvstored_client.layout import TensorLayout
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.layout import TensorLayout
+from kvstored_client.contract.namespace import Namespace
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ from kvstored.errors import NotFound
 from kvstored.handover import Arrival
 from kvstored.index import Tier
 from kvstored.server.servicer import KVStoreServicer
-from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 
 class Aborted(Exception):
@@ -80,8 +80,8 @@ def test_a_stream_from_a_silent_peer_ends_before_the_callers_deadline() -> None:
     deadline (here 2 s, with peers.deadline_s at 30 s)."""
     from silent_peer import node_with_a_silent_peer
 
-    from kvstored_client.hashing import block_hashes
-    from kvstored_client.namespace import Namespace
+    from kvstored_client.contract.hashing import block_hashes
+    from kvstored_client.contract.namespace import Namespace
 
     class DeadlineContext(Context):
         def time_remaining(self) -> float:
@@ -266,9 +266,9 @@ def test_load_blocks_writes_no_engine_block_once_the_callers_deadline_has_passed
     from kvstored.store import BlockStore, KeyRequest
     from kvstored.tiers.dram import Arena
     from kvstored_client import shm
-    from kvstored_client.hashing import block_hashes
-    from kvstored_client.layout import TensorLayout
-    from kvstored_client.namespace import Namespace
+    from kvstored_client.contract.hashing import block_hashes
+    from kvstored_client.contract.layout import TensorLayout
+    from kvstored_client.contract.namespace import Namespace
 
     block = 4096
 
