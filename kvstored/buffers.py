@@ -21,7 +21,7 @@ from typing import TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from kvstored.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstored_client.contract.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstored_client.contract.layout import BlockRegion, TensorLayout, layout_signature
 
 # For each block of a chain, the engine buffers' block it goes to or comes from. A numpy array as

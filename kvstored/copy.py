@@ -18,8 +18,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvstored.buffers import BlockIds, RegisteredBuffers, TensorMemory
-from kvstored.errors import DeadlineExceeded
 from kvstored.tiers.dram import Arena
+from kvstored_client.contract.errors import DeadlineExceeded
 
 TensorDone = Callable[[int], None]
 

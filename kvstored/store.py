@@ -36,7 +36,6 @@ import xxhash
 from kvstored.buffers import BlockIds, RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
-from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound, ResourceExhausted, Unavailable
 from kvstored.handover import Arrival, Handover
 from kvstored.index import DEMOTING, HIT, NO_SLOT, ON_SSD, SEALED, Block, PrefixIndex, Tier
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
@@ -45,6 +44,16 @@ from kvstored.policy.interface import BlockPolicy
 from kvstored.policy.registry import make_policy
 from kvstored.tiers.dram import Arena, SlotAllocator, slot_size
 from kvstored.tiers.ssd import PROGRESS_EVERY, BlockRecord, Corrupt, MapFull, Progress, SSDError, SSDTier
+from kvstored_client.contract.errors import (
+    DaemonNotRunning,
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    LeaseExpired,
+    NotFound,
+    Reason,
+    ResourceExhausted,
+)
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.namespace import Namespace
 
@@ -288,7 +297,7 @@ class PeerLanding:
 
 
 class BlockStore:
-    """The daemon's domain. Expected failures raise :mod:`kvstored.errors` types and change nothing."""
+    """The daemon's domain. Expected failures raise :mod:`kvstored_client.contract.errors` types and change nothing."""
 
     def __init__(self, config: Config, arena: Arena, copy: CopyEngine, ssd: SSDTier | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -354,18 +363,18 @@ class BlockStore:
 
     def _working_session(self, session_id: str) -> Session:
         """:meth:`_session`, for a request that starts new work (a copy, a lease, a reservation):
-        Unavailable once shutdown began. A call the server had taken before SIGTERM may start
+        DaemonNotRunning once shutdown began. A call the server had taken before SIGTERM may start
         only after quiesce() found nothing in flight; its session then ends under its copy (a
         save stored nothing and said the session closed) or its lease (a load found nothing)."""
         if self._stopping:
-            raise Unavailable("the daemon is stopping")
+            raise DaemonNotRunning("the daemon is stopping", Reason.DAEMON_STOPPING)
         return self._session(session_id)
 
     def _session(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
             raise FailedPrecondition(f"unknown session {session_id!r}: open a session first (the "
-                                     "daemon may have restarted; reconnect)")
+                                     "daemon may have restarted; reconnect)", Reason.UNKNOWN_SESSION)
         return session
 
     # -- namespaces -------------------------------------------------------------------------
@@ -443,7 +452,7 @@ class BlockStore:
     def _namespace(self, namespace_id: int) -> NamespaceState:
         state = self._namespaces.get(namespace_id)
         if state is None:
-            raise NotFound(f"unknown namespace {namespace_id}: open it first")
+            raise NotFound(f"unknown namespace {namespace_id}: open it first", Reason.UNKNOWN_NAMESPACE)
         return state
 
     def resolve_keys(self, namespace_id: int, keys: KeyRequest) -> tuple[NamespaceState, list[bytes]]:
@@ -452,18 +461,18 @@ class BlockStore:
         spec = state.spec
         limit = self._config.server.max_batch_blocks
         if sum(map(bool, (keys.hashes, keys.packed_hashes, keys.token_ids))) > 1:
-            raise InvalidArgument("give one of hashes, packed_hashes or token_ids (not several)")
+            raise InvalidArgument("give one of hashes, packed_hashes or token_ids (not several)", Reason.BAD_KEYS)
         if keys.hashes or keys.packed_hashes:
             if keys.cache_salt or keys.lora_name:
                 raise InvalidArgument("cache_salt and lora_name apply to token ids only; "
-                                      "engine hashes already include them")
+                                      "engine hashes already include them", Reason.BAD_KEYS)
             size = spec.digest_size
             if keys.packed_hashes and len(keys.packed_hashes) % size:
                 raise InvalidArgument(f"packed_hashes has {len(keys.packed_hashes)} bytes, not a whole number "
-                                      f"of {size}-byte {spec.hash_algo} keys")
+                                      f"of {size}-byte {spec.hash_algo} keys", Reason.BAD_KEYS)
             n = len(keys.packed_hashes) // size or len(keys.hashes)
             if n > limit:
-                raise InvalidArgument(f"{n} blocks exceed server.max_batch_blocks={limit}")
+                raise InvalidArgument(f"{n} blocks exceed server.max_batch_blocks={limit}", Reason.TOO_MANY_BLOCKS)
             if keys.packed_hashes:   # numpy cuts them apart in C, each a bytes object of its own
                 return state, np.frombuffer(keys.packed_hashes, f"V{size}").tolist()
             chain = list(keys.hashes)
@@ -471,16 +480,16 @@ class BlockStore:
                 for i, h in enumerate(chain):
                     if len(h) != size:
                         raise InvalidArgument(f"hashes[{i}] has {len(h)} bytes; {spec.hash_algo} keys have "
-                                              f"{size}")
+                                              f"{size}", Reason.BAD_KEYS)
             return state, chain
         if len(keys.token_ids) // spec.block_size > limit:
             raise InvalidArgument(f"{len(keys.token_ids) // spec.block_size} blocks exceed "
-                                  f"server.max_batch_blocks={limit}")
+                                  f"server.max_batch_blocks={limit}", Reason.TOO_MANY_BLOCKS)
         try:
             chain = block_hashes(keys.token_ids, spec.block_size, spec.hash_seed, spec.hash_algo,
                                  cache_salt=keys.cache_salt or None, lora_name=keys.lora_name or None)
         except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+            raise InvalidArgument(str(exc), Reason.BAD_KEYS) from None
         return state, chain
 
     # -- reads ------------------------------------------------------------------------------
@@ -853,13 +862,14 @@ class BlockStore:
             kind = self._leases.was_expired(lease_id, session_id,
                                             LeaseKind.RESERVATION if reservation_only else None)
             if kind is LeaseKind.RESERVATION:
-                raise FailedPrecondition(f"reservation {lease_id} expired before it was released "
-                                         f"(ttl {self._config.leases.reservation_ttl_s:g}s); nothing was stored")
+                raise LeaseExpired(f"reservation {lease_id} expired before it was released "
+                                   f"(ttl {self._config.leases.reservation_ttl_s:g}s); nothing was stored",
+                                   Reason.RESERVATION_EXPIRED)
             if kind is LeaseKind.READ:
-                raise FailedPrecondition(f"lease {lease_id} expired before it was released "
-                                         f"(ttl {self._config.leases.ttl_s:g}s); bytes read under it "
-                                         "may be stale")
-            raise NotFound(f"unknown lease {lease_id}")
+                raise LeaseExpired(f"lease {lease_id} expired before it was released "
+                                   f"(ttl {self._config.leases.ttl_s:g}s); bytes read under it "
+                                   "may be stale", Reason.LEASE_EXPIRED)
+            raise NotFound(f"unknown lease {lease_id}", Reason.UNKNOWN_LEASE)
         self._end(lease, session, aborted=True)
 
     # -- writes -----------------------------------------------------------------------------
@@ -893,7 +903,7 @@ class BlockStore:
         if not lease.new and len(lease.pinned) < len(chain) and not blocked:
             self._end(lease, session, aborted=True)
             raise ResourceExhausted("DRAM tier full: every block that could make room is leased "
-                                    "or being written; retry after releasing leases")
+                                    "or being written; retry after releasing leases", Reason.TIER_FULL)
         return lease
 
     def _reserve_present(self, session: Session, state: NamespaceState, chain: list[bytes]) -> Lease:
@@ -1149,10 +1159,10 @@ class BlockStore:
         lease = self._leases.get(reservation_id)
         if lease is None or lease.kind != LeaseKind.RESERVATION or lease.session_id != session_id:
             if self._leases.was_expired(reservation_id, session_id, LeaseKind.RESERVATION):
-                raise FailedPrecondition(f"reservation {reservation_id} expired before it was sealed "
-                                         f"(ttl {self._config.leases.reservation_ttl_s:g}s); "
-                                         "nothing was stored")
-            raise NotFound(f"unknown reservation {reservation_id}")
+                raise LeaseExpired(f"reservation {reservation_id} expired before it was sealed "
+                                   f"(ttl {self._config.leases.reservation_ttl_s:g}s); "
+                                   "nothing was stored", Reason.RESERVATION_EXPIRED)
+            raise NotFound(f"unknown reservation {reservation_id}", Reason.UNKNOWN_LEASE)
         sealed = len(lease.new)
         self._end(lease, session, aborted=False)
         return sealed
@@ -1449,7 +1459,7 @@ class BlockStore:
         if model and not ids:
             known = sorted({s.spec.model for s in self._namespaces.values()})
             raise NotFound(f"no namespace of model {model!r} on this node (models here: "
-                           f"{', '.join(map(repr, known)) or 'none'})")
+                           f"{', '.join(map(repr, known)) or 'none'})", Reason.UNKNOWN_MODEL)
         return ids
 
     def evict(self, model: str = "", tier: Tier | None = None) -> int:
@@ -1458,7 +1468,7 @@ class BlockStore:
         keeps one. Returns how many blocks lost a copy or left the index. FailedPrecondition for
         the SSD tier of a store without one (as :meth:`flushing`); NotFound for a model never seen."""
         if tier is Tier.SSD and self._ssd is None:
-            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)")
+            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)", Reason.SSD_DISABLED)
         ids = self._namespace_ids(model)
         blocks = sorted((b for ns_id in ids for b in self._namespaces[ns_id].index), key=lambda b: -b.depth)
         count = 0
@@ -1522,7 +1532,7 @@ class BlockStore:
         blocks would not survive a restart. FailedPrecondition without an SSD tier; NotFound for
         a model never seen."""
         if self._ssd is None:
-            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)")
+            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)", Reason.SSD_DISABLED)
         ids = self._namespace_ids(model)
         total = 0
         yield FlushProgress(0, self._dram_only(ids))
@@ -1597,7 +1607,7 @@ class BlockStore:
                        ) -> RegisteredBuffers:
         entry = self._buffers.get(buffers_id)
         if entry is None or entry[0] != session_id:
-            raise NotFound(f"unknown buffers {buffers_id} for this session")
+            raise NotFound(f"unknown buffers {buffers_id} for this session", Reason.UNKNOWN_BUFFERS)
         if namespace_id is not None and entry[1] != namespace_id:
             raise InvalidArgument(f"buffers {buffers_id} were registered for another namespace")
         return entry[2]
@@ -1647,8 +1657,8 @@ class BlockStore:
             raise
         if lease.lease_id in self._doomed or self._leases.get(lease.lease_id) is None:
             self._finish_doomed(lease)
-            raise FailedPrecondition("session closed or reservation expired during the copy; "
-                                     "nothing was stored")
+            raise LeaseExpired("session closed or reservation expired during the copy; "
+                               "nothing was stored", Reason.RESERVATION_EXPIRED)
         stored = len(lease.new)
         self._end(lease, session, aborted=False)
         return present, stored
@@ -1739,7 +1749,7 @@ class BlockStore:
             return f"namespace id {namespace_id} does not match its description"
         try:
             self.open_namespace(spec)
-        except KVError as exc:
+        except KVStoreError as exc:
             return str(exc)
         return ""
 
@@ -2047,7 +2057,7 @@ class BlockStore:
                 # the rest, so no peer is asked for it and nothing more is leased.
                 await handover.close()
                 if self._stopping:
-                    raise Unavailable("the daemon is stopping")
+                    raise DaemonNotRunning("the daemon is stopping", Reason.DAEMON_STOPPING)
                 raise FailedPrecondition(f"session {session_id!r} closed during the stream, after {given} "
                                          f"of {len(chain)} blocks had come up")
             read = self._leases.get(local.lease_id) if local.lease_id else None
@@ -2266,7 +2276,7 @@ class BlockStore:
         for SSD reads, for at most ``timeout_s``; whether none has. Shutdown waits so before it
         ends the sessions: ending one dooms its busy leases (a save whose reservation is doomed
         stores nothing) and ends the leases of lookups under way (a load then finds nothing).
-        From the first call on, requests that would start new work are refused (Unavailable)."""
+        From the first call on, requests that would start new work are refused (DaemonNotRunning)."""
         self._stopping = True
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s

@@ -59,6 +59,24 @@ def test_the_daemon_imports_of_the_sdk_only_the_contract_and_its_top_level_names
     assert stray == []
 
 
+def test_the_proto_lists_the_reasons_a_daemon_sends_under_their_status_codes() -> None:
+    """Raw gRPC clients learn the reason codes from the proto's header: the same as the
+    contract's, each under the status code its class travels as."""
+    from kvstored_client.contract.errors import Reason
+    from kvstored_client.errors import _BY_REASON
+
+    header = (ROOT / "proto" / "kvstored" / "v1" / "kvstored.proto").read_text().split("syntax =")[0]
+    listed: dict[str, set[str]] = {}
+    for code, names in re.findall(r"^//   ([A-Z_]+): ([A-Z_, ]+(?:\n//     [A-Z_, ]+)*)", header, re.M):
+        listed[code] = set(re.findall(r"[A-Z_]+", names))
+    expected: dict[str, set[str]] = {}
+    for reason, cls in _BY_REASON.items():
+        if reason is not Reason.UNAVAILABLE:   # the SDK's, for a daemon it could not reach
+            assert cls.code is not None
+            expected.setdefault(cls.code.name, set()).add(reason.value)
+    assert listed == expected
+
+
 @pytest.mark.parametrize("args", [("--help",), ("-h",), ("--quick",)])
 def test_gpu_check_with_arguments_runs_nothing(tmp_path: Path, args: tuple[str, ...]) -> None:
     """``tools/gpu-check --help`` ran the whole check, pip-installing what the interpreter lacked

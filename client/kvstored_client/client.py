@@ -29,15 +29,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from kvstored_client import cuda_export, shm
-from kvstored_client.contract.hashing import ChainHasher
-from kvstored_client.contract.layout import TensorLayout, layout_signature
-from kvstored_client.contract.namespace import Namespace
-from kvstored_client.contract.paths import discover_socket_path
-from kvstored_client.contract.proto import kvstored_pb2 as pb
-from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.contract.wire import namespace_from_pb, namespace_to_pb
-from kvstored_client.errors import (
-    ClientClosed,
+from kvstored_client.contract.errors import (
     DaemonNotRunning,
     DeadlineExceeded,
     FailedPrecondition,
@@ -45,8 +37,16 @@ from kvstored_client.errors import (
     KVStoreError,
     LeaseExpired,
     NotFound,
-    from_rpc_error,
+    Reason,
 )
+from kvstored_client.contract.hashing import ChainHasher
+from kvstored_client.contract.layout import TensorLayout, layout_signature
+from kvstored_client.contract.namespace import Namespace
+from kvstored_client.contract.paths import discover_socket_path
+from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.contract.wire import namespace_from_pb, namespace_to_pb
+from kvstored_client.errors import ClientClosed, from_rpc_error, reason_of
 
 MAX_MESSAGE_BYTES = 64 << 20
 # gRPC backs off reconnecting after a failed connect (1 s, growing 1.6x up to 120 s): calls made
@@ -187,26 +187,28 @@ class Client:
             self._hello = self._stub.Hello(pb.HelloRequest(), timeout=min(timeout_s, 5.0), wait_for_ready=False)
         except grpc.RpcError as exc:
             self._channel.close()
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and "Permission denied" in (exc.details() or ""):
+            # grpc tells why it could not connect in its message alone: the socket itself says
+            # (connect's errno), and only a socket can be refused for want of permission
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and target.startswith("unix:") \
+                    and isinstance(_connect_error(target), PermissionError):
                 raise DaemonNotRunning(
                     f"permission denied on {self.socket}: a daemon may well be running, but this user "
                     "may not open its socket (the systemd unit's socket is mode 0660, group kvstored: "
                     "add this user to that group)") from None
-            if exc.code() == grpc.StatusCode.CANCELLED:   # see _error
-                raise DaemonNotRunning(f"kvstored on {self.socket} cancelled the call: it is stopping") from None
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _accepts_connections(target):
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _connect_error(target) is None:
                 # a daemon binds its socket before it opens its tiers (pre-faulting the arena,
                 # restoring the SSD index: minutes for millions of blocks), and serves after
                 raise DaemonNotRunning(
                     f"kvstored on {self.socket} accepts connections but did not answer within "
                     f"{min(timeout_s, 5.0):g} s: it is still starting (opening its tiers or restoring its SSD "
                     "index: `systemctl status kvstored` or its log says which), or it is hung") from None
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                    and reason_of(exc) is None:
                 raise DaemonNotRunning(
                     f"no kvstored daemon answers on {self.socket}. Start one with `kvstored` "
                     "(or `systemctl start kvstored`), or point KVSTORED_SOCKET, Client(socket=...) or "
                     "`kvctl --socket` at a running one.") from None
-            raise from_rpc_error(exc) from None
+            raise from_rpc_error(exc, f"kvstored on {self.socket}", timeout_s) from None
         self.daemon_version = self._hello.version
         # whether the daemon takes packed keys: renewed with each session (a restart may bring
         # another version), see _open_session
@@ -240,25 +242,18 @@ class Client:
                                 "(Client timeout_s)")
 
     def _error(self, exc: grpc.RpcError) -> KVStoreError:
-        """The SDK error for a failed call, naming the daemon where the status alone would not."""
+        """The SDK error for a failed call, naming the daemon where the status alone would not.
+        (A call cancelled but not by this client, whose own cancellations end in ClientClosed or
+        are the caller's close(), was cancelled by a stopping daemon: DaemonNotRunning.)"""
         if self._closed:
             return self._closed_during_call()
-        code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return DaemonNotRunning(f"kvstored on {self.socket} went away: {exc.details()}")
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return DeadlineExceeded(f"kvstored on {self.socket} did not answer within {self._timeout:g} s "
-                                    "(Client timeout_s)")
-        if code == grpc.StatusCode.CANCELLED:
-            # Not by this client (its own cancellations end in ClientClosed or are the caller's
-            # close()): a stopping daemon's server cancels the calls it will not finish, and a
-            # bare KVStoreError("CANCELLED") told the caller nothing it could act on.
-            return DaemonNotRunning(f"kvstored on {self.socket} cancelled the call: it is stopping")
-        if _unknown_namespace(exc):
+        err = from_rpc_error(exc, f"kvstored on {self.socket}", self._timeout)
+        if err.reason == Reason.UNKNOWN_NAMESPACE or (err.reason == Reason.NOT_FOUND and reason_of(exc) is None):
             # a restarted daemon that has not heard of the namespace (calls without a session never
-            # see the restart): the next call opens it again
+            # see the restart): the next call opens it again. (A daemon older than reasons says
+            # NOT_FOUND alone: any of them may be that, and asking for the ids again is cheap.)
             self._namespace_ids.clear()
-        return from_rpc_error(exc)
+        return err
 
     def _call(self, method: Callable[..., T], request: Any) -> T:
         self._check_open()
@@ -268,7 +263,7 @@ class Client:
             except grpc.RpcError as exc:
                 ns_id = getattr(request, "namespace_id", 0)
                 known = [ns for ns, entry in list(self._namespace_ids.items()) if entry[0] == ns_id]
-                if not (ns_id and known and _unknown_namespace(exc)):
+                if not (ns_id and known and reason_of(exc) == Reason.UNKNOWN_NAMESPACE):
                     raise
                 # The daemon restarted and lost the namespace (none was persisted, or it runs
                 # without an SSD tier): open it again (its id is its identity) and retry once; the
@@ -730,12 +725,12 @@ class Client:
         ``timeout_s`` (DeadlineExceeded), and calls with other buffers do not wait at all."""
         reg = self._registration_of(buffers)
         if not reg.registered:
-            raise NotFound("these buffers were unregistered")
+            raise NotFound("these buffers were unregistered", Reason.UNKNOWN_BUFFERS)
         if reg.current[0] == session:
             return reg.current[1]
         with self._holding(reg):
             if not reg.registered:
-                raise NotFound("these buffers were unregistered")
+                raise NotFound("these buffers were unregistered", Reason.UNKNOWN_BUFFERS)
             if reg.current[0] != session:
                 resp = self._register(session, buffers.namespace, reg.tensors)
                 if (resp.num_blocks, resp.block_bytes, resp.layout) != \
@@ -790,7 +785,7 @@ class Client:
                     self._forget_buffers(session_id, buffers_id)
                 except FailedPrecondition as exc:
                     # a restart this client has not noticed yet: the session, and the buffers, are gone
-                    if not str(exc).startswith("unknown session"):
+                    if exc.reason != Reason.UNKNOWN_SESSION:
                         raise
                 except DaemonNotRunning:
                     # an engine shutting down after the daemon: the daemon is gone, or exiting
@@ -1083,11 +1078,6 @@ class Client:
         self.close()
 
 
-def _unknown_namespace(exc: grpc.RpcError) -> bool:
-    """Whether the daemon refused a call for a namespace id it does not know."""
-    return exc.code() == grpc.StatusCode.NOT_FOUND and (exc.details() or "").startswith("unknown namespace")
-
-
 def _per_tier(tiers: Sequence[int]) -> dict[str, int]:
     return {TIER_NAMES.get(tier, str(tier)): n for tier, n in Counter(tiers).items()}
 
@@ -1276,9 +1266,9 @@ class BlockStream:
         return self.outcome
 
 
-def _accepts_connections(target: str) -> bool:
-    """Whether something listens at the gRPC ``target`` (``unix:PATH`` or ``dns:HOST:PORT``, as
-    :func:`_target` makes them): a plain connect, given at most a second."""
+def _connect_error(target: str) -> OSError | None:
+    """Why a plain connect to the gRPC ``target`` (``unix:PATH`` or ``dns:HOST:PORT``, as
+    :func:`_target` makes them) fails, given at most a second; None when something listens."""
     import socket as sockets
 
     try:
@@ -1286,14 +1276,16 @@ def _accepts_connections(target: str) -> bool:
             with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as probe:
                 probe.settimeout(1.0)
                 probe.connect(target.removeprefix("unix:"))
-            return True
+            return None
         if target.startswith("dns:"):
             host, _, port = target.removeprefix("dns:").rpartition(":")
             with sockets.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-                return True
-    except (OSError, ValueError):
-        return False
-    return False
+                return None
+    except OSError as exc:
+        return exc
+    except ValueError as exc:   # not a port number
+        return OSError(str(exc))
+    return OSError(f"cannot probe {target}")
 
 
 def _target(socket: str) -> str:

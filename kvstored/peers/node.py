@@ -22,7 +22,6 @@ from pathlib import Path
 
 from kvstored.cluster.membership import EtcdMembership, Member, Membership, MembershipError, StaticMembership
 from kvstored.config import Config, ConfigError, PeersConfig
-from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound
 from kvstored.peers.transport import (
     MAX_TOKEN_BYTES,
     BlockServer,
@@ -39,6 +38,7 @@ from kvstored.peers.transport import (
     parse_address,
 )
 from kvstored.store import BlockStore, Fetched, Into, KeyRequest, Landed, LookupResult
+from kvstored_client.contract.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
 
 log = logging.getLogger("kvstored.peers")
 
@@ -436,7 +436,7 @@ class PeerNode:
             peer.fetched += arrived
             self._mark(peer, str(exc))
             return arrived, "peer_error", str(exc)
-        except KVError as exc:   # the store had no slot for the next block: the connection is dropped
+        except KVStoreError as exc:   # the store had no slot for the next block: the connection is dropped
             peer.fetched += arrived
             return arrived, "no_room", str(exc)
         finally:

@@ -19,10 +19,10 @@ import pytest
 from clock import Clock
 from store_harness import open_store
 
-from kvstored.errors import KVError
 from kvstored.index import Block, Tier
 from kvstored.policy.registry import POLICIES
 from kvstored.store import BlockStore, KeyRequest, PeerLanding
+from kvstored_client.contract.errors import KVStoreError
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.namespace import Namespace
 
@@ -101,7 +101,7 @@ async def _walk(tmp_path: Path, policy: str, seed: int, steps: int, pages: int =
         def reserve(ns: int, keys: list[bytes]) -> tuple[int, list[Block]] | None:
             try:
                 r = store.reserve(s, ns, KeyRequest(hashes=keys), sizes[ns])
-            except KVError:
+            except KVStoreError:
                 return None
             index = store._namespaces[ns].index
             new = [index.get(k) for k in keys[r.present: r.present + len(r.offsets)]]
@@ -126,7 +126,7 @@ async def _walk(tmp_path: Path, policy: str, seed: int, steps: int, pages: int =
                 checked_out.append(block)
 
         async def flush() -> None:
-            with contextlib.suppress(KVError):
+            with contextlib.suppress(KVStoreError):
                 await store.flush()
 
         def spawn(coro: object) -> None:

@@ -15,9 +15,9 @@ import pytest
 from clock import Clock
 from store_harness import gate_ssd_read, open_store
 
-from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstored.policy.credit import DEFAULT_TAU_S
 from kvstored.store import PROMOTIONS_PER_STEP, BlockStore, KeyRequest
+from kvstored_client.contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.namespace import Namespace
 

@@ -14,9 +14,9 @@ from clock import Clock
 
 from kvstored import config
 from kvstored.copy import CopyEngine
-from kvstored.errors import KVError
 from kvstored.store import BlockStore, Fetched, KeyRequest
 from kvstored.tiers.dram import Arena
+from kvstored_client.contract.errors import KVStoreError
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.namespace import Namespace
 
@@ -301,8 +301,8 @@ def test_a_placeholder_id_is_never_stored_as_a_blocks_bytes(env: tuple[BlockStor
     are sealed as block 1 and served to every later load of the prompt. README: such a save is
     refused (InvalidArgument), and nothing of it is stored."""
     from kvstored.buffers import TensorSource
-    from kvstored.errors import InvalidArgument
     from kvstored_client import shm
+    from kvstored_client.contract.errors import InvalidArgument
     from kvstored_client.contract.layout import TensorLayout
 
     store, _ = env
@@ -559,7 +559,7 @@ def _peer(first_byte: int, pause: bool) -> Any:
         for i in range(len(want)):
             try:
                 view = await into(i, BLOCK)
-            except KVError as exc:            # as PeerNode.fetch reports it
+            except KVStoreError as exc:            # as PeerNode.fetch reports it
                 return Fetched(i, "no_room", str(exc))
             view[:] = bytes([i + first_byte]) * BLOCK
             await landed(i, "peer-a")
@@ -610,7 +610,7 @@ def test_a_block_a_stream_just_fetched_stays_under_the_next_one(env: tuple[Block
     another client's save on a full arena. The next block was then reserved under a parent no
     longer in the index: an AssertionError out of the store (the client saw an internal error)
     and a DRAM slot allocated for it and never freed."""
-    from kvstored.errors import ResourceExhausted
+    from kvstored_client.contract.errors import ResourceExhausted
     store, _ = env
     holder = store.open_session("holder", 1).session_id
     reader = store.open_session("decode", 2).session_id
@@ -623,7 +623,7 @@ def test_a_block_a_stream_just_fetched_stays_under_the_next_one(env: tuple[Block
         for i in range(len(want)):
             try:
                 view = await into(i, BLOCK)
-            except KVError as exc:                # as PeerNode.fetch reports it
+            except KVStoreError as exc:                # as PeerNode.fetch reports it
                 return Fetched(i, "no_room", str(exc))
             view[:] = bytes([i + 1]) * BLOCK
             await landed(i, "peer-a")
@@ -674,7 +674,7 @@ def test_a_stream_hands_over_blocks_another_client_stored_while_it_asked_the_pee
         for i in range(len(want)):
             try:
                 view = await into(i, BLOCK)
-            except KVError as exc:                # as PeerNode.fetch reports it
+            except KVStoreError as exc:                # as PeerNode.fetch reports it
                 return Fetched(i, "no_room", str(exc))
             view[:] = bytes([i + 1]) * BLOCK
             await landed(i, "peer-a")
@@ -953,8 +953,8 @@ def test_a_stream_whose_session_ends_during_its_lookup_leaves_no_lease(ssd_env: 
     FailedPrecondition once its lookup returns, and asks no peer for the rest."""
     import concurrent.futures
 
-    from kvstored.errors import FailedPrecondition
     from kvstored.index import Tier
+    from kvstored_client.contract.errors import FailedPrecondition
     store, _ = ssd_env
     s = store.open_session("holder", 1).session_id
     reader = store.open_session("reader", 2).session_id
@@ -1011,9 +1011,9 @@ def test_a_call_that_starts_after_shutdown_quiesced_is_refused_not_cut_off(env: 
     its copy, the session ended under it, and the engine got FailedPrecondition ("session closed
     or reservation expired during the copy"), a LeaseExpired to the SDK, for a daemon that was
     merely stopping; a leased lookup likewise lost its lease to the session's end. Now work
-    that starts once shutdown began is refused: Unavailable, which the SDK raises as
-    DaemonNotRunning."""
-    from kvstored.errors import Unavailable
+    that starts once shutdown began is refused: DaemonNotRunning (reason DAEMON_STOPPING), as the
+    SDK raises it."""
+    from kvstored_client.contract.errors import DaemonNotRunning
     store, _ = env
     s = store.open_session("engine", 1).session_id
     ns = store.open_namespace(NS).namespace_id
@@ -1025,11 +1025,11 @@ def test_a_call_that_starts_after_shutdown_quiesced_is_refused_not_cut_off(env: 
         save = asyncio.ensure_future(store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=a), [0, 1]))
         await asyncio.sleep(0)            # the handler runs before the sessions end
         store.close_session(s)
-        with pytest.raises(Unavailable, match="stopping"):
+        with pytest.raises(DaemonNotRunning, match="stopping"):
             await save
-        with pytest.raises(Unavailable, match="stopping"):
+        with pytest.raises(DaemonNotRunning, match="stopping"):
             store.reserve(s, ns, KeyRequest(hashes=a), BLOCK)
-        with pytest.raises(Unavailable, match="stopping"):
+        with pytest.raises(DaemonNotRunning, match="stopping"):
             await store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=s)
 
     try:
@@ -1046,7 +1046,7 @@ def test_no_copy_into_engine_buffers_starts_after_the_callers_deadline(env: tupl
     the caller's deadline (``copy_until``) is checked right before each copy starts: a stream
     ends with DeadlineExceeded and the late block is not written; a load_blocks past it writes
     nothing; nothing stays leased."""
-    from kvstored.errors import DeadlineExceeded
+    from kvstored_client.contract.errors import DeadlineExceeded
 
     store, _ = env
     s = store.open_session("decode", 1).session_id

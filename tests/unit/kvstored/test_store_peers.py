@@ -16,10 +16,10 @@ import xxhash
 
 from kvstored import config
 from kvstored.copy import CopyEngine
-from kvstored.errors import NotFound
 from kvstored.index import SEALED, PrefixIndex
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
+from kvstored_client.contract.errors import NotFound
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.namespace import Namespace
 

@@ -36,13 +36,13 @@ from random_model import Broken, ClientSession, Tracked, payload, sweep, under_s
 from kvstored import config
 from kvstored.buffers import TensorSource
 from kvstored.copy import CopyEngine
-from kvstored.errors import KVError
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, Block, Tier
 from kvstored.policy.registry import POLICIES
 from kvstored.store import BlockStore, Fetched, KeyRequest, PeerLanding
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDError, SSDTier
 from kvstored_client import shm
+from kvstored_client.contract.errors import KVStoreError
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.layout import TensorLayout
 from kvstored_client.contract.namespace import Namespace
@@ -373,7 +373,7 @@ class Fuzz:
         now = self.clock.now
         try:
             r = self.store.reserve(s.session_id, self.ns_ids[ns], KeyRequest(hashes=keys), SIZES[ns])
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  -> {type(exc).__name__}")
             return
         new = keys[r.present: r.present + len(r.offsets)]
@@ -516,7 +516,7 @@ class Fuzz:
                     return Fetched(i, "missing", "stand-in peer stops")
                 try:
                     view = await into(i, SIZES[ns])
-                except KVError as exc:
+                except KVStoreError as exc:
                     return Fetched(i, "no_room", str(exc))
                 data = self.new_bytes(ns, key)
                 view[:] = data
@@ -561,7 +561,7 @@ class Fuzz:
         model = self.rng.choice(("", *MODELS))
         try:
             n = await self.store.flush(model)
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  -> flush {model!r}: {exc}")
             return
         self.log.append(f"  -> flush {model!r}: {n}")
@@ -704,7 +704,7 @@ class Fuzz:
             await task
         except asyncio.CancelledError:
             self.log.append(f"  {name}: cancelled")
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  {name}: {type(exc).__name__} {exc}")
         except Broken:
             raise

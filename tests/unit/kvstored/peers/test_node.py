@@ -21,11 +21,11 @@ from silent_peer import node_with_a_silent_peer
 from kvstored import config
 from kvstored.cluster.membership import Member
 from kvstored.copy import CopyEngine
-from kvstored.errors import InvalidArgument
 from kvstored.peers import transport
 from kvstored.peers.node import PeerNode
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
+from kvstored_client.contract.errors import InvalidArgument
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.namespace import Namespace
 

@@ -43,7 +43,6 @@ from random_model import Broken, ClientSession, Tracked, payload, sweep, under_s
 from kvstored import config
 from kvstored.buffers import TensorSource
 from kvstored.copy import CopyEngine
-from kvstored.errors import KVError
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, Block, Tier
 from kvstored.peers.node import IDLE_CONNECTIONS, PeerNode
 from kvstored.policy.registry import POLICIES
@@ -51,6 +50,7 @@ from kvstored.store import BlockStore, KeyRequest, PeerLanding, Served
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, SSDTier
 from kvstored_client import shm
+from kvstored_client.contract.errors import KVStoreError
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.layout import TensorLayout
 from kvstored_client.contract.namespace import Namespace
@@ -530,7 +530,7 @@ class Fuzz:
         now = self.clock.now
         try:
             r = node.store.reserve(s.session_id, NS_IDS[ns], KeyRequest(hashes=keys), SIZES[ns])
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  -> {type(exc).__name__}")
             return
         new = keys[r.present: r.present + len(r.offsets)]
@@ -742,7 +742,7 @@ class Fuzz:
     async def op_flush(self, node: Node) -> None:
         try:
             n = await node.store.flush(self.rng.choice(("", *MODELS)))
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  -> flush: {exc}")
             return
         self.log.append(f"  -> {node.name} flush {n}")
@@ -831,7 +831,7 @@ class Fuzz:
             task.result()
         except asyncio.CancelledError:
             self.log.append(f"  {name}: cancelled")
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  {name}: {type(exc).__name__} {exc}")
         except Broken:
             raise

@@ -12,10 +12,10 @@ from typing import Any
 import grpc
 import pytest
 
-from kvstored.errors import NotFound
 from kvstored.handover import Arrival
 from kvstored.index import Tier
 from kvstored.server.servicer import KVStoreServicer
+from kvstored_client.contract.errors import NotFound
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 
@@ -28,7 +28,7 @@ class Aborted(Exception):
 class Context:
     """What StreamBlocks uses of grpc.aio.ServicerContext: abort raises, as grpc's does."""
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> None:
         raise Aborted(code, details)
 
     def time_remaining(self) -> float | None:
