@@ -5,7 +5,8 @@ pass tensors.
 """
 
 from kvstored_client import shm
-from kvstored_client.client import Buffers, Client, LoadResult, LookupResult, SaveResult
+from kvstored_client.buffers import Buffers
+from kvstored_client.client import Client
 from kvstored_client.contract.errors import (
     DaemonNotRunning,
     DeadlineExceeded,
@@ -20,6 +21,7 @@ from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.layout import TensorLayout
 from kvstored_client.contract.namespace import Namespace
 from kvstored_client.errors import ClientClosed
+from kvstored_client.results import LoadResult, LookupResult, SaveResult
 from kvstored_client.version import __version__
 
 __all__ = [
