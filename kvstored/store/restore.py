@@ -48,7 +48,7 @@ def restore(catalog: Catalog, placement: Placement, tier: SSDTier | None,
         block.pins = 0
         restored.append(block)
     placement.ssd.restored(restored)
-    placement.dropped += dropped
+    placement.count_dropped("unreadable", dropped)
     before = placement.ssd_evictions
     # The capacity may have been lowered since: back under it now (a minute for a million
     # blocks here, told as the other steps are, or systemd takes the start for hung)

@@ -42,6 +42,11 @@ class SsdResidency:
         self._blocks = 0
 
     @property
+    def enabled(self) -> bool:
+        """Whether there is an SSD tier."""
+        return self._tier is not None
+
+    @property
     def used_bytes(self) -> int:
         """Bytes of the copies written and of those being written."""
         return self._used
