@@ -251,6 +251,9 @@ def test_bad_parameters_are_refused() -> None:
             generate(shape, 10, seed=0, **params)
     with pytest.raises(ValueError):
         generate("nope", 10, seed=0)
+    # zero is a chance, a spread or no drift, not a mistake: conversations of one turn
+    records = generate("chat", 300, seed=0, continue_first=0, continue_max=0, gap_sigma=0)
+    assert _follow_ups(records) == {}
 
 
 @pytest.mark.parametrize(("shape", "duration_s"), [("scan", 100), ("mix", 300), ("chat", 600), ("agent", 600)])

@@ -24,9 +24,9 @@ class Mix:
     ``weights`` (chat 0.4, docqa 0.25, agent 0.2, fewshot 0.1, scan 0.05) are shares of the
     requests. Each component keeps its parameters (the fields ``chat``, ``docqa``, ``agent``,
     ``fewshot``, ``scan``: each shape's defaults unless given, as ``docqa.documents=1000``) and its
-    sessions' timing, but its arrival rate is scaled so that all components span the same time:
-    ``duration_s`` when given, else the time their shares take at their own rates one after
-    another (the mixture arrives at the weighted harmonic mean of their request rates).
+    sessions' timing, but its session rate is fitted (``fit_rate``) so that every component's
+    requests span the same time: ``duration_s`` when given, else the time their shares take at
+    their own rates one after another (about the weighted harmonic mean of their request rates).
     """
 
     weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))

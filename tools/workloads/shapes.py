@@ -37,12 +37,12 @@ class Shape(Protocol):
 
 
 def _check(shape: DataclassInstance) -> None:
-    """Counts, rates, medians and spreads are positive (a sigma may be 0, a Zipf exponent too)."""
+    """Counts, rates and medians are positive; spreads, Zipf exponents, drift and chances >= 0."""
     for f in fields(shape):
         value = getattr(shape, f.name)
         if not isinstance(value, int | float) or isinstance(value, bool):
             continue
-        zero_ok = f.name.endswith(("sigma", "zipf", "drift_s", "drift_shift"))
+        zero_ok = f.name.endswith(("sigma", "zipf", "drift_s", "drift_shift", "continue_first", "continue_max"))
         if value < 0 or (value == 0 and not zero_ok):
             raise ValueError(f"{type(shape).__name__.lower()}: {f.name} must be "
                              f"{'>= 0' if zero_ok else 'positive'}, got {value}")
