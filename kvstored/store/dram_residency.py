@@ -112,6 +112,10 @@ class DramResidency:
                 can_evict=self.can_evict)
         return policy
 
+    def keeps(self, block: Block) -> bool:
+        """Whether ``block`` (sealed, without an SSD copy) must stay until it has one."""
+        return self._keep(block)
+
     def can_evict(self, block: Block) -> bool:
         """May ``block`` give up its DRAM slot now? Not while pinned, being written out, promoted
         or unsealed; with an SSD copy it just loses the slot, so it may have children in the index

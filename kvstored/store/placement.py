@@ -170,12 +170,13 @@ class Placement:
 
     async def wait_for_room(self, until: float) -> bool:
         """A save found no slot: DRAM holds only blocks that may not leave now. When some wait
-        for their SSD copy, have the write-back write at once and wait a moment (at most until
-        ``until``, the event loop's time) for it; True: try again. False when waiting cannot help
-        (no SSD tier, nothing queued for it) or the time is up."""
+        for their SSD copy (or are being written), have the write-back write at once and wait a
+        moment (at most until ``until``, the event loop's time) for it; True: try again. False
+        when waiting for the write-back cannot help (no SSD tier, nothing it would free) or the
+        time is up."""
         loop = asyncio.get_running_loop()
         left = until - loop.time()
-        if left <= 0 or not self.ssd.enabled or not len(self.queue):
+        if left <= 0 or not self.ssd.enabled or not self._writer_can_help():
             return False
         self.queue.waiters += 1
         self.queue.wanted.set()
@@ -186,6 +187,16 @@ class Placement:
         finally:
             self.queue.waiters -= 1
         return True
+
+    def _writer_can_help(self, scan: int = 256) -> bool:
+        """Whether the write-back will free a slot: among the first ``scan`` queued blocks, one
+        is being written, or waits for its SSD copy (it may leave once it has it)."""
+        for n, block in enumerate(self.queue):
+            if n == scan:
+                return False
+            if block.flags & DEMOTING or self.dram.keeps(block):
+                return True
+        return False
 
     def leave_dram_for_ssd(self, block: Block) -> None:
         """Give up the DRAM slot of ``block`` (sealed, with an SSD copy): it stays on SSD only,

@@ -24,6 +24,7 @@ from kvstored_client.contract.errors import FailedPrecondition, Reason, Resource
 
 log = logging.getLogger("kvstored.store")
 
+WAITED_ROUNDS = 16     # a round written for waiting saves is this share of the arena
 _FLUSH_ROUNDS = 6000   # write-back rounds (or 10 ms waits for other write-backs) a flush takes at most
 
 
@@ -76,7 +77,9 @@ class WriteBack:
         if not len(queue):
             return 0.0
         if queue.waiters:
-            return math.inf
+            # a round's blocks become evictable only when all of it is written: short rounds
+            # make room for the waiting saves sooner (the writer batches them all the same)
+            return self._placement.dram.capacity / WAITED_ROUNDS
         oldest = queue.oldest(self._keep)
         if oldest is not None and self._clock() - oldest >= self._config.ssd.max_dirty_s / 2:
             return math.inf

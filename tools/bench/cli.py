@@ -52,6 +52,7 @@ SUBCOMMANDS = {
     "peers": ("tools.bench.peer_channel", "peer block channel (plain, mutual TLS) vs raw TCP vs Mooncake TCP"),
     "cluster": ("tools.bench.cluster", "two daemons: shipping vs raw TCP / Mooncake; first vs last block"),
     "gpu": ("tools.bench.gpu", "GPU copies through the daemon vs plain cudaMemcpyAsync (CUDA hosts)"),
+    "burst": ("tools.bench.burst", "saves faster than the disk: saves/s, waits for room, drops, kill -9 losses"),
 }
 
 

@@ -56,7 +56,7 @@ def test_saves_faster_than_the_write_back_wait_for_it_and_drop_nothing(tmp_path:
     an SSD tier that had room, were lost (DRAM's victims had no SSD copy yet: the write-back had
     not reached them). Now each save that finds DRAM full of such blocks waits for the write-back,
     and every prompt is found afterwards, nothing dropped."""
-    with make_store(tmp_path) as (store, _):
+    with make_store(tmp_path, room_wait_s=5.0) as (store, _):
         async def main() -> None:
             writer = asyncio.ensure_future(store.writeback_loop(0.05))
             try:
@@ -104,8 +104,9 @@ def test_a_save_waits_no_longer_than_its_bound_then_stores_what_fits(tmp_path: P
 def test_reads_never_evict_blocks_waiting_for_their_ssd_copy(tmp_path: Path) -> None:
     """The user's second report: looking prompts up that lived on SSD (a lookup starts their
     promotion) evicted prompts held only in DRAM, with the SSD nearly empty: a read destroyed the
-    only copy of other blocks. A promotion takes only slots that can be given up without loss."""
-    with make_store(tmp_path) as (store, _):
+    only copy of other blocks. A promotion takes only slots that can be given up without loss
+    (here none, with no write-back running: the read waits dram.room_wait_s, then finds none)."""
+    with make_store(tmp_path, room_wait_s=0.2) as (store, _):
         s = store.open_session("t", 1).session_id
         ns = store.open_namespace(Namespace()).namespace_id
         old = chain(4)
@@ -124,6 +125,36 @@ def test_reads_never_evict_blocks_waiting_for_their_ssd_copy(tmp_path: Path) -> 
 
         assert asyncio.run(read_old()) == 0                       # no slot that may be given up
         assert asyncio.run(store.lookup(ns, KeyRequest(hashes=fresh))).tiers == [Tier.DRAM] * 8
+        assert store.stats().dropped_blocks == 0
+
+
+def test_a_read_waits_for_the_write_back_rather_than_evict(tmp_path: Path) -> None:
+    """The same read with the write-back running: it waits until the blocks saved last have
+    their SSD copies, then their slots go to the promotion (as clean evictions: nothing lost)."""
+    with make_store(tmp_path, room_wait_s=5.0) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        old = chain(4)
+        assert save_now(store, s, ns, old) == 4
+        assert asyncio.run(store.flush()) == 4
+        assert store.evict(tier=Tier.DRAM) == 4
+        fresh = chain(8, 50_000)
+        assert save_now(store, s, ns, fresh) == 8
+
+        async def main() -> int:
+            writer = asyncio.ensure_future(store.writeback_loop(0.05))
+            try:
+                r = await store.lookup(ns, KeyRequest(hashes=old), lease=True, session_id=s)
+                store.release(s, r.lease_id)
+                return r.blocks
+            finally:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writer
+                await store.finish_background()
+
+        assert asyncio.run(main()) == 4
+        assert asyncio.run(store.lookup(ns, KeyRequest(hashes=fresh))).blocks == 8   # on SSD now
         assert store.stats().dropped_blocks == 0
 
 
@@ -156,7 +187,7 @@ def test_every_block_leaving_dram_without_a_copy_is_counted_by_why(tmp_path: Pat
     blocks worth more (ssd_full); kvctl stats and kvstored_dropped_blocks_total{reason} say which."""
     options: dict[str, object] = {"refused": {"admission": "never"}, "ssd_off": {"ssd": False},
                                   "write_error": {}, "ssd_full": {"ssd_blocks": 4, "policy": "credit"}}[how]
-    with make_store(tmp_path, **options) as (store, clock):   # type: ignore[arg-type]
+    with make_store(tmp_path, **options) as (store, _):   # type: ignore[arg-type]
         s = store.open_session("t", 1).session_id
         ns = store.open_namespace(Namespace()).namespace_id
         if how == "write_error":
@@ -187,7 +218,7 @@ def test_blocks_sealed_longer_ago_than_the_window_are_on_ssd(tmp_path: Path) -> 
     """ssd.max_dirty_s bounds what a kill -9 loses: the write-back copies a block within it of its
     sealing, even with DRAM far under the write-back watermark (which alone used to leave a few
     saved prompts in DRAM only for as long as the daemon ran)."""
-    with make_store(tmp_path, capacity=64 * BLOCK) as (store, clock):
+    with make_store(tmp_path, capacity=64 * BLOCK, room_wait_s=5.0) as (store, clock):
         s = store.open_session("t", 1).session_id
         ns = store.open_namespace(Namespace()).namespace_id
 

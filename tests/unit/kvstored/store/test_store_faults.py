@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from clock import Clock
-from store_harness import chain, exchange, streamer
+from store_harness import ROOM_WAIT_S, chain, exchange, streamer
 
 from kvstored import config
 from kvstored.copy import CopyEngine
@@ -99,7 +99,7 @@ def _store_over_ssd(tmp_path: Path, dram_blocks: int = 8,
     """A store of ``dram_blocks`` DRAM blocks (pages of 4) over an SSD tier of 64, both LRU."""
     from kvstored.tiers.ssd import SSDTier
     cfg = config.build({"dram": {"capacity": dram_blocks * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
-                                 "policy": "lru"},
+                                 "policy": "lru", "room_wait_s": ROOM_WAIT_S},
                         "ssd": {"enabled": True, "capacity": 64 * BLOCK, "policy": "lru",
                                 "high_watermark": 0.95, "low_watermark": 0.5, "sync": False,
                                 "admission": admission}})
