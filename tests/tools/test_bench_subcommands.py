@@ -26,6 +26,7 @@ OPTIONS = {
     "cluster": ["--runs", "--block-bytes", "--run-bytes", "--ttfb-block-bytes", "--no-mooncake",
                 "--skip-throughput", "--skip-ttfb", "--out"],
     "gpu": [],
+    "burst": ["--dram-mib", "--ssd-mib", "--block-kib", "--blocks", "--seconds", "--clients", "--admission", "--dir"],
 }
 
 
@@ -131,6 +132,18 @@ def test_cluster_ships_between_two_daemons_and_writes_its_results(tmp_path: Path
                  "kvstored pull (stream)", "kvstored push (migrate)"):
         assert name in rows and float(rows[name][0]) > 0, f"row {name!r} missing:\n{out}"
     assert (tmp_path / "out" / "results.json").exists()
+
+
+def test_burst_saves_past_dram_drops_nothing_and_measures_a_kill(tmp_path: Path) -> None:
+    """Saves into a DRAM tier smaller than them, an SSD tier with room: nothing dropped, and after
+    the kill -9 the saved prompts come back with their bytes (but for the durability window)."""
+    out = bench("burst", "--seconds", "2", "--dram-mib", "32", "--ssd-mib", "512", "--blocks", "8",
+                "--block-kib", "64", "--dir", str(tmp_path)).stdout
+    rows = table_rows(out)
+    assert rows["blocks dropped"][0].startswith("0 "), out
+    assert "bytes intact" in rows["after kill -9 and restart"][0], out
+    assert {"disk, direct sequential write", "saves", "saves that waited for room", "lost"} <= set(rows), out
+    assert list(tmp_path.iterdir()) == [], "the daemon's files were left behind"
 
 
 def test_gpu_without_a_device_says_so() -> None:
