@@ -293,6 +293,11 @@ class BlockStore:
         SSD policy) until none is left that may go; returns how many were written."""
         return await self.writeback.for_shutdown()
 
+    async def record_reuses(self) -> int:
+        """Shutdown: keep each reused block's count with its SSD record (see
+        :meth:`WriteBack.record_reuses`); how many records were updated."""
+        return await self.writeback.record_reuses()
+
     def dram_only_blocks(self) -> int:
         """Sealed blocks whose only copy is in DRAM (lost when the daemon stops)."""
         return self.placement.dram_only()

@@ -206,7 +206,8 @@ class WriteBack:
             parent_key = block.parent.key if block.parent is not None else b""
             futures.append(asyncio.wrap_future(self._tier.put(
                 block.index.namespace_id, block.key, parent_key, block.depth,
-                self._arena.view(block.offset, block.index.block_bytes), block.check)))
+                self._arena.view(block.offset, block.index.block_bytes), block.check,
+                reuses=placement.dram.policy_for(block).reuses(block) or 0)))
             ssd.reserve(block.index.block_bytes)  # returned on failure
         # A task of its own: a cancelled caller (a flush past its deadline) must not leave the
         # blocks DEMOTING and pinned, nor their bytes reserved on SSD.
@@ -277,6 +278,30 @@ class WriteBack:
                                     f"(SSD tier of {self._config.ssd.capacity >> 20} MiB full, or write errors: "
                                     "see kvctl stats)")
         yield FlushProgress(total, 0, done=True)
+
+    async def record_reuses(self) -> int:
+        """Shutdown: write the reuse count each reused block with an SSD copy has now into its
+        record (written with the count it had then), so that a restart's policies do not take
+        the most reused blocks for new ones; returns how many records were updated. A kill -9
+        keeps the counts of the last writes."""
+        if self._tier is None:
+            return 0
+        dram, ssd = self._placement.dram, self._placement.ssd
+        updated = 0
+        # A hit is recorded on the deepest block of its prefix and reaches the ancestors only as
+        # that block leaves (kvstored.policy.usage): each block counts the hits pending below it.
+        below: dict[Block, int] = {}
+        for block in sorted(self._catalog.blocks(), key=lambda b: -b.depth):
+            policy = dram.policy_for(block) if block.in_dram else ssd.policy
+            under = below.pop(block, 0)
+            if block.parent is not None:
+                below[block.parent] = below.get(block.parent, 0) + under + policy.pending_hits(block)
+            reuses = (policy.reuses(block) or 0) + under
+            if reuses and block.on_ssd:
+                self._tier.set_reuses(block.index.namespace_id, block.key, reuses)
+                updated += 1
+        await asyncio.wrap_future(self._tier.barrier())
+        return updated
 
     async def for_shutdown(self) -> int:
         """Shutdown: write DRAM blocks without an SSD copy to SSD (as the background rounds would,
