@@ -130,10 +130,10 @@ class Fuzz:
             fut.set_exception(exc)
             return fut
 
-        def faulty_put(*args: Any) -> Future[None]:
+        def faulty_put(*args: Any, **kwargs: Any) -> Future[None]:
             if self.faults.random() < self.fault_rate:
                 return failed(self.faults.choice((SSDError("injected write error"), MapFull("injected"))))
-            return put(*args)
+            return put(*args, **kwargs)
 
         def faulty_read(*args: Any) -> Future[None]:
             if self.faults.random() < self.fault_rate:
