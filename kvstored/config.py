@@ -106,6 +106,22 @@ class PeersConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EventsConfig:
+    enabled: bool = False            # publish KV events (vLLM's format) over ZMQ
+    endpoint: str = "tcp://127.0.0.1:5557"          # PUB socket the daemon binds (tcp:// or ipc://)
+    replay_endpoint: str = "tcp://127.0.0.1:5558"   # ROUTER socket: replay from a seq, snapshots; "" = none
+    topic: str = "kv@{node}@{model}"                # per namespace's model (llm-d's form)
+    heartbeat_topic: str = "kvstored-heartbeat@{node}"
+    hash_format: str = "int64"       # int64 (a key's last 8 bytes, as vLLM sends by default) | bytes
+    buffer_steps: int = 10000        # batches kept for replay
+    hwm: int = 100000                # PUB high-water mark: messages queued per subscriber
+    queue_batches: int = 10000       # batches waiting for the sender thread; past it they are dropped
+    heartbeat_s: float = 1.0
+    node_id: str = ""                # "" = peers.node_id, else the host name
+    insecure: bool = False           # allow a non-loopback tcp:// endpoint (events name every cached prefix)
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -118,6 +134,7 @@ class Config:
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     keys: KeysConfig = field(default_factory=KeysConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -313,6 +330,7 @@ def _validate(cfg: Config) -> None:
                        f"peers.static: expected node_id=host:port with a port in 1..65535, got {entry!r}"))
         checks.append((node not in seen, f"peers.static: node id {node!r} is listed more than once"))
         seen.add(node)
+    checks += _events_checks(cfg.events)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -320,6 +338,44 @@ def _validate(cfg: Config) -> None:
     if cfg.server.tcp and not cfg.server.insecure and not is_loopback(host):
         raise ConfigError(f"server.tcp: {cfg.server.tcp} is not a loopback address and the API has no "
                           "authentication yet; set server.insecure = true to accept that explicitly")
+
+
+HASH_FORMATS = ("int64", "bytes")
+
+
+def zmq_endpoint_ok(endpoint: str, insecure: bool) -> str:
+    """Why ``endpoint`` cannot be bound as an events socket ("" when it can): ``ipc://PATH`` or
+    ``tcp://HOST:PORT``, HOST loopback unless ``insecure``."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc") or not rest:
+        return f"expected tcp://HOST:PORT or ipc://PATH, got {endpoint!r}"
+    if scheme == "ipc":
+        return ""
+    if not _port_ok(rest.replace("*", "0.0.0.0"), zero=False):
+        return f"expected tcp://HOST:PORT with a port in 1..65535, got {endpoint!r}"
+    host = rest.rpartition(":")[0].strip("[]")
+    if not insecure and (host == "*" or not is_loopback(host)):
+        return (f"{endpoint} is not a loopback address and events name every cached prefix; "
+                "set events.insecure = true to accept that explicitly")
+    return ""
+
+
+def _events_checks(e: EventsConfig) -> list[tuple[bool, str]]:
+    checks = [
+        (e.hash_format in HASH_FORMATS, f"events.hash_format: must be one of {', '.join(HASH_FORMATS)}"),
+        (e.buffer_steps >= 1, "events.buffer_steps: must be at least 1"),
+        (e.hwm >= 1, "events.hwm: must be at least 1"),
+        (e.queue_batches >= 1, "events.queue_batches: must be at least 1"),
+        (e.heartbeat_s > 0, "events.heartbeat_s: must be positive"),
+        ("@" not in e.node_id and "/" not in e.node_id, "events.node_id: must not contain '@' or '/'"),
+    ]
+    if e.enabled:
+        why = zmq_endpoint_ok(e.endpoint, e.insecure)
+        checks.append((not why, f"events.endpoint: {why}"))
+        why = zmq_endpoint_ok(e.replay_endpoint, e.insecure) if e.replay_endpoint else ""
+        checks.append((not why, f"events.replay_endpoint: {why}"))
+        checks.append((e.endpoint != e.replay_endpoint, "events.replay_endpoint: must differ from events.endpoint"))
+    return checks
 
 
 def build(values: dict[str, Any]) -> Config:

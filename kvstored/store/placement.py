@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, PROMOTING, SEALED, Block, Tier
 from kvstored.store.dram_residency import DramResidency
+from kvstored.store.events import NO_EVENTS, TierEvents
 from kvstored.store.ssd_residency import SsdResidency
 from kvstored.tiers.ssd import PROGRESS_EVERY, Progress
 
@@ -59,6 +60,7 @@ class Placement:
         self.dram_evictions = 0
         self.ssd_evictions = 0
         self.dropped = 0   # blocks whose last copy went (evicted, or lost: failed checksums)
+        self.events: TierEvents = NO_EVENTS   # told of every copy a block gains or loses
 
     def hit(self, blocks: Sequence[Block]) -> None:
         """Tell the tiers' policies that a lookup hit ``blocks``, a prefix of one namespace's chain.
@@ -110,6 +112,8 @@ class Placement:
             return
         if block.sealed and not block.on_ssd:
             self.queue.discard(block)
+        if block.sealed and not block.flags & PROMOTING:   # a promotion that failed was never announced
+            self.events.removed((block,), Tier.DRAM)
         # to the SSD tier (a move, not an eviction of its bytes), or gone
         self.dram.release(block, moved=block.on_ssd and not leaving)
 
@@ -150,6 +154,7 @@ class Placement:
             block.flags |= SEALED
             self.queue.add(block)
         self.dram.policy_for(blocks[0]).inserted(blocks)  # one chain: one namespace, one slot size
+        self.events.stored(blocks, Tier.DRAM)
         self.dram.mark_pages(blocks)
         if self.queue.bytes > self._watermark:
             self.queue.wanted.set()
@@ -158,6 +163,7 @@ class Placement:
     def ssd_written(self, block: Block, check: int) -> None:
         """``block``'s SSD copy (reserved in the SSD residency) is written."""
         self.ssd.written(block, check)
+        self.events.stored((block,), Tier.SSD)
         if block.in_dram:
             self.queue.discard(block)
 
@@ -165,6 +171,7 @@ class Placement:
         if not block.on_ssd:
             return
         self.ssd.dropped(block, leaving)
+        self.events.removed((block,), Tier.SSD)
         if block.in_dram and block.sealed:
             self.queue.add(block)
 
