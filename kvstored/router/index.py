@@ -1,0 +1,183 @@
+"""The global index: which node holds which blocks, in which tiers, fed by KV events.
+
+Nodes are columns of a :class:`BlockTable`; a block's key there is its 64-bit hash (vLLM's int
+form, or the last 8 bytes of a 32-byte key) mixed with its namespace id, so that two namespaces'
+equal hashes (same tokens, another model or shard) stay apart. Tiers are bits: ``GPU`` (an
+engine's own cache, from its vLLM events), ``CPU`` (a daemon's DRAM), ``DISK`` (its SSD).
+
+The index applies batches as given; which batches to apply (order, gaps, epochs) is the
+stream tracker's business (:mod:`kvstored.router.stream`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstored.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event, hash64, medium_rank
+from kvstored.router.table import BlockTable, Keys, Rows
+
+GPU, CPU, DISK = 1, 2, 4
+TIER_BITS = (GPU, CPU, DISK)          # by medium_rank
+TIER_NAMES = {GPU: "gpu", CPU: "dram", DISK: "ssd"}
+
+
+def namespace_mix(namespace_id: int) -> int:
+    """A 64-bit mask of a namespace id (splitmix64), xor-ed into its blocks' keys."""
+    z = (namespace_id + 0x9E3779B97F4A7C15) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFF_FFFF_FFFF_FFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFF_FFFF_FFFF_FFFF
+    return z ^ (z >> 31)
+
+
+def index_keys(namespace_id: int, hashes: Iterable[int | bytes]) -> Keys:
+    """The table keys of a chain's block hashes (either wire form) in ``namespace_id``."""
+    return np.fromiter((hash64(h) for h in hashes), np.uint64) ^ np.uint64(namespace_mix(namespace_id))
+
+
+@dataclass(frozen=True, slots=True)
+class Holdings:
+    """What each node holds of one chain: ``nodes[i]`` holds ``prefix[i]`` leading blocks, of
+    which ``gpu[i]``, ``dram[i]`` and ``ssd[i]`` are fastest in that tier."""
+
+    nodes: tuple[str, ...]
+    prefix: npt.NDArray[np.int64]
+    gpu: npt.NDArray[np.int64]
+    dram: npt.NDArray[np.int64]
+    ssd: npt.NDArray[np.int64]
+    blocks: int   # the chain's length
+
+
+class GlobalIndex:
+    """Nodes and their blocks. Unknown nodes get a column on first use; a dropped node's column
+    is emptied and reused."""
+
+    def __init__(self, table: BlockTable | None = None) -> None:
+        self._table = table or BlockTable()
+        self._columns: dict[str, int] = {}
+        self._free: list[int] = []
+        self.applied_events = 0
+
+    def nodes(self) -> list[str]:
+        return sorted(self._columns)
+
+    def _column(self, node: str) -> int:
+        column = self._columns.get(node)
+        if column is None:
+            if self._free:
+                column = self._free.pop()
+            else:
+                column = len(self._columns)
+                if column >= self._table.columns:
+                    self._table.add_columns(max(2 * self._table.columns, column + 1))
+            self._columns[node] = column
+        return column
+
+    def add_node(self, node: str) -> None:
+        self._column(node)
+
+    def clear(self, node: str) -> None:
+        """Forget every block of ``node`` (a new epoch, AllBlocksCleared, before a snapshot)."""
+        column = self._columns.get(node)
+        if column is not None:
+            self._table.clear_column(column)
+
+    def drop(self, node: str) -> None:
+        """Forget ``node`` altogether (its membership lease expired, its heartbeat stopped)."""
+        column = self._columns.pop(node, None)
+        if column is not None:
+            self._table.clear_column(column)
+            self._free.append(column)
+
+    def apply(self, node: str, events: Sequence[Event], namespace_id: int = 0) -> None:
+        """Apply one batch from ``node`` in order; ``namespace_id`` for events that name none
+        (a vLLM engine's). The last of several changes to the same (block, tier) wins, as it
+        would one by one, so a batch is applied in a few vectorized steps."""
+        column = self._column(node)
+        start = 0
+        for i, event in enumerate(events):
+            if isinstance(event, AllBlocksCleared):
+                self._apply_run(column, events[start:i], namespace_id)
+                self._table.clear_column(column)
+                start = i + 1
+        self._apply_run(column, events[start:], namespace_id)
+        self.applied_events += len(events)
+
+    def _apply_run(self, column: int, events: Sequence[Event], default_ns: int) -> None:
+        if not events:
+            return
+        hashes: list[int | bytes] = []
+        mixes: list[int] = []
+        counts: list[int] = []
+        bits: list[int] = []
+        ops: list[bool] = []
+        for event in events:
+            if isinstance(event, (BlockStored, BlockRemoved)):
+                ns = event.namespace_id if event.namespace_id is not None else default_ns
+                n = len(event.block_hashes)
+                hashes.extend(event.block_hashes)
+                mixes.append(namespace_mix(ns))
+                counts.append(n)
+                bits.append(TIER_BITS[medium_rank(event.medium)])
+                ops.append(isinstance(event, BlockStored))
+        if not hashes:
+            return
+        n_per = np.asarray(counts, np.int64)
+        try:
+            raw = np.asarray(hashes, np.uint64)
+        except (OverflowError, TypeError, ValueError):   # 32-byte hashes, or signed ints
+            raw = np.fromiter((hash64(h) for h in hashes), np.uint64, len(hashes))
+        keys = raw ^ np.repeat(np.asarray(mixes, np.uint64), n_per)
+        key_bits = np.repeat(np.asarray(bits, np.uint8), n_per)
+        key_ops = np.repeat(np.asarray(ops, bool), n_per)
+        for bit in TIER_BITS:
+            sel = np.flatnonzero(key_bits == bit)
+            if not len(sel):
+                continue
+            if key_ops[sel].all():
+                self._table.set_bits(keys[sel], column, bit)
+                continue
+            if not key_ops[sel].any():
+                self._table.clear_bits(keys[sel], column, bit)
+                continue
+            # the last change of each key wins: unique over the reversed order
+            rev = sel[::-1]
+            _, last = np.unique(keys[rev], return_index=True)
+            final = rev[last]
+            self._table.set_bits(keys[final[key_ops[final]]], column, bit)
+            self._table.clear_bits(keys[final[~key_ops[final]]], column, bit)
+
+    def rows(self, namespace_id: int, hashes: Sequence[int | bytes] | Keys) -> tuple[list[str], Rows]:
+        """The nodes (sorted) and, per block of the chain, each one's tier bits."""
+        if isinstance(hashes, np.ndarray):
+            keys = hashes.astype(np.uint64, copy=False) ^ np.uint64(namespace_mix(namespace_id))
+        else:
+            keys = index_keys(namespace_id, hashes)
+        nodes = self.nodes()
+        rows = self._table.rows(keys)
+        return nodes, rows[:, [self._columns[n] for n in nodes]]
+
+    def holdings(self, namespace_id: int, hashes: Sequence[int | bytes] | Keys) -> Holdings:
+        """Per node, the leading blocks of the chain it holds and their fastest tiers."""
+        nodes, rows = self.rows(namespace_id, hashes)
+        length = len(rows)
+        held = rows != 0
+        prefix = np.where(held.all(axis=0), length, held.argmin(axis=0)).astype(np.int64) if length \
+            else np.zeros(len(nodes), np.int64)
+        inside = np.arange(length)[:, None] < prefix[None, :]
+        gpu = (rows & GPU) != 0
+        dram = ((rows & CPU) != 0) & ~gpu
+        ssd = ~gpu & ~dram & held
+        return Holdings(tuple(nodes), prefix, (gpu & inside).sum(axis=0), (dram & inside).sum(axis=0),
+                        (ssd & inside).sum(axis=0), length)
+
+    def entries(self) -> int:
+        """(block, node) pairs held."""
+        return self._table.entries()
+
+    @property
+    def nbytes(self) -> int:
+        return self._table.nbytes
