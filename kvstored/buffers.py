@@ -1,6 +1,6 @@
 """Engine KV buffers registered with the daemon.
 
-Registration turns each tensor descriptor into a :class:`~kvstored_client.layout.BlockRegion` (where
+Registration turns each tensor descriptor into a :class:`~kvstored_client.contract.layout.BlockRegion` (where
 block ``b`` lives, as rows of bytes) over memory the daemon can reach: a shared-memory file here
 (the CPU twin), device memory opened from a CUDA IPC handle on a GPU host (``kvstored.cuda``).
 Everything above the copy primitive is the same for both.
@@ -21,9 +21,9 @@ from typing import TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from kvstored.errors import InvalidArgument, ResourceExhausted
 from kvstored.tensor_memory import TensorMemory
-from kvstored_client.layout import BlockRegion, TensorLayout, layout_signature
+from kvstored_client.contract.errors import InvalidArgument, ResourceExhausted
+from kvstored_client.contract.layout import BlockRegion, TensorLayout, layout_signature
 
 # For each block of a chain, the engine buffers' block it goes to or comes from. A numpy array as
 # read from a request: a 128k-token prompt's 8,192 ids are not made Python ints on the way in.

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvstored.addresses import is_loopback
 from kvstored.policy.registry import DEFAULT_POLICY, POLICIES
-from kvstored_client.paths import default_socket_path
+from kvstored_client.contract.paths import default_socket_path
 
 SYSTEM_CONFIG = Path("/etc/kvstored/kvstored.toml")
 

@@ -18,9 +18,9 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvstored.buffers import BlockIds, RegisteredBuffers
-from kvstored.errors import DeadlineExceeded
 from kvstored.tensor_memory import TensorMemory
 from kvstored.tiers.dram import Arena
+from kvstored_client.contract.errors import DeadlineExceeded
 
 TensorDone = Callable[[int], None]
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstored.errors import FailedPrecondition
-from kvstored_client.layout import BlockRegion
+from kvstored_client.contract.errors import FailedPrecondition
+from kvstored_client.contract.layout import BlockRegion
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from kvstored.copy import CopyEngine
 from kvstored.peers.node import PeerNode
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.namespace import Namespace
 
 
 @dataclass

@@ -18,7 +18,7 @@ from kvstored.peers.exchange import PeerExchange
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import SSDTier
-from kvstored_client.hashing import block_hashes
+from kvstored_client.contract.hashing import block_hashes
 
 
 @contextlib.contextmanager

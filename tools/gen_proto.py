@@ -1,7 +1,8 @@
 """Regenerate the checked-in protobuf/gRPC code from proto/ (``--check``: fail on drift).
 
-The generated modules live in ``client/kvstored_client/_proto`` so the SDK carries them without
-importing the daemon; imports are made package-relative for that reason.
+The generated modules live in ``client/kvstored_client/contract/proto``, part of the contract the
+SDK and the daemon share (the SDK carries them without importing the daemon); the gRPC module
+imports its messages package-relative for that reason.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTOS = ["kvstored/v1/kvstored.proto"]
-TARGET = ROOT / "client" / "kvstored_client" / "_proto"
+TARGET = ROOT / "client" / "kvstored_client" / "contract" / "proto"
 GENERATED = ["kvstored_pb2.py", "kvstored_pb2.pyi", "kvstored_pb2_grpc.py"]
 
 

@@ -1,12 +1,13 @@
 """kvstored client SDK: talk to the local kvstored daemon from an inference engine.
 
-Light on purpose: grpcio, protobuf, numpy, cbor2 and xxhash; torch only if you pass tensors.
+Light on purpose: grpcio (and grpcio-status), protobuf, numpy, cbor2 and xxhash; torch only if you
+pass tensors.
 """
 
 from kvstored_client import shm
-from kvstored_client.client import Buffers, Client, LoadResult, LookupResult, SaveResult
-from kvstored_client.errors import (
-    ClientClosed,
+from kvstored_client.buffers import Buffers
+from kvstored_client.client import Client
+from kvstored_client.contract.errors import (
     DaemonNotRunning,
     DeadlineExceeded,
     FailedPrecondition,
@@ -16,9 +17,11 @@ from kvstored_client.errors import (
     NotFound,
     ResourceExhausted,
 )
-from kvstored_client.hashing import block_hashes
-from kvstored_client.layout import TensorLayout
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.layout import TensorLayout
+from kvstored_client.contract.namespace import Namespace
+from kvstored_client.errors import ClientClosed
+from kvstored_client.results import LoadResult, LookupResult, SaveResult
 from kvstored_client.version import __version__
 
 __all__ = [

@@ -1,38 +1,29 @@
 """``kvstored.Client``: the SDK an engine embeds to reuse, save and load KV blocks.
 
-One client holds one gRPC channel to the local daemon and, once needed, one session (a stream
-whose end releases everything the client held) and a mapping of the daemon's DRAM arena. Block
-bytes move by memory copies into and out of that arena, never inside protobuf messages.
+Block bytes move by memory copies into and out of the daemon's arena (or by the daemon's own
+copies between it and registered engine buffers), never inside protobuf messages. The channel,
+the session and error mapping are the :class:`~kvstored_client.connection.Connection`'s.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
 import dataclasses
 import itertools
-import math
-import mmap
-import os
 import queue
-import re
-import sys
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from kvstored_client import cuda_export, shm
-from kvstored_client._proto import kvstored_pb2 as pb
-from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.errors import (
-    ClientClosed,
+from kvstored_client import coerce
+from kvstored_client.buffers import Buffers, Registration, describe_tensors
+from kvstored_client.connection import Connection
+from kvstored_client.contract.errors import (
     DaemonNotRunning,
     DeadlineExceeded,
     FailedPrecondition,
@@ -40,123 +31,20 @@ from kvstored_client.errors import (
     KVStoreError,
     LeaseExpired,
     NotFound,
-    from_rpc_error,
+    Reason,
 )
-from kvstored_client.hashing import ChainHasher
-from kvstored_client.layout import TensorLayout, layout_signature
-from kvstored_client.namespace import Namespace
-from kvstored_client.paths import discover_socket_path
-from kvstored_client.wire import namespace_from_pb, namespace_to_pb
+from kvstored_client.contract.hashing import ChainHasher
+from kvstored_client.contract.namespace import Namespace
+from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.results import LoadResult, LookupResult, SaveResult, StreamOutcome, loaded, per_tier
+from kvstored_client.streams import BlockStream, LoadHandle
 
-MAX_MESSAGE_BYTES = 64 << 20
-# gRPC backs off reconnecting after a failed connect (1 s, growing 1.6x up to 120 s): calls made
-# while the daemon restarts stretched it, and the same client kept failing with DaemonNotRunning for
-# as long again after the daemon was back. The daemon is local: retrying its socket is cheap.
-RECONNECT_BACKOFF_MS = 100
-MAX_RECONNECT_BACKOFF_MS = 1000
 # The daemon repeats a migration's or a flush's progress at least every 5 s: a client gives up
 # after three silent intervals (or its timeout_s, when longer).
 PROGRESS_IDLE_MIN_S = 15.0
-T = TypeVar("T")
-TIER_NAMES: dict[int, str] = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_PEER: "peer"}
 
 
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """How much of a prompt is cached: leading ``tokens`` (``blocks`` whole blocks), per tier."""
-
-    tokens: int
-    blocks: int
-    per_tier: dict[str, int] = field(default_factory=dict)
-    per_peer: dict[str, int] = field(default_factory=dict)   # lookup(peers=True): blocks after the local prefix
-
-
-@dataclass(frozen=True, slots=True)
-class BlockArrival:
-    """Block ``index`` of a streamed prompt is in place: in the engine's buffers (``data`` is
-    None), or copied out of the daemon into ``data`` (one row of bytes). ``tier``: where it was
-    found ("dram", "ssd", or "peer": fetched from node ``peer`` just now)."""
-
-    index: int
-    tier: str
-    peer: str
-    data: Any
-
-
-@dataclass(frozen=True, slots=True)
-class StreamOutcome:
-    """How a stream ended: ``blocks`` of ``requested`` arrived (``tokens`` of the prompt), then
-    ``stop``: "complete", or why it stopped short ("missing", "peer_closed", "timeout", "corrupt",
-    "unreachable", "peer_error", "no_room", "no_peers", "lease_ended"); the engine recomputes the
-    rest."""
-
-    blocks: int
-    requested: int
-    tokens: int
-    stop: str
-    detail: str
-
-    @property
-    def complete(self) -> bool:
-        return self.stop == "complete"
-
-
-@dataclass(frozen=True, slots=True)
-class SaveResult:
-    """``present``: leading blocks that were cached already; ``stored``: blocks added now."""
-
-    present: int
-    stored: int
-    block_size: int
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of the prompt now cached from its start."""
-        return (self.present + self.stored) * self.block_size
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """The cached prefix: ``blocks`` rows of ``data`` (a view of ``out`` when one was given)."""
-
-    tokens: int
-    blocks: int
-    data: Any
-
-
-@dataclass(slots=True, eq=False)
-class _Registration:
-    """What ``register_buffers`` sent, and the id the daemon gave it in which session: a
-    registration belongs to a session, so after a restart the SDK registers the tensors again."""
-
-    client: Client
-    tensors: tuple[pb.TensorDesc, ...]
-    current: tuple[str, int]   # (session id, buffers id): one attribute, read without the lock
-    registered: bool = True   # False once unregistered
-    # held by the one thread registering these buffers again (or unregistering them); others wait
-    # for it within their own timeout_s, never for every other thread's RPC in turn
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Buffers:
-    """A registration of engine KV tensors with the daemon. It lives through a daemon restart:
-    the SDK registers the tensors again with the new daemon on their next use."""
-
-    num_blocks: int
-    block_bytes: int
-    layout: str
-    namespace: Namespace
-    num_tensors: int
-    _registration: _Registration = field(repr=False)
-
-    @property
-    def buffers_id(self) -> int:
-        """The daemon's id for this registration in the client's current session."""
-        return self._registration.current[1]
-
-
-class Client:
+class Client(Connection):
     """A connection to the local kvstored daemon.
 
     ``Client()`` connects to the daemon on its default socket and works in the default namespace,
@@ -172,270 +60,12 @@ class Client:
     def __init__(self, socket: str | None = None, *, namespace: Namespace | None = None,
                  client_name: str = "kvstored-python", timeout_s: float = 30.0,
                  cache_salt: str | None = None) -> None:
-        self.socket = socket or discover_socket_path()
-        self._timeout = timeout_s
-        self._client_name = client_name
+        super().__init__(socket, namespace, client_name, timeout_s)
         self._cache_salt = cache_salt
-        target = _target(self.socket)
-        self._channel = grpc.insecure_channel(target, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
-            ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)])
-        self._stub = pb_grpc.KVStoreStub(self._channel)
-        try:
-            self._hello = self._stub.Hello(pb.HelloRequest(), timeout=min(timeout_s, 5.0), wait_for_ready=False)
-        except grpc.RpcError as exc:
-            self._channel.close()
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and "Permission denied" in (exc.details() or ""):
-                raise DaemonNotRunning(
-                    f"permission denied on {self.socket}: a daemon may well be running, but this user "
-                    "may not open its socket (the systemd unit's socket is mode 0660, group kvstored: "
-                    "add this user to that group)") from None
-            if exc.code() == grpc.StatusCode.CANCELLED:   # see _error
-                raise DaemonNotRunning(f"kvstored on {self.socket} cancelled the call: it is stopping") from None
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and _accepts_connections(target):
-                # a daemon binds its socket before it opens its tiers (pre-faulting the arena,
-                # restoring the SSD index: minutes for millions of blocks), and serves after
-                raise DaemonNotRunning(
-                    f"kvstored on {self.socket} accepts connections but did not answer within "
-                    f"{min(timeout_s, 5.0):g} s: it is still starting (opening its tiers or restoring its SSD "
-                    "index: `systemctl status kvstored` or its log says which), or it is hung") from None
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise DaemonNotRunning(
-                    f"no kvstored daemon answers on {self.socket}. Start one with `kvstored` "
-                    "(or `systemctl start kvstored`), or point KVSTORED_SOCKET, Client(socket=...) or "
-                    "`kvctl --socket` at a running one.") from None
-            raise from_rpc_error(exc) from None
-        self.daemon_version = self._hello.version
-        # whether the daemon takes packed keys: renewed with each session (a restart may bring
-        # another version), see _open_session
-        self._packed_keys = self._hello.packed_keys
-        self._takes_end_stream = self._hello.end_stream   # renewed with each session, as packed keys
-        self._lock = threading.Lock()
-        self._closed = False
-        self._session_id: str | None = None
-        self._session_call: Any = None
-        self._session_done = threading.Event()   # the current session's: set, its stream ends
-        self._opening: threading.Event | None = None   # set when the thread opening a session is done
-        self._arena: np.ndarray | None = None
-        self._arena_map: mmap.mmap | None = None
-        self._namespace_ids: dict[Namespace, tuple[int, Namespace]] = {}
-        self._releases_lock = threading.Lock()
-        self._pending_releases: list[grpc.Future] = []
         self._hashers: dict[tuple[int, str, str], ChainHasher] = {}
         self._stream_ids = itertools.count(1)   # next() is atomic under the GIL: threads may share it
-        self.namespace = namespace or Namespace()
 
-    # -- plumbing -----------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClientClosed(f"this client of {self.socket} is closed; make a new one")
-
-    def _closed_during_call(self) -> ClientClosed:
-        return ClientClosed(f"this client of {self.socket} was closed during the call")
-
-    def _no_session(self) -> DeadlineExceeded:
-        return DeadlineExceeded(f"kvstored on {self.socket} did not open a session within {self._timeout:g} s "
-                                "(Client timeout_s)")
-
-    def _error(self, exc: grpc.RpcError) -> KVStoreError:
-        """The SDK error for a failed call, naming the daemon where the status alone would not."""
-        if self._closed:
-            return self._closed_during_call()
-        code = exc.code()
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return DaemonNotRunning(f"kvstored on {self.socket} went away: {exc.details()}")
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return DeadlineExceeded(f"kvstored on {self.socket} did not answer within {self._timeout:g} s "
-                                    "(Client timeout_s)")
-        if code == grpc.StatusCode.CANCELLED:
-            # Not by this client (its own cancellations end in ClientClosed or are the caller's
-            # close()): a stopping daemon's server cancels the calls it will not finish, and a
-            # bare KVStoreError("CANCELLED") told the caller nothing it could act on.
-            return DaemonNotRunning(f"kvstored on {self.socket} cancelled the call: it is stopping")
-        if _unknown_namespace(exc):
-            # a restarted daemon that has not heard of the namespace (calls without a session never
-            # see the restart): the next call opens it again
-            self._namespace_ids.clear()
-        return from_rpc_error(exc)
-
-    def _call(self, method: Callable[..., T], request: Any) -> T:
-        self._check_open()
-        try:
-            try:
-                return method(request, timeout=self._timeout)
-            except grpc.RpcError as exc:
-                ns_id = getattr(request, "namespace_id", 0)
-                known = [ns for ns, entry in list(self._namespace_ids.items()) if entry[0] == ns_id]
-                if not (ns_id and known and _unknown_namespace(exc)):
-                    raise
-                # The daemon restarted and lost the namespace (none was persisted, or it runs
-                # without an SSD tier): open it again (its id is its identity) and retry once; the
-                # daemon refused the call before doing anything.
-                self._namespace_ids.pop(known[0], None)
-                request.namespace_id = self._ns(known[0])[0]
-                return method(request, timeout=self._timeout)
-        except grpc.RpcError as exc:
-            raise self._error(exc) from None
-        except ValueError:   # grpc's "Cannot invoke RPC on closed channel!"
-            if self._closed:
-                raise self._closed_during_call() from None
-            raise
-
-    def _session(self) -> str:
-        """The session id, opening a session first if there is none."""
-        return self._session_arena(False)[0]
-
-    def _session_arena(self, arena: bool = True) -> tuple[str, np.ndarray | None]:
-        """The session id and (with ``arena``) the arena of the daemon that session belongs to,
-        taken together: a block's offset from a call in this session always goes with this
-        mapping, even if the daemon restarts meanwhile (the old mapping stays valid, unlinked).
-
-        Opening a session takes at most ``timeout_s`` (DeadlineExceeded); one thread opens it,
-        others wait for that (each within its own ``timeout_s``). A session's first event names
-        the daemon's arena: after a restart the new arena is mapped and namespace ids are asked
-        for again."""
-        deadline = time.monotonic() + self._timeout
-        while True:
-            with self._lock:
-                self._check_open()
-                if self._session_id is not None:
-                    return self._session_id, self._arena_view() if arena else None
-                opening = self._opening
-                if opening is None:
-                    opening = self._opening = threading.Event()
-                    mine = True
-                else:
-                    mine = False
-            if mine:
-                try:
-                    self._open_session(max(0.0, deadline - time.monotonic()))
-                finally:
-                    with self._lock:
-                        self._opening = None
-                    opening.set()
-                continue   # take the session (and arena) under the lock
-            if not opening.wait(max(0.0, deadline - time.monotonic())) or time.monotonic() >= deadline:
-                raise self._no_session()
-
-    def _open_session(self, timeout: float) -> None:
-        """Open a session (the caller is the only thread doing so); raise on failure."""
-        done = threading.Event()
-        hello = pb.SessionRequest(client_name=self._client_name, pid=os.getpid())
-
-        def requests() -> Iterator[pb.SessionRequest]:
-            yield hello
-            done.wait()  # keep the stream open for the session's lifetime
-
-        try:
-            call = self._stub.Session(requests())
-        except ValueError:
-            self._check_open()
-            raise
-        first: queue.Queue[Any] = queue.Queue(maxsize=1)
-        with self._lock:
-            self._session_call = call   # before the watcher can see the session end
-            self._session_done = done
-        threading.Thread(target=self._watch_session, args=(call, done, first), daemon=True,
-                         name="kvstored-session").start()
-        try:
-            opened = first.get(timeout=timeout)
-        except queue.Empty:
-            opened = self._no_session()
-        except BaseException:
-            # interrupted (KeyboardInterrupt): the stream would stay open, a session of the daemon
-            # (and two threads here) that nothing uses nor ends until the client closes
-            with self._lock:
-                if self._session_call is call:
-                    self._session_call = None
-            call.cancel()
-            done.set()
-            raise
-        with self._lock:
-            if self._closed:
-                # closed by another thread meanwhile (its close cancelled the session stream): not
-                # the daemon's doing
-                opened = self._closed_during_call()
-            elif not isinstance(opened, BaseException) and self._session_call is not call:
-                opened = DaemonNotRunning(f"kvstored on {self.socket} ended the session at once")
-            if isinstance(opened, BaseException):
-                if self._session_call is call:
-                    self._session_call = None
-                call.cancel()
-                done.set()
-                raise opened
-            if opened.arena_path and \
-                    (opened.arena_path, opened.arena_bytes) != (self._hello.arena_path, self._hello.arena_bytes):
-                # Another daemon than the one the arena mapping and namespace ids came from (a
-                # restart): views other threads still hold keep the old mapping alive. (A daemon
-                # older than this field sends no arena_path: the Hello's stands.)
-                hello_now = pb.HelloResponse()
-                hello_now.CopyFrom(self._hello)
-                hello_now.arena_path, hello_now.arena_bytes = opened.arena_path, opened.arena_bytes
-                self._hello = hello_now
-                self._arena = None
-                self._arena_map = None
-                self._namespace_ids.clear()
-            self._packed_keys = opened.packed_keys
-            self._takes_end_stream = opened.end_stream
-            self._session_id = opened.session_id
-
-    def _watch_session(self, call: Any, done: threading.Event, first: queue.Queue[Any]) -> None:
-        try:
-            first.put(next(call))
-        except grpc.RpcError as exc:
-            first.put(self._error(exc))
-            return
-        except StopIteration:
-            first.put(DaemonNotRunning(f"kvstored on {self.socket} closed the session at once"))
-            return
-        try:
-            for event in call:
-                if event.closing:
-                    break
-        except grpc.RpcError:
-            pass
-        done.set()
-        with self._lock:
-            if self._session_call is call:
-                # daemon restarted or stopped: the next call opens a new session, and namespace
-                # ids are asked for again (cheap; a restarted daemon may know other namespaces)
-                self._session_id = None
-                self._session_call = None
-                self._namespace_ids.clear()
-
-    def _arena_view(self) -> np.ndarray:
-        """The current daemon's arena (mapped on first use); DaemonNotRunning when it is gone."""
-        if self._arena is None:
-            try:
-                fd = os.open(self._hello.arena_path, os.O_RDWR)
-            except OSError as exc:
-                raise DaemonNotRunning(f"the arena of kvstored on {self.socket} is gone ({exc.strerror}); "
-                                       "the daemon restarted or stopped") from None
-            try:
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._arena_map = mmap.mmap(fd, self._hello.arena_bytes, flags=flags)
-            finally:
-                os.close(fd)
-            self._arena = np.frombuffer(self._arena_map, dtype=np.uint8)
-        return self._arena
-
-    def _ns(self, namespace: Namespace | None) -> tuple[int, Namespace]:
-        self._check_open()
-        ns = namespace or self.namespace
-        entry = self._namespace_ids.get(ns)
-        if entry is None or entry[1].block_bytes == 0:
-            try:
-                ns.validate()
-                spec = namespace_to_pb(ns)
-            except (ValueError, TypeError) as exc:
-                raise InvalidArgument(f"bad namespace: {exc}") from None
-            resp = self._call(self._stub.OpenNamespace, pb.OpenNamespaceRequest(spec=spec))
-            entry = (resp.namespace_id, namespace_from_pb(resp.spec))
-            self._namespace_ids[ns] = entry
-        return entry
-
+    # -- keys ---------------------------------------------------------------------------------
     def _keys(self, into: pb.BlockKeys, spec: Namespace, tokens: Any, hashes: Sequence[bytes] | None,
               cache_salt: str | None) -> int:
         """Put the chain's keys into ``into`` (the request's own field: a BlockKeys built apart and
@@ -476,7 +106,7 @@ class Client:
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
         try:
-            chain = hasher.hashes(_token_array(tokens), cache_salt=salt or None)
+            chain = hasher.hashes(coerce.token_array(tokens), cache_salt=salt or None)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         self._put_keys(into, b"".join(chain), chain)
@@ -487,46 +117,6 @@ class Client:
             into.packed_hashes = packed
         else:   # a daemon from before packed keys would see none
             into.hashes.extend(bytes(h) for h in chain)
-
-    def _settle_releases(self) -> None:
-        """Wait for the releases sent in the background, so a call that acts on what is leased
-        (evict, migrate) sees them done: the daemon may serve calls out of order."""
-        with self._releases_lock:
-            pending, self._pending_releases = self._pending_releases, []
-        for fut in pending:
-            try:
-                fut.result(timeout=self._timeout)
-            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
-                pass   # the lease expires by itself; nothing the caller can do about it
-
-    def _end_stream(self, session_id: str, stream_id: int) -> None:
-        """Return once the daemon's stream ``stream_id`` is over: no copy into the engine's
-        buffers runs then or starts later. Quietly when the daemon or the session is gone (its
-        streams ended with it)."""
-        with contextlib.suppress(KVStoreError):
-            self._call(self._stub.EndStream, pb.EndStreamRequest(session_id=session_id, stream_id=stream_id))
-
-    def _release_later(self, session_id: str, lease_id: int) -> None:
-        """Send the release of a lease of session ``session_id`` without waiting for it. Never
-        raises: a lease that cannot be released (the session or the client is gone) expires."""
-        if session_id != self._session_id:
-            return   # its session ended: the daemon released the lease with it
-        try:
-            # The future must stay referenced until it is done: grpc cancels a collected one.
-            fut = self._stub.Release.future(pb.ReleaseRequest(session_id=session_id, lease_id=lease_id),
-                                            timeout=self._timeout)
-        except ValueError:   # the channel is closed
-            return
-        with self._releases_lock:
-            self._pending_releases = [f for f in self._pending_releases if not f.done()]
-            self._pending_releases.append(fut)
-
-    def _release_now(self, session_id: str, lease_id: int) -> None:
-        """Give a lease back on a failure path; the original error is what the caller sees."""
-        try:
-            self._stub.Release(pb.ReleaseRequest(session_id=session_id, lease_id=lease_id), timeout=self._timeout)
-        except (grpc.RpcError, ValueError):
-            pass   # it expires by itself
 
     # -- reuse --------------------------------------------------------------------------------
     def lookup(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
@@ -542,7 +132,7 @@ class Client:
         request = pb.LookupRequest(namespace_id=ns_id, peers=peers)
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
         resp = self._call(self._stub.Lookup, request)
-        return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, _per_tier(resp.tiers),
+        return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, per_tier(resp.tiers),
                             {h.node_id: h.blocks for h in resp.peer_hits})
 
     def save(self, tokens: Any, kv: Any, *, hashes: Sequence[bytes] | None = None,
@@ -561,7 +151,7 @@ class Client:
         ns_id, spec = self._ns(namespace)
         reserve = pb.ReserveRequest(session_id=session, namespace_id=ns_id)
         n_blocks = self._keys(reserve.keys, spec, tokens, hashes, cache_salt)
-        rows = _rows(kv)
+        rows = coerce.rows(kv)
         if rows.shape[0] < n_blocks:
             raise InvalidArgument(f"kv has {rows.shape[0]} rows for {n_blocks} blocks")
         if n_blocks == 0:
@@ -606,7 +196,7 @@ class Client:
         ns_id, spec = self._ns(namespace)
         lookup = pb.LookupRequest(namespace_id=ns_id, lease=True, session_id=session)
         self._keys(lookup.keys, spec, tokens, hashes, cache_salt)
-        out_rows = None if out is None else _writable_rows(out)
+        out_rows = None if out is None else coerce.writable_rows(out)
         try:
             row_type = None if dtype is None else np.dtype(dtype)
         except TypeError as exc:
@@ -665,55 +255,17 @@ class Client:
         A block's payload is each tensor indexed at the block along ``block_dim``, in order. The
         daemon maps them and copies blocks itself in ``save_blocks``/``load_blocks``.
         """
-        if isinstance(tensors, (np.ndarray, shm.SharedTensor)) or hasattr(tensors, "data_ptr") \
-                or hasattr(tensors, "__cuda_array_interface__"):
-            # iterated, its slices along dimension 0 (vLLM's K and V halves) would each be
-            # registered as a tensor of its own: a layout of other blocks than the engine's
-            raise InvalidArgument("tensors must be a list of tensors (one buffer of all layers too: "
-                                  f"[buffer]), got a single {type(tensors).__name__}")
-        try:
-            tensors = list(tensors)
-            dims = [block_dim] * len(tensors) if isinstance(block_dim, (int, np.integer)) else list(block_dim)
-        except TypeError as exc:
-            raise InvalidArgument(f"tensors must be a list of tensors and block_dim an int or one per tensor: "
-                                  f"{exc}") from None
-        if len(dims) != len(tensors):
-            raise InvalidArgument("one block_dim per tensor")
-        for i, dim in enumerate(dims):
-            if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):
-                raise InvalidArgument(f"block_dim of tensors[{i}] must be an int, got {dim!r}")
-        dims = [int(dim) for dim in dims]
-        descs, layouts = [], []
-        for i, (t, dim) in enumerate(zip(tensors, dims)):
-            try:
-                if cuda_export.is_cuda(t):
-                    dev = cuda_export.export(t)
-                    layout = TensorLayout(*cuda_export.layout_info(t), dim)
-                    layout.validate()
-                    desc = pb.TensorDesc(offset=dev.offset, cuda_ipc_handle=dev.handle,
-                                         device_uuid=dev.device_uuid)
-                else:
-                    place = shm.describe(t, dim)
-                    layout = place.layout
-                    desc = pb.TensorDesc(shm_name=place.shm_name, offset=place.offset)
-            except (ValueError, TypeError) as exc:
-                raise InvalidArgument(f"tensors[{i}]: {exc}") from None
-            desc.shape.extend(layout.shape)
-            desc.strides.extend(layout.strides)
-            desc.dtype, desc.block_dim = layout.dtype, dim
-            descs.append(desc)
-            layouts.append(layout)
+        descs, signature = describe_tensors(tensors, block_dim)
         # The layout signature enters the namespace: blocks saved under one layout are never
         # loaded into another.
         ns = namespace or self.namespace
-        signature = layout_signature(layouts)
         if ns.layout and ns.layout != signature:
             raise InvalidArgument(f"buffers have layout {signature!r} but the namespace says {ns.layout!r}")
         ns = dataclasses.replace(ns, layout=signature)
         session = self._session()
         resp = self._register(session, ns, descs)
         return Buffers(resp.num_blocks, resp.block_bytes, resp.layout, ns, len(descs),
-                       _Registration(self, tuple(descs), (session, resp.buffers_id)))
+                       Registration(self, tuple(descs), (session, resp.buffers_id)))
 
     def _register(self, session: str, ns: Namespace, descs: Sequence[pb.TensorDesc]) -> pb.RegisterBuffersResponse:
         ns_id, _ = self._ns(ns)
@@ -730,12 +282,12 @@ class Client:
         ``timeout_s`` (DeadlineExceeded), and calls with other buffers do not wait at all."""
         reg = self._registration_of(buffers)
         if not reg.registered:
-            raise NotFound("these buffers were unregistered")
+            raise NotFound("these buffers were unregistered", Reason.UNKNOWN_BUFFERS)
         if reg.current[0] == session:
             return reg.current[1]
         with self._holding(reg):
             if not reg.registered:
-                raise NotFound("these buffers were unregistered")
+                raise NotFound("these buffers were unregistered", Reason.UNKNOWN_BUFFERS)
             if reg.current[0] != session:
                 resp = self._register(session, buffers.namespace, reg.tensors)
                 if (resp.num_blocks, resp.block_bytes, resp.layout) != \
@@ -749,14 +301,14 @@ class Client:
                 reg.current = (session, resp.buffers_id)
             return reg.current[1]
 
-    def _registration_of(self, buffers: Buffers) -> _Registration:
+    def _registration_of(self, buffers: Buffers) -> Registration:
         reg = buffers._registration
         if reg.client is not self:
             raise InvalidArgument("these buffers were registered by another client")
         return reg
 
     @contextlib.contextmanager
-    def _holding(self, reg: _Registration) -> Iterator[None]:
+    def _holding(self, reg: Registration) -> Iterator[None]:
         """``reg``'s lock, waited for at most ``timeout_s``: the thread holding it is in an RPC
         that may take that long, and a daemon that stops answering must give each caller
         DeadlineExceeded after its own timeout_s, not after every other thread's in turn."""
@@ -790,7 +342,7 @@ class Client:
                     self._forget_buffers(session_id, buffers_id)
                 except FailedPrecondition as exc:
                     # a restart this client has not noticed yet: the session, and the buffers, are gone
-                    if not str(exc).startswith("unknown session"):
+                    if exc.reason != Reason.UNKNOWN_SESSION:
                         raise
                 except DaemonNotRunning:
                     # an engine shutting down after the daemon: the daemon is gone, or exiting
@@ -810,7 +362,7 @@ class Client:
         request = pb.SaveBlocksRequest(session_id=session, namespace_id=ns_id,
                                        buffers_id=self._buffers_id(buffers, session), push_to=push_to)
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
-        _set_block_ids(request, _block_id_sequence(block_ids), buffers, self._packed_keys)
+        coerce.set_block_ids(request, coerce.block_id_sequence(block_ids), buffers, self._packed_keys)
         resp = self._call(self._stub.SaveBlocks, request)
         return SaveResult(resp.present_blocks, resp.stored_blocks, spec.block_size)
 
@@ -828,7 +380,7 @@ class Client:
         request = pb.LoadBlocksRequest(session_id=session, namespace_id=ns_id,
                                        buffers_id=self._buffers_id(buffers, session))
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
-        _set_block_ids(request, _block_id_sequence(block_ids), buffers, self._packed_keys)
+        coerce.set_block_ids(request, coerce.block_id_sequence(block_ids), buffers, self._packed_keys)
         if not wait:
             try:
                 call = self._stub.LoadBlocksStream(request, timeout=self._timeout)
@@ -837,7 +389,7 @@ class Client:
                 raise
             return LoadHandle(call, spec.block_size, buffers.num_tensors, self._error)
         resp = self._call(self._stub.LoadBlocks, request)
-        return _loaded(resp, spec.block_size)
+        return loaded(resp, spec.block_size)
 
     def prefetch(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
                  namespace: Namespace | None = None, cache_salt: str | None = None) -> LookupResult:
@@ -881,13 +433,13 @@ class Client:
                                          if buffers is not None and self._takes_end_stream else 0)
         n_blocks = self._keys(request.keys, spec, tokens, hashes, cache_salt)
         if block_ids is not None:
-            block_ids = _block_id_sequence(block_ids)
+            block_ids = coerce.block_id_sequence(block_ids)
         if buffers is not None and (block_ids is None or len(block_ids) != n_blocks):
             raise InvalidArgument(f"give one block id per block ({n_blocks}) with buffers")
         if buffers is None and block_ids is not None and len(block_ids):
             # (they were ignored: each block came back as bytes, none went to the engine's buffers)
             raise InvalidArgument("block_ids name blocks of registered buffers: give buffers too")
-        _set_block_ids(request, [] if block_ids is None else block_ids, buffers, self._packed_keys)
+        coerce.set_block_ids(request, [] if block_ids is None else block_ids, buffers, self._packed_keys)
         started = time.monotonic()
         try:
             call = self._stub.StreamBlocks(request, timeout=self._timeout)
@@ -1054,347 +606,3 @@ class Client:
                 yield {"written_blocks": p.written_blocks, "left_blocks": p.left_blocks, "done": p.done}
         finally:
             progress.close()   # a caller that stops listening cancels the flush now
-
-    def close(self) -> None:
-        """End the session (the daemon releases its leases and buffers) and the channel. Calls
-        afterwards raise ClientClosed; closing again does nothing."""
-        if self._closed:
-            return
-        self._settle_releases()
-        with self._lock:
-            self._closed = True
-            done, call = self._session_done, self._session_call
-        done.set()
-        if call is not None:
-            call.cancel()
-        self._channel.close()
-        self._arena = None
-        if self._arena_map is not None:
-            try:
-                self._arena_map.close()
-            except BufferError:
-                pass
-            self._arena_map = None
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _unknown_namespace(exc: grpc.RpcError) -> bool:
-    """Whether the daemon refused a call for a namespace id it does not know."""
-    return exc.code() == grpc.StatusCode.NOT_FOUND and (exc.details() or "").startswith("unknown namespace")
-
-
-def _per_tier(tiers: Sequence[int]) -> dict[str, int]:
-    return {TIER_NAMES.get(tier, str(tier)): n for tier, n in Counter(tiers).items()}
-
-
-def _loaded(resp: pb.LoadBlocksResponse, block_size: int) -> LookupResult:
-    return LookupResult(resp.loaded_blocks * block_size, resp.loaded_blocks, _per_tier(resp.tiers))
-
-
-class LoadHandle:
-    """A load in progress (``load_blocks(wait=False)``): the daemon reports each tensor (layer) as
-    it completes. Raises the load's error from ``wait``/``wait_layer``/``result``, and
-    DeadlineExceeded (a TimeoutError) when a wait's ``timeout`` passes first."""
-
-    def __init__(self, stream: Any, block_size: int, num_tensors: int = 0,
-                 error: Callable[[grpc.RpcError], KVStoreError] = from_rpc_error) -> None:
-        self._stream = stream
-        self._block_size = block_size
-        self._num_tensors = num_tensors
-        self._to_error = error
-        self._cond = threading.Condition()
-        self._layers: set[int] = set()
-        self._result: LookupResult | None = None
-        self._done = False
-        self._error: KVStoreError | None = None
-        threading.Thread(target=self._consume, daemon=True, name="kvstored-load").start()
-
-    def _consume(self) -> None:
-        try:
-            for event in self._stream:
-                kind = event.WhichOneof("event")
-                with self._cond:
-                    if kind == "started":
-                        self._result = _loaded(event.started, self._block_size)
-                    elif kind == "tensor_done":
-                        self._layers.add(event.tensor_done)
-                    elif kind == "done":
-                        self._done = True
-                    self._cond.notify_all()
-        except grpc.RpcError as exc:
-            with self._cond:
-                self._error = self._to_error(exc)
-                self._cond.notify_all()
-        with self._cond:
-            self._done = True
-            self._cond.notify_all()
-
-    def _wait_for(self, ready: Callable[[], bool], timeout: float | None) -> None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: ready() or self._error is not None or self._done, timeout):
-                # a KVStoreError like every SDK failure, and still the TimeoutError it always was
-                raise DeadlineExceeded(f"the load is still in progress after {timeout:g} s (the wait's timeout)")
-            if self._error is not None:
-                raise self._error
-            if not ready():
-                raise KVStoreError("the load ended early")
-
-    def wait_layer(self, index: int, timeout: float | None = None) -> None:
-        """Block until registered tensor ``index`` holds every loaded block; InvalidArgument for
-        an index that is not one of the registered tensors."""
-        if self._num_tensors and not 0 <= index < self._num_tensors:
-            raise InvalidArgument(f"tensor {index} is not one of the {self._num_tensors} registered tensors")
-        self._wait_for(lambda: index in self._layers, timeout)
-
-    def wait(self, timeout: float | None = None) -> LookupResult:
-        """Block until every copy is done; returns what was loaded."""
-        self._wait_for(lambda: self._done, timeout)
-        return self.result()
-
-    def result(self) -> LookupResult:
-        """What is being loaded (known as soon as the daemon started copying)."""
-        self._wait_for(lambda: self._result is not None, None)
-        assert self._result is not None, "no result after waiting for it"
-        return self._result
-
-
-class BlockStream:
-    """A streamed load (``Client.stream``): iterate for :class:`BlockArrival` in token order;
-    ``outcome`` afterwards. Leaving the loop early (or ``close``) cancels the rest; into engine
-    buffers it returns once the daemon has stopped (no copy into them runs or starts after), so
-    the engine may reuse the blocks that did not arrive at once."""
-
-    def __init__(self, client: Client, session_id: str, call: Any, arena: np.ndarray | None, block_size: int,
-                 block_bytes: int, started: float, learn_block_bytes: Callable[[], int] | None = None,
-                 stream_id: int = 0) -> None:
-        self._client = client
-        self._started = started   # monotonic, before the call: the lease's clock starts later
-        self._session_id = session_id
-        self._call = call
-        self._arena = arena
-        self._block_size = block_size
-        self._block_bytes = block_bytes
-        # a namespace whose block size was not known when the stream started (another client's
-        # first save, or a peer's push, fixed it since): asked again when a block arrives
-        self._learn_block_bytes = learn_block_bytes
-        self._keep_data = True
-        self._stream_id = stream_id   # into buffers: EndStream's id
-        self._cancelled = False   # by close()
-        self.outcome: StreamOutcome | None = None
-
-    def __iter__(self) -> Iterator[BlockArrival]:
-        """Arrivals in token order. In arena mode (no buffers) each block is copied out as the
-        loop reaches it (the rest of its event at once when half the lease has passed), under the
-        stream's lease; when the copies may have outlived that lease (an engine slower than
-        ``leases.ttl_s``), the loop ends with LeaseExpired after the last arrival, as ``load``
-        does, instead of leaving bytes that may be another block's."""
-        lease_id = 0
-        ttl_s = self._client._hello.lease_ttl_ms / 1000
-        try:
-            for event in self._call:
-                lease_id = lease_id or event.lease_id   # told first, so leaving early can release it
-                blocks = event.blocks
-                if blocks and not self._block_bytes and self._arena is not None and self._keep_data \
-                        and self._learn_block_bytes is not None:
-                    # else each arrival would carry 0 bytes of its block
-                    self._block_bytes = self._learn_block_bytes()
-                copied: dict[int, Any] = {}
-                for k, b in enumerate(blocks):
-                    data = None
-                    if self._arena is not None and self._keep_data:
-                        if k not in copied and time.monotonic() - self._started >= ttl_s / 2:
-                            # The loop dawdles: copy the rest of this event while the lease (ttl
-                            # from the lookup, after the call started) surely still holds them.
-                            # Before this point every copy is under the lease: block 0 goes out
-                            # without waiting for (and holding) the whole event's bytes.
-                            for j in range(k, len(blocks)):
-                                o = blocks[j].offset
-                                copied[j] = self._arena[o: o + self._block_bytes].copy()
-                        data = copied.pop(k, None)
-                        if data is None:
-                            data = self._arena[b.offset: b.offset + self._block_bytes].copy()
-                    yield BlockArrival(b.index, TIER_NAMES.get(b.tier, str(b.tier)), b.peer, data)
-                if event.HasField("end"):
-                    e = event.end
-                    lease_id = e.lease_id   # 0 when nothing stayed leased
-                    ttl_s = e.lease_ttl_ms / 1000 or ttl_s
-                    self.outcome = StreamOutcome(e.blocks, e.requested, e.blocks * self._block_size, e.stop, e.detail)
-                    break
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED and self.outcome is None and self._cancelled:
-                return   # close(): the caller stopped the stream
-            # Cancelled by anyone else (the client closed, the daemon stopping) is an error, not a
-            # quiet end with no outcome that looks like the caller's own close.
-            raise self._client._error(exc) from None
-        finally:
-            if self.outcome is None:
-                self._call.cancel()   # left early: the daemon drops the rest
-                # the caller's doing, as close(): a later loop or wait() over this stream ends as
-                # closed, not with the CANCELLED of a stopping daemon (DaemonNotRunning)
-                self._cancelled = True
-                if self._stream_id:
-                    self._client._end_stream(self._session_id, self._stream_id)
-            if lease_id and (self.outcome is None or self._arena is None or not self._keep_data
-                             or time.monotonic() - self._started < ttl_s / 2):
-                # Also when left early: the daemon may have finished and handed the lease to an
-                # end this loop never read (releasing one it already dropped is a no-op). Well
-                # inside the lease (the daemon holds it for the stream and ttl after its end),
-                # every copy was pinned: the release need not be waited for.
-                self._client._release_later(self._session_id, lease_id)
-                lease_id = 0
-        if lease_id:
-            try:
-                self._client._call(self._client._stub.Release,
-                                   pb.ReleaseRequest(session_id=self._session_id, lease_id=lease_id))
-            except LeaseExpired as exc:
-                raise LeaseExpired(f"the stream's blocks were read after its lease ended: {exc}") from None
-            except KVStoreError:
-                pass   # not an expiry (the daemon went away after the end): the lease is gone with it
-
-    def close(self) -> None:
-        """Stop the stream before its end; its lease (if the loop saw it) is released when the
-        loop exits. Without a loop, the daemon drops the lease when the call is cancelled or,
-        at the latest, when it expires. Into engine buffers, returns once the daemon copies into
-        them no more."""
-        self._cancelled = True
-        self._call.cancel()
-        if self._stream_id and self.outcome is None:
-            self._client._end_stream(self._session_id, self._stream_id)
-
-    def wait(self) -> StreamOutcome:
-        """Consume the stream without keeping the arrivals (nor copying their bytes); the outcome."""
-        self._keep_data = False
-        for _ in self:
-            pass
-        if self.outcome is None:   # the loop ends without an outcome only when the call was cancelled
-            raise KVStoreError("the stream was closed before its end")
-        return self.outcome
-
-
-def _accepts_connections(target: str) -> bool:
-    """Whether something listens at the gRPC ``target`` (``unix:PATH`` or ``dns:HOST:PORT``, as
-    :func:`_target` makes them): a plain connect, given at most a second."""
-    import socket as sockets
-
-    try:
-        if target.startswith("unix:"):
-            with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as probe:
-                probe.settimeout(1.0)
-                probe.connect(target.removeprefix("unix:"))
-            return True
-        if target.startswith("dns:"):
-            host, _, port = target.removeprefix("dns:").rpartition(":")
-            with sockets.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-                return True
-    except (OSError, ValueError):
-        return False
-    return False
-
-
-def _target(socket: str) -> str:
-    """The gRPC target for ``socket``: a Unix socket path, ``host:port`` (the daemon's
-    ``server.tcp`` listener), or an explicit gRPC target (``unix:``, ``ipv4:``, ``ipv6:``, ``dns:``)."""
-    if socket.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
-        return socket
-    if "/" not in socket and re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.-]+):\d{1,5}", socket):
-        return f"dns:{socket}"
-    return f"unix:{socket}"
-
-
-def _token_array(tokens: Any) -> np.ndarray:
-    if hasattr(tokens, "detach"):  # torch tensor
-        tokens = tokens.detach().cpu().numpy()
-    return np.asarray(tokens)
-
-
-def _rows(kv: Any) -> np.ndarray:
-    """A (blocks, bytes) uint8 view of ``kv`` without copying; InvalidArgument if it is not one."""
-    if hasattr(kv, "detach"):  # torch tensor: view its bytes through numpy
-        import torch
-
-        if kv.device.type != "cpu":
-            raise InvalidArgument("save/load take CPU tensors; use register_buffers for device memory")
-        if kv.dim() < 2:
-            raise InvalidArgument(f"kv must have one row per block (at least 2 dimensions); got shape "
-                                  f"{tuple(kv.shape)}")
-        if not kv.is_contiguous():
-            raise InvalidArgument("kv tensor must be contiguous")
-        # the row width from the shape, not -1: a reshape cannot infer it for 0 rows
-        arr = kv.detach().reshape(kv.shape[0], math.prod(kv.shape[1:])).view(torch.uint8).numpy()
-    else:
-        arr = np.asarray(kv)
-        if arr.ndim < 2:
-            # a flat array would be taken as one-byte blocks, and fix the namespace's size at that
-            raise InvalidArgument(f"kv must have one row per block (at least 2 dimensions); got shape {arr.shape}")
-        if arr.dtype.hasobject:
-            raise InvalidArgument(f"kv must hold numbers, not {arr.dtype} objects")
-        if not arr.flags.c_contiguous:
-            raise InvalidArgument("kv array must be C-contiguous")
-        arr = arr.reshape(arr.shape[0], math.prod(arr.shape[1:])).view(np.uint8)
-    if arr.ndim != 2 or arr.shape[1] == 0:
-        raise InvalidArgument("kv must have one non-empty row per block")
-    return arr
-
-
-def _writable_rows(out: Any) -> np.ndarray:
-    """``out`` as (blocks, bytes) uint8 rows that loads may write into."""
-    rows = _rows(out)
-    if not rows.flags.writeable:
-        raise InvalidArgument("out is read-only")
-    return rows
-
-
-def _block_id_sequence(block_ids: Any) -> Any:
-    """``block_ids`` as :func:`_set_block_ids` (and ``len``) take them: a torch tensor as numpy, any
-    other iterable of ids as a list (an iterator would be used up before a bad id could be
-    named). InvalidArgument when it is not a one-dimensional sequence."""
-    if hasattr(block_ids, "detach"):   # torch tensor
-        block_ids = block_ids.detach().cpu().numpy()
-    if isinstance(block_ids, np.ndarray):
-        if block_ids.ndim != 1:
-            raise InvalidArgument(f"block_ids must be one-dimensional, got shape {block_ids.shape}")
-        return block_ids
-    if isinstance(block_ids, (bytes, bytearray, str)):
-        raise InvalidArgument("block_ids must be a sequence of ints, one per block")
-    if isinstance(block_ids, (list, tuple, range, array.array)):
-        return block_ids
-    try:
-        return list(block_ids)
-    except TypeError:
-        raise InvalidArgument(f"block_ids must be a sequence of ints, one per block; got "
-                              f"{type(block_ids).__name__}") from None
-
-
-def _set_block_ids(request: Any, block_ids: Sequence[int], buffers: Buffers | None, packed: bool = True) -> None:
-    """Put ``block_ids`` (ints: numpy and torch integers too, and bools as the ints they are)
-    into ``request.packed_block_ids``, little-endian uint32s: one field, not 8,192 varints for a
-    128k-token prompt, on the way to the first block (``packed`` False: ``block_ids``, for a daemon
-    from before). For an id that is not a uint32, InvalidArgument names it. Ids beyond the buffers
-    are the daemon's to refuse."""
-    if isinstance(block_ids, (bytes, bytearray, str)):
-        raise InvalidArgument("block_ids must be a sequence of ints, one per block")
-    if packed and isinstance(block_ids, np.ndarray) and block_ids.dtype.kind in "iu" and block_ids.ndim == 1 and (
-            not block_ids.size or (block_ids.min() >= 0 and block_ids.max() < 1 << 32)):
-        request.packed_block_ids = block_ids.astype("<u4").tobytes()
-        return
-    try:
-        ids = array.array("I", block_ids)
-    except (TypeError, ValueError, OverflowError):
-        limit = buffers.num_blocks if buffers is not None else 1 << 32
-        for i, b in enumerate(block_ids):
-            if not isinstance(b, (int, np.integer)) or not 0 <= b < limit:
-                raise InvalidArgument(f"block_ids[{i}] = {b!r} is not a block of the buffers "
-                                      f"(0..{limit - 1})") from None
-        raise InvalidArgument("block_ids must be a sequence of ints, one per block") from None
-    if not packed:
-        request.block_ids.extend(ids)
-        return
-    assert ids.itemsize == 4, "array's 'I' is 32 bits on every platform numpy supports"
-    if sys.byteorder == "big":
-        ids.byteswap()
-    request.packed_block_ids = ids.tobytes()

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from kvstored_client.layout import DTYPE_SIZES, TensorLayout
+from kvstored_client.contract.layout import DTYPE_SIZES, TensorLayout
+from kvstored_client.contract.shm_files import sweep_dead_owners
 
 SHM_DIR = os.environ.get("KVSTORED_SHM_DIR", "/dev/shm")
 # The daemon's group under the systemd unit (systemd/kvstored.sysusers): engines join it.
@@ -146,50 +147,6 @@ def sweep_stale_buffers(shm_dir: str = SHM_DIR) -> list[str]:
     kill: GiBs of an engine's KV pool stayed in ``/dev/shm`` for good); see
     :func:`sweep_dead_owners`. Returns their names."""
     return sweep_dead_owners(shm_dir, _BUFFER_NAME)
-
-
-def sweep_dead_owners(directory: str, pattern: re.Pattern[str]) -> list[str]:
-    """Unlink the files of ``directory`` whose name matches ``pattern`` (group 1: the creating
-    process's pid), owned by this user, whose creator no longer exists and that no process holds
-    locked (flock: a live owner in another PID namespace has a pid this one cannot see, and a
-    pid reused since by another process is still taken for alive). Returns their names. Shared
-    by the SDK's buffer files and the daemon's arenas, which are made and locked the same way."""
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = pattern.match(entry.name)
-        if m is None or int(m.group(1)) == os.getpid():
-            continue
-        try:
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            if _unlink_if_unlocked(entry.path):
-                removed.append(entry.name)
-        except OSError:
-            continue   # alive under another user (EPERM), or the file vanished
-    return removed
-
-
-def _unlink_if_unlocked(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # fails while its owner lives
-    except OSError:
-        return False
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return True
-    finally:
-        os.close(fd)
 
 
 def empty(shape: tuple[int, ...] | list[int], dtype: str = "float16") -> SharedTensor:

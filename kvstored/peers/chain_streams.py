@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvstored.buffers import BlockIds
-from kvstored.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from kvstored.handover import Arrival, Handover
 from kvstored.index import Block, Tier
 from kvstored.leases import Lease, LeaseKind, Session
@@ -23,6 +22,13 @@ from kvstored.store.catalog import NamespaceState
 from kvstored.store.engine_buffers import ignore_arrival
 from kvstored.store.reads import tiers_of
 from kvstored.store.reservations import BLOCKED, FULL, HERE, RESERVED
+from kvstored_client.contract.errors import (
+    DaemonNotRunning,
+    FailedPrecondition,
+    InvalidArgument,
+    Reason,
+    ResourceExhausted,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +124,7 @@ class ChainStreamer:
                 # the rest, so no peer is asked for it and nothing more is leased.
                 await handover.close()
                 if self._store.leasing.stopping:
-                    raise Unavailable("the daemon is stopping")
+                    raise DaemonNotRunning("the daemon is stopping", Reason.DAEMON_STOPPING)
                 raise FailedPrecondition(f"session {session_id!r} closed during the stream, after {given} "
                                          f"of {len(chain)} blocks had come up")
             read = self._store.leasing.get(local.lease_id) if local.lease_id else None

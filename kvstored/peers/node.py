@@ -23,7 +23,6 @@ from pathlib import Path
 from kvstored.addresses import parse_address
 from kvstored.cluster.membership import EtcdMembership, Member, Membership, MembershipError, StaticMembership
 from kvstored.config import Config, ConfigError, PeersConfig
-from kvstored.errors import FailedPrecondition, InvalidArgument, KVError, NotFound
 from kvstored.peers.auth import PeerAuth, TLSFiles, certificate_warning
 from kvstored.peers.chain_streams import Fetched, Into, Landed
 from kvstored.peers.connection import PeerConnection, PushResult, Stop
@@ -32,6 +31,7 @@ from kvstored.peers.exchange import PeerExchange
 from kvstored.peers.server import BlockServer
 from kvstored.peers.wire import MAX_TOKEN_BYTES, Limits
 from kvstored.store import BlockStore, CachedPrefix, KeyRequest
+from kvstored_client.contract.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
 
 log = logging.getLogger("kvstored.peers")
 
@@ -430,7 +430,7 @@ class PeerNode:
             peer.fetched += arrived
             self._mark(peer, str(exc))
             return arrived, "peer_error", str(exc)
-        except KVError as exc:   # the store had no slot for the next block: the connection is dropped
+        except KVStoreError as exc:   # the store had no slot for the next block: the connection is dropped
             peer.fetched += arrived
             return arrived, "no_room", str(exc)
         finally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.namespace import Namespace
 
 
 def admit(mode: str, depth: int, hit_before: bool, spec: Namespace) -> bool:

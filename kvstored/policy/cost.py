@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.namespace import Namespace
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,8 +33,8 @@ from kvstored.server.startup import StartupProgress, StartupStopped
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
 from kvstored.tiers.ssd import InUse, SSDTier
-from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.version import __version__
+from kvstored_client import __version__
+from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstored")
 SERVICE_NAME = "kvstored.v1.KVStore"

@@ -13,7 +13,6 @@ import grpc
 import numpy as np
 
 from kvstored.buffers import BlockIds, TensorSource
-from kvstored.errors import Cancelled, FailedPrecondition, InvalidArgument, KVError
 from kvstored.handover import Arrival
 from kvstored.index import Tier
 from kvstored.peers.chain_streams import ChainStreamer, Fetcher
@@ -22,11 +21,12 @@ from kvstored.server.status import abort, mapped
 from kvstored.server.streams import RunningStreams
 from kvstored.store import BlockStore, FlushProgress, KeyRequest, StreamEnd
 from kvstored.tiers.dram import Arena
-from kvstored_client._proto import kvstored_pb2 as pb
-from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
-from kvstored_client.layout import TensorLayout
-from kvstored_client.version import __version__
-from kvstored_client.wire import namespace_from_pb, namespace_to_pb
+from kvstored_client import __version__
+from kvstored_client.contract.errors import Cancelled, FailedPrecondition, InvalidArgument, KVStoreError, Reason
+from kvstored_client.contract.layout import TensorLayout
+from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.contract.wire import namespace_from_pb, namespace_to_pb
 
 log = logging.getLogger("kvstored.server")
 # After a stream's first block (sent at once), later blocks are gathered for a tenth of the time
@@ -216,7 +216,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if not node_id:
             return None
         if self._peers is None:
-            raise FailedPrecondition("peers are off on this node (configure peers.listen / peers.static / peers.etcd)")
+            raise FailedPrecondition("peers are off on this node (configure peers.listen / peers.static / peers.etcd)",
+                                     Reason.PEERS_OFF)
         self._peers.check_peer(node_id)
         return self._peers
 
@@ -224,12 +225,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Seal(self, request: pb.SealRequest, context: grpc.aio.ServicerContext) -> pb.SealResponse:
         try:
             peers = self._push_target(request.push_to)
-        except KVError:
+        except KVStoreError:
             # The save fails as a whole: give its reservation back, or the blocks written into
             # it stay unsealed (slots held, every other writer of the prefix blocked) until it
             # expires. (The SDK releases it too, in the background: a second release is a no-op.
             # Only a reservation: the id of one of the session's read leases leaves it alone.)
-            with contextlib.suppress(KVError):
+            with contextlib.suppress(KVStoreError):
                 self._store.release(request.session_id, request.reservation_id, reservation_only=True)
             raise
         namespace_id, chain = self._store.reservation_chain(request.session_id, request.reservation_id)
@@ -305,7 +306,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     break
                 yield event
             await task  # raises the domain error, if any
-        except KVError as exc:
+        except KVStoreError as exc:
             await abort(context, exc)
         finally:
             if not task.done():
@@ -349,7 +350,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             if request.stream_id and not self._streams.start(request.session_id, request.stream_id, task):
                 raise Cancelled("the stream was ended before it started (EndStream)")
-        except KVError as refused:
+        except KVStoreError as refused:
             await abort(context, refused)
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -371,7 +372,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     if isinstance(item, Exception):
                         if msg.blocks:
                             yield msg   # the blocks already in place still reach the client
-                        if isinstance(item, KVError):
+                        if isinstance(item, KVStoreError):
                             await abort(context, item)
                         raise item
                     if isinstance(item, StreamEnd):
@@ -413,12 +414,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             if self._peers is None:
                 raise FailedPrecondition("peers are off on this node (configure peers.listen / peers.static / "
-                                         "peers.etcd)")
+                                         "peers.etcd)", Reason.PEERS_OFF)
             prefix = _keys(request.prefix) if request.HasField("prefix") else None
             progress = self._peers.migrate(request.to, request.model, request.namespace_id, prefix, request.drain)
             async for message in _with_heartbeat(progress, _migrate_pb):
                 yield message
-        except KVError as exc:
+        except KVStoreError as exc:
             await abort(context, exc)
 
     @mapped
@@ -441,7 +442,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             async for message in _with_heartbeat(self._store.flushing(request.model), _flush_pb):
                 yield message
-        except KVError as exc:
+        except KVStoreError as exc:
             await abort(context, exc)
 
     @mapped

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 
-from kvstored.errors import FailedPrecondition, InvalidArgument
+from kvstored_client.contract.errors import FailedPrecondition, InvalidArgument, Reason
 
 StreamKey = tuple[str, int]
 
@@ -54,7 +54,8 @@ class RunningStreams:
         task = self._running.get(key)
         if task is None:
             if not session_open:
-                raise FailedPrecondition(f"unknown session {session_id!r}: its streams ended with it")
+                raise FailedPrecondition(f"unknown session {session_id!r}: its streams ended with it",
+                                         Reason.UNKNOWN_SESSION)
             ended = self._ended.setdefault(session_id, OrderedDict())
             ended[stream_id] = None
             while len(ended) > self._remember:

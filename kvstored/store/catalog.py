@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstored.config import Config
-from kvstored.errors import InvalidArgument, KVError, NotFound
 from kvstored.index import Block, PrefixIndex
 from kvstored.store.values import KeyRequest
 from kvstored.tiers.dram import slot_size
 from kvstored.tiers.ssd import SSDTier
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.errors import InvalidArgument, KVStoreError, NotFound, Reason
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 log = logging.getLogger("kvstored.store")
 
@@ -131,7 +131,7 @@ class Catalog:
         """The namespace; NotFound for one never opened."""
         state = self._namespaces.get(namespace_id)
         if state is None:
-            raise NotFound(f"unknown namespace {namespace_id}: open it first")
+            raise NotFound(f"unknown namespace {namespace_id}: open it first", Reason.UNKNOWN_NAMESPACE)
         return state
 
     def find(self, namespace_id: int) -> NamespaceState | None:
@@ -143,18 +143,18 @@ class Catalog:
         spec = state.spec
         limit = self._config.server.max_batch_blocks
         if sum(map(bool, (keys.hashes, keys.packed_hashes, keys.token_ids))) > 1:
-            raise InvalidArgument("give one of hashes, packed_hashes or token_ids (not several)")
+            raise InvalidArgument("give one of hashes, packed_hashes or token_ids (not several)", Reason.BAD_KEYS)
         if keys.hashes or keys.packed_hashes:
             if keys.cache_salt or keys.lora_name:
                 raise InvalidArgument("cache_salt and lora_name apply to token ids only; "
-                                      "engine hashes already include them")
+                                      "engine hashes already include them", Reason.BAD_KEYS)
             size = spec.digest_size
             if keys.packed_hashes and len(keys.packed_hashes) % size:
                 raise InvalidArgument(f"packed_hashes has {len(keys.packed_hashes)} bytes, not a whole number "
-                                      f"of {size}-byte {spec.hash_algo} keys")
+                                      f"of {size}-byte {spec.hash_algo} keys", Reason.BAD_KEYS)
             n = len(keys.packed_hashes) // size or len(keys.hashes)
             if n > limit:
-                raise InvalidArgument(f"{n} blocks exceed server.max_batch_blocks={limit}")
+                raise InvalidArgument(f"{n} blocks exceed server.max_batch_blocks={limit}", Reason.TOO_MANY_BLOCKS)
             if keys.packed_hashes:   # numpy cuts them apart in C, each a bytes object of its own
                 return state, np.frombuffer(keys.packed_hashes, f"V{size}").tolist()
             chain = list(keys.hashes)
@@ -162,16 +162,16 @@ class Catalog:
                 for i, h in enumerate(chain):
                     if len(h) != size:
                         raise InvalidArgument(f"hashes[{i}] has {len(h)} bytes; {spec.hash_algo} keys have "
-                                              f"{size}")
+                                              f"{size}", Reason.BAD_KEYS)
             return state, chain
         if len(keys.token_ids) // spec.block_size > limit:
             raise InvalidArgument(f"{len(keys.token_ids) // spec.block_size} blocks exceed "
-                                  f"server.max_batch_blocks={limit}")
+                                  f"server.max_batch_blocks={limit}", Reason.TOO_MANY_BLOCKS)
         try:
             chain = block_hashes(keys.token_ids, spec.block_size, spec.hash_seed, spec.hash_algo,
                                  cache_salt=keys.cache_salt or None, lora_name=keys.lora_name or None)
         except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+            raise InvalidArgument(str(exc), Reason.BAD_KEYS) from None
         return state, chain
 
     def ids_of(self, model: str) -> set[int]:
@@ -181,7 +181,7 @@ class Catalog:
         if model and not ids:
             known = sorted({s.spec.model for s in self._namespaces.values()})
             raise NotFound(f"no namespace of model {model!r} on this node (models here: "
-                           f"{', '.join(map(repr, known)) or 'none'})")
+                           f"{', '.join(map(repr, known)) or 'none'})", Reason.UNKNOWN_MODEL)
         return ids
 
     def describe(self, namespace_id: int) -> bytes:
@@ -199,7 +199,7 @@ class Catalog:
             return f"namespace id {namespace_id} does not match its description"
         try:
             self.open(spec)
-        except KVError as exc:
+        except KVStoreError as exc:
             return str(exc)
         return ""
 

@@ -11,7 +11,6 @@ import numpy as np
 from kvstored.buffers import BlockIds, RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
-from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound
 from kvstored.handover import Arrival, Handover
 from kvstored.index import Block, Tier
 from kvstored.leases import Session
@@ -20,6 +19,7 @@ from kvstored.store.catalog import Catalog, NamespaceState
 from kvstored.store.leasing import Leasing
 from kvstored.store.reads import Reads
 from kvstored.store.reservations import Reservations
+from kvstored_client.contract.errors import InvalidArgument, LeaseExpired, NotFound, Reason
 
 
 def check_distinct(ids: np.ndarray, first: int = 0) -> None:
@@ -133,7 +133,7 @@ class EngineBuffers:
         """The buffers ``buffers_id`` of this session (of this namespace, when given)."""
         entry = self._buffers.get(buffers_id)
         if entry is None or entry[0] != session_id:
-            raise NotFound(f"unknown buffers {buffers_id} for this session")
+            raise NotFound(f"unknown buffers {buffers_id} for this session", Reason.UNKNOWN_BUFFERS)
         if namespace_id is not None and entry[1] != namespace_id:
             raise InvalidArgument(f"buffers {buffers_id} were registered for another namespace")
         return entry[2]
@@ -181,8 +181,8 @@ class EngineBuffers:
             raise
         if leasing.doomed(lease.lease_id) or leasing.get(lease.lease_id) is None:
             leasing.finish_doomed(lease)
-            raise FailedPrecondition("session closed or reservation expired during the copy; "
-                                     "nothing was stored")
+            raise LeaseExpired("session closed or reservation expired during the copy; nothing was stored",
+                               Reason.RESERVATION_EXPIRED)
         stored = len(lease.new)
         leasing.end(lease, session, aborted=False)
         return present, stored

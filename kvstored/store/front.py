@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from kvstored.buffers import BlockIds, RegisteredBuffers, TensorSource
 from kvstored.config import Config
 from kvstored.copy import CopyEngine
-from kvstored.errors import FailedPrecondition, InvalidArgument
 from kvstored.index import Tier
 from kvstored.leases import LeaseKind, Session
 from kvstored.store.background import Background
@@ -51,7 +50,8 @@ from kvstored.store.values import (
 from kvstored.store.writeback import WriteBack
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import Progress, SSDError, SSDTier
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.errors import FailedPrecondition, InvalidArgument, Reason
+from kvstored_client.contract.namespace import Namespace
 
 log = logging.getLogger("kvstored.store")
 
@@ -66,7 +66,7 @@ class PeerTraffic:
 
 
 class BlockStore:
-    """The daemon's domain. Expected failures raise :mod:`kvstored.errors` types and change nothing."""
+    """The daemon's domain. Expected failures raise :mod:`kvstored_client.contract.errors` types and change nothing."""
 
     def __init__(self, config: Config, arena: Arena, copy: CopyEngine, ssd: SSDTier | None = None,
                  clock: Callable[[], float] = time.monotonic,
@@ -213,7 +213,7 @@ class BlockStore:
         keeps one. Returns how many blocks lost a copy or left the index. FailedPrecondition for
         the SSD tier of a store without one (as :meth:`flushing`); NotFound for a model never seen."""
         if tier is Tier.SSD and self.ssd_tier is None:
-            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)")
+            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)", Reason.SSD_DISABLED)
         ids = self.catalog.ids_of(model)
         return self.placement.evict_blocks([b for ns_id in ids for b in self.catalog.get(ns_id).index], tier)
 
@@ -282,7 +282,7 @@ class BlockStore:
     async def quiesce(self, timeout_s: float) -> bool:
         """Wait until no request has a copy in flight nor a leased lookup waiting for SSD reads,
         for at most ``timeout_s``; whether none has. From then on, requests that would start new
-        work are refused (Unavailable). See :meth:`Leasing.quiesce`."""
+        work are refused (DaemonNotRunning). See :meth:`Leasing.quiesce`."""
         return await self.leasing.quiesce(timeout_s)
 
     async def finish_background(self) -> None:

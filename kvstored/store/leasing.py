@@ -13,10 +13,10 @@ import secrets
 from collections.abc import Awaitable, Callable, Iterator
 
 from kvstored.config import Config
-from kvstored.errors import FailedPrecondition, NotFound, Unavailable
 from kvstored.index import SEALED, Block
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
 from kvstored.store.placement import Placement
+from kvstored_client.contract.errors import DaemonNotRunning, FailedPrecondition, LeaseExpired, NotFound, Reason
 
 
 class Leasing:
@@ -75,16 +75,16 @@ class Leasing:
         session = self._sessions.get(session_id)
         if session is None:
             raise FailedPrecondition(f"unknown session {session_id!r}: open a session first (the "
-                                     "daemon may have restarted; reconnect)")
+                                     "daemon may have restarted; reconnect)", Reason.UNKNOWN_SESSION)
         return session
 
     def working_session(self, session_id: str) -> Session:
         """:meth:`session`, for a request that starts new work (a copy, a lease, a reservation):
-        Unavailable once shutdown began. A call the server had taken before SIGTERM may start
+        DaemonNotRunning once shutdown began. A call the server had taken before SIGTERM may start
         only after quiesce() found nothing in flight; its session then ends under its copy (a
         save stored nothing and said the session closed) or its lease (a load found nothing)."""
         if self._stopping:
-            raise Unavailable("the daemon is stopping")
+            raise DaemonNotRunning("the daemon is stopping", Reason.DAEMON_STOPPING)
         return self.session(session_id)
 
     # -- leases -----------------------------------------------------------------------------
@@ -122,13 +122,14 @@ class Leasing:
             kind = self._leases.was_expired(lease_id, session_id,
                                             LeaseKind.RESERVATION if reservation_only else None)
             if kind is LeaseKind.RESERVATION:
-                raise FailedPrecondition(f"reservation {lease_id} expired before it was released "
-                                         f"(ttl {self._config.leases.reservation_ttl_s:g}s); nothing was stored")
+                raise LeaseExpired(f"reservation {lease_id} expired before it was released "
+                                   f"(ttl {self._config.leases.reservation_ttl_s:g}s); nothing was stored",
+                                   Reason.RESERVATION_EXPIRED)
             if kind is LeaseKind.READ:
-                raise FailedPrecondition(f"lease {lease_id} expired before it was released "
-                                         f"(ttl {self._config.leases.ttl_s:g}s); bytes read under it "
-                                         "may be stale")
-            raise NotFound(f"unknown lease {lease_id}")
+                raise LeaseExpired(f"lease {lease_id} expired before it was released "
+                                   f"(ttl {self._config.leases.ttl_s:g}s); bytes read under it may be stale",
+                                   Reason.LEASE_EXPIRED)
+            raise NotFound(f"unknown lease {lease_id}", Reason.UNKNOWN_LEASE)
         self.end(lease, session, aborted=True)
 
     def seal(self, session_id: str, reservation_id: int) -> int:
@@ -137,10 +138,10 @@ class Leasing:
         lease = self._leases.get(reservation_id)
         if lease is None or lease.kind != LeaseKind.RESERVATION or lease.session_id != session_id:
             if self._leases.was_expired(reservation_id, session_id, LeaseKind.RESERVATION):
-                raise FailedPrecondition(f"reservation {reservation_id} expired before it was sealed "
-                                         f"(ttl {self._config.leases.reservation_ttl_s:g}s); "
-                                         "nothing was stored")
-            raise NotFound(f"unknown reservation {reservation_id}")
+                raise LeaseExpired(f"reservation {reservation_id} expired before it was sealed "
+                                   f"(ttl {self._config.leases.reservation_ttl_s:g}s); nothing was stored",
+                                   Reason.RESERVATION_EXPIRED)
+            raise NotFound(f"unknown reservation {reservation_id}", Reason.UNKNOWN_LEASE)
         sealed = len(lease.new)
         self.end(lease, session, aborted=False)
         return sealed
@@ -269,7 +270,7 @@ class Leasing:
         before it ends the sessions: ending one dooms its busy leases (a save whose reservation
         is doomed stores nothing) and ends the leases of lookups under way (a load then finds
         nothing). From the first call on, requests that would start new work are refused
-        (Unavailable)."""
+        (DaemonNotRunning)."""
         self._stopping = True
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s

@@ -4,12 +4,12 @@ block under the chain's cached prefix, for a writer (a client's save, a peer's f
 from __future__ import annotations
 
 from kvstored.config import Config
-from kvstored.errors import ResourceExhausted
 from kvstored.index import NO_SLOT, PROMOTING
 from kvstored.leases import Lease, LeaseKind, Session
 from kvstored.store.catalog import NamespaceState
 from kvstored.store.leasing import Leasing
 from kvstored.store.placement import Placement
+from kvstored_client.contract.errors import Reason, ResourceExhausted
 
 # reserve_next's outcomes
 RESERVED = "ok"       # a slot for the key
@@ -41,7 +41,7 @@ class Reservations:
         if not lease.new and len(lease.pinned) < len(chain) and not blocked:
             self._leasing.end(lease, session, aborted=True)
             raise ResourceExhausted("DRAM tier full: every block that could make room is leased "
-                                    "or being written; retry after releasing leases")
+                                    "or being written; retry after releasing leases", Reason.TIER_FULL)
         return lease
 
     def reserve_present(self, session: Session, state: NamespaceState, chain: list[bytes]) -> Lease:

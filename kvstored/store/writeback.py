@@ -9,7 +9,6 @@ import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 
 from kvstored.config import Config
-from kvstored.errors import FailedPrecondition, ResourceExhausted
 from kvstored.index import DEMOTING, HIT, ON_SSD, PROMOTING, SEALED, Block
 from kvstored.policy.admission import admit
 from kvstored.store.background import Background
@@ -18,6 +17,7 @@ from kvstored.store.placement import Placement
 from kvstored.store.values import FlushProgress
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import MapFull, SSDError, SSDTier
+from kvstored_client.contract.errors import FailedPrecondition, Reason, ResourceExhausted
 
 log = logging.getLogger("kvstored.store")
 
@@ -210,7 +210,7 @@ class WriteBack:
         blocks would not survive a restart. FailedPrecondition without an SSD tier; NotFound for
         a model never seen."""
         if self._tier is None:
-            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)")
+            raise FailedPrecondition("the SSD tier is disabled (ssd.enabled = false)", Reason.SSD_DISABLED)
         ids = self._catalog.ids_of(model)
         total = 0
         yield FlushProgress(0, self._placement.dram_only(ids))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstored_client.shm import sweep_dead_owners
+from kvstored_client.contract.shm_files import sweep_dead_owners
 
 SLOT_ALIGN = 64  # a cache line: keeps every slot's copies aligned
 
@@ -34,7 +34,7 @@ _ARENA_NAME = re.compile(r"^kvstored-(\d+)-[0-9a-f]+$")
 def sweep_stale_arenas(shm_dir: str) -> list[str]:
     """Unlink arena files left by daemons that died without ``close`` (kill -9, OOM kill): files
     named like ours, owned by this user, whose creating process no longer exists and that no
-    process holds locked (:func:`kvstored_client.shm.sweep_dead_owners`). Returns their names.
+    process holds locked (:func:`kvstored_client.contract.shm_files.sweep_dead_owners`). Returns their names.
     A daemon in another PID namespace (a container sharing the directory) keeps its arena: it
     holds it locked."""
     return sweep_dead_owners(shm_dir, _ARENA_NAME)

@@ -92,7 +92,7 @@ time.sleep(60)
 
 
 def test_wrong_device_is_refused(daemon) -> None:  # type: ignore[no-untyped-def]
-    from kvstored_client._proto import kvstored_pb2 as pb
+    from kvstored_client.contract.proto import kvstored_pb2 as pb
 
     with kvstored.Client(daemon.socket) as c:
         kv = torch.zeros(SHAPE, device="cuda", dtype=torch.bfloat16)

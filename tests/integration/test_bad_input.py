@@ -9,9 +9,11 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 import kvstored
-from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 
 class Raw:
@@ -30,13 +32,27 @@ class Raw:
             st.pop(key)
         return st
 
-    def expect(self, code: grpc.StatusCode, needle: str, method: Any, request: Any) -> None:
+    def expect(self, code: grpc.StatusCode, needle: str, method: Any, request: Any, reason: str = "") -> None:
         before = self.state()
         with pytest.raises(grpc.RpcError) as info:
             method(request, timeout=10)
         assert info.value.code() == code, info.value.details()
         assert needle in info.value.details()
+        if reason:
+            assert wire_reason(info.value) == (reason, "kvstored"), info.value.details()
         assert self.state() == before, "a refused call changed the store"
+
+
+def wire_reason(exc: grpc.RpcError) -> tuple[str, str] | None:
+    """The (reason, domain) of the ErrorInfo in a failed call's rich status, read as any gRPC
+    client would (grpcio-status), not as the SDK does."""
+    status = rpc_status.from_call(exc)
+    if status is None:
+        return None
+    info = error_details_pb2.ErrorInfo()
+    found = [(info.reason, info.domain) for detail in status.details if detail.Unpack(info)]
+    assert len(found) == 1, status
+    return found[0]
 
 
 @pytest.fixture
@@ -327,3 +343,48 @@ def test_a_stream_with_block_ids_but_no_buffers_is_refused(raw: Raw) -> None:
     with pytest.raises(kvstored.InvalidArgument, match="give buffers too"):
         raw.client.stream(np.arange(64), block_ids=[0, 1, 2, 3])
     assert [a.index for a in raw.client.stream(np.arange(64))] == [0, 1, 2, 3]   # the arena's way
+
+
+def test_each_refusal_carries_its_reason_on_the_wire(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """The daemon's status mapping puts a reason code beside the status (google.rpc.ErrorInfo,
+    domain "kvstored", in grpc-status-details-bin): what the SDK decides by, and what a raw gRPC
+    client can too, whatever the message says."""
+    d = daemon_factory("--set", "leases.ttl_s=0.2", "--set", "leases.reservation_ttl_s=0.3",
+                       "--set", "leases.reap_interval_s=0.05")
+    raw = Raw(d.socket)
+    try:
+        stub, session, ns = raw.stub, raw.session, raw.ns
+        raw.expect(grpc.StatusCode.NOT_FOUND, "unknown namespace", stub.Lookup,
+                   pb.LookupRequest(namespace_id=424242, keys=keys(1)), reason="UNKNOWN_NAMESPACE")
+        raw.expect(grpc.StatusCode.NOT_FOUND, "unknown lease", stub.Release,
+                   pb.ReleaseRequest(session_id=session, lease_id=987654), reason="UNKNOWN_LEASE")
+        raw.expect(grpc.StatusCode.NOT_FOUND, "no namespace of model", stub.Evict,
+                   pb.EvictRequest(model="nope"), reason="UNKNOWN_MODEL")
+        raw.expect(grpc.StatusCode.NOT_FOUND, "unknown buffers", stub.SaveBlocks,
+                   pb.SaveBlocksRequest(session_id=session, namespace_id=ns, buffers_id=99, keys=keys(1),
+                                        block_ids=[0]), reason="UNKNOWN_BUFFERS")
+        raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "not a whole number", stub.Lookup,
+                   pb.LookupRequest(namespace_id=ns, keys=pb.BlockKeys(packed_hashes=b"x" * 33)), reason="BAD_KEYS")
+        raw.expect(grpc.StatusCode.INVALID_ARGUMENT, "unknown tier", stub.Evict,
+                   pb.EvictRequest(tier=99), reason="INVALID_ARGUMENT")
+        raw.expect(grpc.StatusCode.FAILED_PRECONDITION, "unknown session", stub.Reserve,
+                   pb.ReserveRequest(session_id="gone", namespace_id=ns, keys=keys(1), block_bytes=512),
+                   reason="UNKNOWN_SESSION")
+        raw.expect(grpc.StatusCode.FAILED_PRECONDITION, "peers are off", stub.Seal,
+                   pb.SealRequest(session_id=session, reservation_id=1, push_to="decode-0"), reason="PEERS_OFF")
+        res = stub.Reserve(pb.ReserveRequest(session_id=session, namespace_id=ns, keys=keys(2), block_bytes=512),
+                           timeout=10)
+        lease = stub.Lookup(pb.LookupRequest(namespace_id=ns, lease=True, session_id=session,
+                                             keys=pb.BlockKeys(hashes=kvstored.block_hashes(np.arange(64)))),
+                            timeout=10)
+        time.sleep(0.8)
+        raw.expect(grpc.StatusCode.FAILED_PRECONDITION, "expired", stub.Seal,
+                   pb.SealRequest(session_id=session, reservation_id=res.reservation_id), reason="RESERVATION_EXPIRED")
+        raw.expect(grpc.StatusCode.FAILED_PRECONDITION, "expired", stub.Release,
+                   pb.ReleaseRequest(session_id=session, lease_id=lease.lease_id), reason="LEASE_EXPIRED")
+        # and the SDK raises what the reason says, with it
+        with pytest.raises(kvstored.NotFound) as info:
+            raw.client.evict(model="nope")
+        assert info.value.reason == "UNKNOWN_MODEL"
+    finally:
+        raw.client.close()

@@ -210,7 +210,7 @@ def test_dead_client_leases_are_released(daemon) -> None:  # type: ignore[no-unt
 import time
 import numpy as np
 import kvstored
-from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2 as pb
 c = kvstored.Client({daemon.socket!r})
 keys = pb.BlockKeys(hashes=kvstored.block_hashes(np.arange(32)))
 c._stub.Lookup(pb.LookupRequest(namespace_id=c._ns(None)[0], lease=True, session_id=c._session(), keys=keys))
@@ -237,7 +237,7 @@ time.sleep(60)
 
 def test_lease_expiry_is_reported(daemon_factory) -> None:  # type: ignore[no-untyped-def]
     d = daemon_factory("--set", "leases.ttl_s=0.3", "--set", "leases.reap_interval_s=0.05")
-    from kvstored_client._proto import kvstored_pb2 as pb
+    from kvstored_client.contract.proto import kvstored_pb2 as pb
 
     with kvstored.Client(d.socket) as c:
         c.save(np.arange(32), rows(2))

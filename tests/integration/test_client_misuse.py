@@ -16,7 +16,7 @@ import pytest
 import kvstored
 from conftest import Daemon, wait_serving
 from kvstored import Namespace
-from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 
 def rows(n: int, width: int = 4096, seed: int = 0) -> np.ndarray:
@@ -307,9 +307,9 @@ def test_a_slow_stream_reader_is_told_its_bytes_may_be_another_blocks(daemon_fac
 def test_a_save_interrupted_while_writing_the_arena_gives_its_reservation_back(daemon, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Ctrl-C (or a bad row) between Reserve and Seal: the reservation was held until it expired
     (a minute), and every other writer of that prompt was told its blocks were being written."""
-    import kvstored_client.client as client_mod
+    from kvstored_client import coerce
 
-    real_rows = client_mod._rows
+    real_rows = coerce.rows
 
     class Interrupting:
         def __init__(self, arr: np.ndarray) -> None:
@@ -322,10 +322,10 @@ def test_a_save_interrupted_while_writing_the_arena_gives_its_reservation_back(d
 
     tokens, kv = np.arange(16 * 4), rows(4, seed=3)
     with kvstored.Client(daemon.socket) as c, kvstored.Client(daemon.socket) as other:
-        monkeypatch.setattr(client_mod, "_rows", lambda x: Interrupting(real_rows(x)))
+        monkeypatch.setattr(coerce, "rows", lambda x: Interrupting(real_rows(x)))
         with pytest.raises(KeyboardInterrupt):
             c.save(tokens, kv)
-        monkeypatch.setattr(client_mod, "_rows", real_rows)
+        monkeypatch.setattr(coerce, "rows", real_rows)
         assert other.save(tokens, kv).stored == 4   # not "being written by another client"
         assert np.array_equal(other.load(tokens).data, kv)
         assert active_leases(other) == 0   # (the load released in the background: settled first)
@@ -334,11 +334,11 @@ def test_a_save_interrupted_while_writing_the_arena_gives_its_reservation_back(d
 def test_load_blocks_without_waiting_racing_close_is_client_closed(daemon, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """close() from another thread while load_blocks(wait=False) is past its checks: was a raw
     ValueError from grpc ("Cannot invoke RPC on closed channel")."""
-    import kvstored_client.client as client_mod
+    from kvstored_client import coerce
 
     c = kvstored.Client(daemon.socket)
     buf = kvstored.shm.empty((4, 2, 16, 2, 8), "float16")
-    real = client_mod._set_block_ids
+    real = coerce.set_block_ids
 
     def closing_meanwhile(*args, **kwargs):  # type: ignore[no-untyped-def]
         c.close()
@@ -346,7 +346,7 @@ def test_load_blocks_without_waiting_racing_close_is_client_closed(daemon, monke
 
     try:
         b = c.register_buffers([buf.numpy()], 0, namespace=Namespace(model="closed", kv_dtype="float16"))
-        monkeypatch.setattr(client_mod, "_set_block_ids", closing_meanwhile)
+        monkeypatch.setattr(coerce, "set_block_ids", closing_meanwhile)
         with pytest.raises(kvstored.ClientClosed):
             c.load_blocks(b, [0], np.arange(16), wait=False)
     finally:
@@ -392,14 +392,14 @@ def test_an_interrupted_session_open_leaves_no_session_behind(daemon, monkeypatc
     daemon counted a client, two SDK threads stayed), and the next call opened a second one."""
     import queue
 
-    import kvstored_client.client as client_mod
+    import kvstored_client.connection as connection_mod
 
     class Interrupted(queue.Queue):   # type: ignore[type-arg]
         def get(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             raise KeyboardInterrupt
 
     with kvstored.Client(daemon.socket) as c:
-        monkeypatch.setattr(client_mod.queue, "Queue", Interrupted)
+        monkeypatch.setattr(connection_mod.queue, "Queue", Interrupted)
         with pytest.raises(KeyboardInterrupt):
             c.save(np.arange(32), rows(2))
         monkeypatch.undo()

@@ -56,7 +56,7 @@ from random_model import content, daemon_trouble, fill_block, make_prompts, read
 import kvstored
 from conftest import ROOT, Daemon, start_daemon, wait_serving
 from kvstored import Namespace
-from kvstored_client.client import StreamOutcome
+from kvstored_client.results import StreamOutcome
 
 TIMEOUT_S = 5.0                  # the clients' timeout_s
 PEER_DEADLINE_S = 2              # peers.deadline_s: a frozen peer costs this

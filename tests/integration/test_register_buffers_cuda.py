@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvstored_client import cuda_export
-from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 
 class CupyLikeArray:

@@ -17,8 +17,8 @@ from kvstored.copy import CopyEngine
 from kvstored.policy.registry import POLICIES
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 BLOCK = 4096
 

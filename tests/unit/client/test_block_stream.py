@@ -16,8 +16,8 @@ def test_an_arena_stream_hands_over_block_0_without_first_copying_the_whole_even
 
     import numpy as np
 
-    from kvstored_client._proto import kvstored_pb2 as pb
-    from kvstored_client.client import BlockStream
+    from kvstored_client.contract.proto import kvstored_pb2 as pb
+    from kvstored_client.streams import BlockStream
 
     n, size = 64, 256
     backing = np.arange(n * size, dtype=np.uint32).astype(np.uint8)
@@ -61,7 +61,7 @@ def test_a_stream_cancelled_by_anyone_but_its_caller_raises() -> None:
     import pytest
 
     import kvstored
-    from kvstored_client.client import BlockStream
+    from kvstored_client.streams import BlockStream
 
     class Cancelled(grpc.RpcError):
         def code(self) -> grpc.StatusCode:

@@ -8,8 +8,8 @@ from pathlib import Path
 import grpc
 
 from kvstored_client import Client
-from kvstored_client._proto import kvstored_pb2 as pb
-from kvstored_client._proto import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 
 
 class OlderDaemon(pb_grpc.KVStoreServicer):

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstored import block_hashes
-from kvstored_client.hashing import none_hash, reference_block_hashes
+from kvstored_client.contract.hashing import none_hash, reference_block_hashes
 
 NONE_HASH = "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
 H0 = "d830de3d42c00f25a2949b5d12d98642664a44872c1614c5b0147556276afc9c"
@@ -83,7 +83,7 @@ def test_bad_algo_and_block_size() -> None:
 
 
 def test_memo_gives_identical_chains() -> None:
-    from kvstored_client.hashing import ChainHasher
+    from kvstored_client.contract.hashing import ChainHasher
 
     hasher = ChainHasher(memo_blocks=64)
     rng = np.random.default_rng(5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstored_client.layout import BlockRegion, TensorLayout, layout_signature
+from kvstored_client.contract.layout import BlockRegion, TensorLayout, layout_signature
 
 
 def _layout(arr: np.ndarray, block_dim: int) -> TensorLayout:

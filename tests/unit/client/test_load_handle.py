@@ -7,7 +7,7 @@ import threading
 import pytest
 
 import kvstored
-from kvstored_client.client import LoadHandle
+from kvstored_client.streams import LoadHandle
 
 
 def test_a_wait_that_times_out_raises_an_sdk_error() -> None:

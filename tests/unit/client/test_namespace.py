@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.namespace import Namespace
 
 
 def test_fields_holding_the_identity_separator_cannot_make_two_namespaces_one() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstored_client import paths
+from kvstored_client.contract import paths
 
 
 def test_a_tmp_socket_directory_of_another_user_is_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:

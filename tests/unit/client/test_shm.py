@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvstored_client import shm
-from kvstored_client.layout import layout_signature
+from kvstored_client.contract.layout import layout_signature
 
 
 def test_a_failed_allocation_leaves_no_file_behind(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstored_client.client import _target
+from kvstored_client.connection import _target
 
 
 @pytest.mark.parametrize(("socket", "target"), [

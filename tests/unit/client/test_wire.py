@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvstored_client._proto import kvstored_pb2 as pb
-from kvstored_client.namespace import Namespace
-from kvstored_client.wire import namespace_from_pb, namespace_to_pb
+from kvstored_client.contract.namespace import Namespace
+from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.contract.wire import namespace_from_pb, namespace_to_pb
 
 
 def test_a_namespace_goes_through_its_message_unchanged() -> None:

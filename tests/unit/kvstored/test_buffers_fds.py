@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kvstored.buffers import RegisteredBuffers, TensorSource
-from kvstored.errors import InvalidArgument
-from kvstored_client.layout import TensorLayout
+from kvstored_client.contract.errors import InvalidArgument
+from kvstored_client.contract.layout import TensorLayout
 
 
 def _open_fds(under: Path) -> int:
@@ -71,15 +71,15 @@ def test_a_sparse_file_on_a_full_tmpfs_is_refused_not_mapped(tmp_path: Path) -> 
 import sys
 import numpy as np
 from kvstored.buffers import RegisteredBuffers, TensorSource
-from kvstored.errors import InvalidArgument
-from kvstored.errors import KVError
-from kvstored_client.layout import TensorLayout
+from kvstored_client.contract.errors import InvalidArgument
+from kvstored_client.contract.errors import KVStoreError
+from kvstored_client.contract.layout import TensorLayout
 with open({str(mnt / "sparse")!r}, "wb") as fh:
     fh.truncate(4 << 20)
 layout = TensorLayout((4, 1 << 20), (1 << 20, 1), "uint8", 0)
 try:
     buffers = RegisteredBuffers(1, {str(mnt)!r}, [TensorSource("sparse", 0, layout)])
-except KVError as exc:
+except KVStoreError as exc:
     print("refused:", type(exc).__name__, exc)
     sys.exit(0)
 t = buffers.tensors[0]
@@ -130,8 +130,8 @@ def test_a_registration_past_the_daemons_open_file_limit_is_resource_exhausted(t
     code = f"""
 import resource, sys
 from kvstored.buffers import RegisteredBuffers, TensorSource
-from kvstored.errors import KVError
-from kvstored_client.layout import TensorLayout
+from kvstored_client.contract.errors import KVStoreError
+from kvstored_client.contract.layout import TensorLayout
 layout = TensorLayout((4, 16, 8), (128, 8, 1), "float16", 0)
 for i in range(64):
     with open({str(tmp_path)!r} + f"/buf{{i}}", "wb") as fh:
@@ -139,7 +139,7 @@ for i in range(64):
 resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 try:
     RegisteredBuffers(1, {str(tmp_path)!r}, [TensorSource(f"buf{{i}}", 0, layout) for i in range(64)])
-except KVError as exc:
+except KVStoreError as exc:
     print("refused:", type(exc).__name__, exc)
     sys.exit(0)
 print("registered")

@@ -13,7 +13,7 @@ import numpy as np
 from kvstored.copy import CopyEngine
 from kvstored.tensor_memory import TensorMemory
 from kvstored.tiers.dram import Arena
-from kvstored_client.layout import TensorLayout
+from kvstored_client.contract.layout import TensorLayout
 
 BLOCK = 4096
 

@@ -118,8 +118,8 @@ def test_a_registration_mixing_cuda_and_shared_memory_tensors_is_refused(cuda, t
     took every tensor for a device one: the shared-memory tensor's file offset went to
     cudaMemcpy2DAsync as a device address."""
     from kvstored.buffers import RegisteredBuffers, TensorSource
-    from kvstored.errors import InvalidArgument
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.errors import InvalidArgument
+    from kvstored_client.contract.layout import TensorLayout
 
     _module, runtime = cuda
     layout = TensorLayout((4, 4096), (4096, 1), "uint8", 0)

@@ -17,11 +17,11 @@ from store_harness import chain, exchange, streamer
 
 from kvstored import config
 from kvstored.copy import CopyEngine
-from kvstored.errors import NotFound
 from kvstored.index import SEALED, PrefixIndex
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.errors import NotFound
+from kvstored_client.contract.namespace import Namespace
 
 BLOCK = 4096          # bytes per block; the arena holds 8 of them (two pages of 4)
 SLOTS = 8
@@ -568,7 +568,7 @@ def test_a_fetched_first_block_reaches_the_reader_before_the_next_is_received(st
     from kvstored.buffers import TensorSource
     from kvstored.peers.chain_streams import Fetched
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.layout import TensorLayout
 
     engine = shm.empty((4, BLOCK), "uint8")
     session = store.open_session("decode", 1)

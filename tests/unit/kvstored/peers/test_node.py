@@ -22,14 +22,14 @@ from store_harness import chain, exchange, streamer
 from kvstored import config
 from kvstored.cluster.membership import Member
 from kvstored.copy import CopyEngine
-from kvstored.errors import InvalidArgument
 from kvstored.peers.auth import PeerAuth
 from kvstored.peers.connection import FetchResult, PeerConnection, Stop, push
 from kvstored.peers.node import PeerNode
 from kvstored.peers.wire import HELLO, MAGIC, OP_FETCH, VERSION, Limits, encode_request
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.errors import InvalidArgument
+from kvstored_client.contract.namespace import Namespace
 
 BLOCK = 4096
 NS = Namespace(model="m", block_bytes=BLOCK)

@@ -44,7 +44,6 @@ from store_harness import exchange, streamer
 from kvstored import config
 from kvstored.buffers import TensorSource
 from kvstored.copy import CopyEngine
-from kvstored.errors import KVError
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, Block, Tier
 from kvstored.peers.exchange import PeerLanding
 from kvstored.peers.node import IDLE_CONNECTIONS, PeerNode
@@ -54,9 +53,10 @@ from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, SSDTier
 from kvstored_client import shm
-from kvstored_client.hashing import block_hashes
-from kvstored_client.layout import TensorLayout
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.errors import KVStoreError
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.layout import TensorLayout
+from kvstored_client.contract.namespace import Namespace
 
 T = TypeVar("T")
 
@@ -539,7 +539,7 @@ class Fuzz:
         now = self.clock.now
         try:
             r = node.store.reserve(s.session_id, NS_IDS[ns], KeyRequest(hashes=keys), SIZES[ns])
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  -> {type(exc).__name__}")
             return
         new = keys[r.present: r.present + len(r.offsets)]
@@ -751,7 +751,7 @@ class Fuzz:
     async def op_flush(self, node: Node) -> None:
         try:
             n = await node.store.flush(self.rng.choice(("", *MODELS)))
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  -> flush: {exc}")
             return
         self.log.append(f"  -> {node.name} flush {n}")
@@ -840,7 +840,7 @@ class Fuzz:
             task.result()
         except asyncio.CancelledError:
             self.log.append(f"  {name}: cancelled")
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  {name}: {type(exc).__name__} {exc}")
         except Broken:
             raise

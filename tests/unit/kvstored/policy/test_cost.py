@@ -18,7 +18,7 @@ from kvstored.policy.cost import (
     shape_for,
     ttft_estimate,
 )
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.namespace import Namespace
 
 LLAMA = ModelShape.llama3_8b()
 

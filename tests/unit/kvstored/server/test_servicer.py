@@ -12,11 +12,11 @@ from typing import Any
 import grpc
 import pytest
 
-from kvstored.errors import NotFound
 from kvstored.handover import Arrival
 from kvstored.index import Tier
 from kvstored.server.servicer import KVStoreServicer
-from kvstored_client._proto import kvstored_pb2 as pb
+from kvstored_client.contract.errors import NotFound
+from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 
 class Aborted(Exception):
@@ -28,7 +28,7 @@ class Aborted(Exception):
 class Context:
     """What StreamBlocks uses of grpc.aio.ServicerContext: abort raises, as grpc's does."""
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: object = ()) -> None:
         raise Aborted(code, details)
 
     def time_remaining(self) -> float | None:
@@ -81,8 +81,8 @@ def test_a_stream_from_a_silent_peer_ends_before_the_callers_deadline() -> None:
     deadline (here 2 s, with peers.deadline_s at 30 s)."""
     from silent_peer import node_with_a_silent_peer
 
-    from kvstored_client.hashing import block_hashes
-    from kvstored_client.namespace import Namespace
+    from kvstored_client.contract.hashing import block_hashes
+    from kvstored_client.contract.namespace import Namespace
 
     class DeadlineContext(Context):
         def time_remaining(self) -> float:
@@ -267,9 +267,9 @@ def test_load_blocks_writes_no_engine_block_once_the_callers_deadline_has_passed
     from kvstored.store import BlockStore, KeyRequest
     from kvstored.tiers.dram import Arena
     from kvstored_client import shm
-    from kvstored_client.hashing import block_hashes
-    from kvstored_client.layout import TensorLayout
-    from kvstored_client.namespace import Namespace
+    from kvstored_client.contract.hashing import block_hashes
+    from kvstored_client.contract.layout import TensorLayout
+    from kvstored_client.contract.namespace import Namespace
 
     block = 4096
 

@@ -57,7 +57,7 @@ def test_the_daemon_and_the_sdk_judge_a_socket_directory_alike(tmp_path: Path) -
     user (or root) to a directory of this user (or root), but the SDK's _ours() refuses every
     symlink (lstat, S_ISDIR): the daemon listens at the default path and the SDK, taking it for a
     planted one, goes to the system socket instead."""
-    from kvstored_client.paths import _ours
+    from kvstored_client.contract.paths import _ours
     real = tmp_path / "real"
     real.mkdir()
     link = tmp_path / "kvstored-link"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvstored.errors import FailedPrecondition, InvalidArgument
 from kvstored.server.streams import RunningStreams
+from kvstored_client.contract.errors import FailedPrecondition, InvalidArgument
 
 
 async def _stream(cleanup: list[str], cleanup_s: float = 0.05) -> None:

@@ -19,13 +19,13 @@ import pytest
 from clock import Clock
 from store_harness import exchange, open_store
 
-from kvstored.errors import KVError
 from kvstored.index import Block, Tier
 from kvstored.peers.exchange import PeerLanding
 from kvstored.policy.registry import POLICIES
 from kvstored.store import BlockStore, KeyRequest
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.errors import KVStoreError
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 BIG, SMALL = 4096, 1024
 PAGE = 4 * BIG
@@ -103,7 +103,7 @@ async def _walk(tmp_path: Path, policy: str, seed: int, steps: int, pages: int =
         def reserve(ns: int, keys: list[bytes]) -> tuple[int, list[Block]] | None:
             try:
                 r = store.reserve(s, ns, KeyRequest(hashes=keys), sizes[ns])
-            except KVError:
+            except KVStoreError:
                 return None
             index = store.catalog.get(ns).index
             new = [index.get(k) for k in keys[r.present: r.present + len(r.offsets)]]
@@ -128,7 +128,7 @@ async def _walk(tmp_path: Path, policy: str, seed: int, steps: int, pages: int =
                 checked_out.append(block)
 
         async def flush() -> None:
-            with contextlib.suppress(KVError):
+            with contextlib.suppress(KVStoreError):
                 await store.flush()
 
         def spawn(coro: object) -> None:

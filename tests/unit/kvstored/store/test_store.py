@@ -15,12 +15,12 @@ import pytest
 from clock import Clock
 from store_harness import chain, exchange, gate_ssd_read, open_store, streamer
 
-from kvstored.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from kvstored.policy.credit import DEFAULT_TAU_S
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.store.promotion import PROMOTIONS_PER_STEP
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 BLOCK = 4096  # bytes per block; pages of 16 KiB hold 4 blocks
 
@@ -394,7 +394,7 @@ def test_a_save_cancelled_mid_copy_does_not_write_into_a_reused_slot(tmp_path: P
     from kvstored import copy as copy_mod
     from kvstored.buffers import TensorSource
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.layout import TensorLayout
 
     gate = threading.Event()
     real_run = copy_mod._run
@@ -462,7 +462,7 @@ def _gated_copy(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def
 def _engine_buffers(store: BlockStore, session_id: str, ns: int, fill: int):  # type: ignore[no-untyped-def]
     from kvstored.buffers import TensorSource
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.layout import TensorLayout
 
     engine = shm.empty((4, BLOCK), "uint8")
     engine.numpy()[...] = fill
@@ -739,7 +739,7 @@ def test_kvctl_evict_returns_once_the_ssd_deletes_are_committed(tmp_path: Path) 
     evicting DRAM only, which deletes nothing on SSD, without waiting for the writer)."""
     from kvstored.server.servicer import KVStoreServicer
     from kvstored.tiers.ssd import BlockRecord
-    from kvstored_client._proto import kvstored_pb2 as pb
+    from kvstored_client.contract.proto import kvstored_pb2 as pb
     with _ssd_store(tmp_path) as (store, _):
         ssd = store.ssd_tier
         assert ssd is not None

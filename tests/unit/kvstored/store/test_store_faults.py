@@ -15,12 +15,12 @@ from store_harness import chain, exchange, streamer
 
 from kvstored import config
 from kvstored.copy import CopyEngine
-from kvstored.errors import KVError
 from kvstored.peers.chain_streams import Fetched
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
-from kvstored_client.hashing import block_hashes
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.errors import KVStoreError
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.namespace import Namespace
 
 BLOCK = 4096
 NS = Namespace(model="m", block_bytes=BLOCK)
@@ -30,7 +30,7 @@ def _engine_buffers(store: BlockStore, session_id: str, ns: int):  # type: ignor
     """Four engine blocks of BLOCK bytes in shared memory, registered with the store."""
     from kvstored.buffers import TensorSource
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.layout import TensorLayout
 
     engine = shm.empty((4, BLOCK), "uint8")
     return engine, store.register_buffers(session_id, ns, [TensorSource(
@@ -299,9 +299,9 @@ def test_a_placeholder_id_is_never_stored_as_a_blocks_bytes(env: tuple[BlockStor
     are sealed as block 1 and served to every later load of the prompt. README: such a save is
     refused (InvalidArgument), and nothing of it is stored."""
     from kvstored.buffers import TensorSource
-    from kvstored.errors import InvalidArgument
     from kvstored_client import shm
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.errors import InvalidArgument
+    from kvstored_client.contract.layout import TensorLayout
 
     store, _ = env
     s = store.open_session("engine", 1).session_id
@@ -546,7 +546,7 @@ def test_a_stream_cancelled_twice_while_its_copy_runs_leaves_no_busy_lease(env: 
 def _register_rows(store: BlockStore, session_id: str, ns: int, engine: Any, rows: int) -> Any:
     """Register ``engine`` (``rows`` rows of one block each) as one tensor."""
     from kvstored.buffers import TensorSource
-    from kvstored_client.layout import TensorLayout
+    from kvstored_client.contract.layout import TensorLayout
     return store.register_buffers(session_id, ns, [TensorSource(
         engine.name, 0, TensorLayout((rows, BLOCK), (BLOCK, 1), "uint8", 0))])
 
@@ -558,7 +558,7 @@ def _peer(first_byte: int, pause: bool) -> Any:
         for i in range(len(want)):
             try:
                 view = await into(i, BLOCK)
-            except KVError as exc:            # as PeerNode.fetch reports it
+            except KVStoreError as exc:            # as PeerNode.fetch reports it
                 return Fetched(i, "no_room", str(exc))
             view[:] = bytes([i + first_byte]) * BLOCK
             await landed(i, "peer-a")
@@ -609,7 +609,7 @@ def test_a_block_a_stream_just_fetched_stays_under_the_next_one(env: tuple[Block
     another client's save on a full arena. The next block was then reserved under a parent no
     longer in the index: an AssertionError out of the store (the client saw an internal error)
     and a DRAM slot allocated for it and never freed."""
-    from kvstored.errors import ResourceExhausted
+    from kvstored_client.contract.errors import ResourceExhausted
     store, _ = env
     holder = store.open_session("holder", 1).session_id
     reader = store.open_session("decode", 2).session_id
@@ -622,7 +622,7 @@ def test_a_block_a_stream_just_fetched_stays_under_the_next_one(env: tuple[Block
         for i in range(len(want)):
             try:
                 view = await into(i, BLOCK)
-            except KVError as exc:                # as PeerNode.fetch reports it
+            except KVStoreError as exc:                # as PeerNode.fetch reports it
                 return Fetched(i, "no_room", str(exc))
             view[:] = bytes([i + 1]) * BLOCK
             await landed(i, "peer-a")
@@ -673,7 +673,7 @@ def test_a_stream_hands_over_blocks_another_client_stored_while_it_asked_the_pee
         for i in range(len(want)):
             try:
                 view = await into(i, BLOCK)
-            except KVError as exc:                # as PeerNode.fetch reports it
+            except KVStoreError as exc:                # as PeerNode.fetch reports it
                 return Fetched(i, "no_room", str(exc))
             view[:] = bytes([i + 1]) * BLOCK
             await landed(i, "peer-a")
@@ -952,8 +952,8 @@ def test_a_stream_whose_session_ends_during_its_lookup_leaves_no_lease(ssd_env: 
     FailedPrecondition once its lookup returns, and asks no peer for the rest."""
     import concurrent.futures
 
-    from kvstored.errors import FailedPrecondition
     from kvstored.index import Tier
+    from kvstored_client.contract.errors import FailedPrecondition
     store, _ = ssd_env
     s = store.open_session("holder", 1).session_id
     reader = store.open_session("reader", 2).session_id
@@ -1010,9 +1010,9 @@ def test_a_call_that_starts_after_shutdown_quiesced_is_refused_not_cut_off(env: 
     its copy, the session ended under it, and the engine got FailedPrecondition ("session closed
     or reservation expired during the copy"), a LeaseExpired to the SDK, for a daemon that was
     merely stopping; a leased lookup likewise lost its lease to the session's end. Now work
-    that starts once shutdown began is refused: Unavailable, which the SDK raises as
-    DaemonNotRunning."""
-    from kvstored.errors import Unavailable
+    that starts once shutdown began is refused: DaemonNotRunning (reason DAEMON_STOPPING), as the
+    SDK raises it."""
+    from kvstored_client.contract.errors import DaemonNotRunning
     store, _ = env
     s = store.open_session("engine", 1).session_id
     ns = store.open_namespace(NS).namespace_id
@@ -1024,11 +1024,11 @@ def test_a_call_that_starts_after_shutdown_quiesced_is_refused_not_cut_off(env: 
         save = asyncio.ensure_future(store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=a), [0, 1]))
         await asyncio.sleep(0)            # the handler runs before the sessions end
         store.close_session(s)
-        with pytest.raises(Unavailable, match="stopping"):
+        with pytest.raises(DaemonNotRunning, match="stopping"):
             await save
-        with pytest.raises(Unavailable, match="stopping"):
+        with pytest.raises(DaemonNotRunning, match="stopping"):
             store.reserve(s, ns, KeyRequest(hashes=a), BLOCK)
-        with pytest.raises(Unavailable, match="stopping"):
+        with pytest.raises(DaemonNotRunning, match="stopping"):
             await store.lookup(ns, KeyRequest(hashes=a), lease=True, session_id=s)
 
     try:
@@ -1045,7 +1045,7 @@ def test_no_copy_into_engine_buffers_starts_after_the_callers_deadline(env: tupl
     the caller's deadline (``copy_until``) is checked right before each copy starts: a stream
     ends with DeadlineExceeded and the late block is not written; a load_blocks past it writes
     nothing; nothing stays leased."""
-    from kvstored.errors import DeadlineExceeded
+    from kvstored_client.contract.errors import DeadlineExceeded
 
     store, _ = env
     s = store.open_session("decode", 1).session_id

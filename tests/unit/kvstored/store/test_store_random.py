@@ -37,7 +37,6 @@ from store_harness import exchange, streamer
 from kvstored import config
 from kvstored.buffers import TensorSource
 from kvstored.copy import CopyEngine
-from kvstored.errors import KVError
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, Block, Tier
 from kvstored.peers.chain_streams import Fetched
 from kvstored.peers.exchange import PeerLanding
@@ -46,9 +45,10 @@ from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDError, SSDTier
 from kvstored_client import shm
-from kvstored_client.hashing import block_hashes
-from kvstored_client.layout import TensorLayout
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.errors import KVStoreError
+from kvstored_client.contract.hashing import block_hashes
+from kvstored_client.contract.layout import TensorLayout
+from kvstored_client.contract.namespace import Namespace
 
 PAGE = 16384
 SIZES = (4096, 2048)            # block bytes of the two namespaces: 4 and 8 slots a page
@@ -377,7 +377,7 @@ class Fuzz:
         now = self.clock.now
         try:
             r = self.store.reserve(s.session_id, self.ns_ids[ns], KeyRequest(hashes=keys), SIZES[ns])
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  -> {type(exc).__name__}")
             return
         new = keys[r.present: r.present + len(r.offsets)]
@@ -520,7 +520,7 @@ class Fuzz:
                     return Fetched(i, "missing", "stand-in peer stops")
                 try:
                     view = await into(i, SIZES[ns])
-                except KVError as exc:
+                except KVStoreError as exc:
                     return Fetched(i, "no_room", str(exc))
                 data = self.new_bytes(ns, key)
                 view[:] = data
@@ -565,7 +565,7 @@ class Fuzz:
         model = self.rng.choice(("", *MODELS))
         try:
             n = await self.store.flush(model)
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  -> flush {model!r}: {exc}")
             return
         self.log.append(f"  -> flush {model!r}: {n}")
@@ -708,7 +708,7 @@ class Fuzz:
             await task
         except asyncio.CancelledError:
             self.log.append(f"  {name}: cancelled")
-        except KVError as exc:
+        except KVStoreError as exc:
             self.log.append(f"  {name}: {type(exc).__name__} {exc}")
         except Broken:
             raise

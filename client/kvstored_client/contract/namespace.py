@@ -6,7 +6,7 @@ import hashlib
 import operator
 from dataclasses import asdict, dataclass
 
-from kvstored_client.hashing import ALGORITHMS, DEFAULT_ALGO, DEFAULT_SEED
+from kvstored_client.contract.hashing import ALGORITHMS, DEFAULT_ALGO, DEFAULT_SEED
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvstored_client._proto import kvstored_pb2 as pb
-from kvstored_client.hashing import DEFAULT_ALGO
-from kvstored_client.namespace import Namespace
+from kvstored_client.contract.hashing import DEFAULT_ALGO
+from kvstored_client.contract.namespace import Namespace
+from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 _FIELDS = [f.name for f in dataclasses.fields(Namespace)]
 

@@ -1,0 +1,84 @@
+"""What the SDK's calls return: a lookup's hits, a save's and a load's counts, a stream's
+arrivals and how it ended."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstored_client.contract.proto import kvstored_pb2 as pb
+
+TIER_NAMES: dict[int, str] = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_PEER: "peer"}
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """How much of a prompt is cached: leading ``tokens`` (``blocks`` whole blocks), per tier."""
+
+    tokens: int
+    blocks: int
+    per_tier: dict[str, int] = field(default_factory=dict)
+    per_peer: dict[str, int] = field(default_factory=dict)   # lookup(peers=True): blocks after the local prefix
+
+
+@dataclass(frozen=True, slots=True)
+class BlockArrival:
+    """Block ``index`` of a streamed prompt is in place: in the engine's buffers (``data`` is
+    None), or copied out of the daemon into ``data`` (one row of bytes). ``tier``: where it was
+    found ("dram", "ssd", or "peer": fetched from node ``peer`` just now)."""
+
+    index: int
+    tier: str
+    peer: str
+    data: Any
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOutcome:
+    """How a stream ended: ``blocks`` of ``requested`` arrived (``tokens`` of the prompt), then
+    ``stop``: "complete", or why it stopped short ("missing", "peer_closed", "timeout", "corrupt",
+    "unreachable", "peer_error", "no_room", "no_peers", "lease_ended"); the engine recomputes the
+    rest."""
+
+    blocks: int
+    requested: int
+    tokens: int
+    stop: str
+    detail: str
+
+    @property
+    def complete(self) -> bool:
+        return self.stop == "complete"
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """``present``: leading blocks that were cached already; ``stored``: blocks added now."""
+
+    present: int
+    stored: int
+    block_size: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the prompt now cached from its start."""
+        return (self.present + self.stored) * self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """The cached prefix: ``blocks`` rows of ``data`` (a view of ``out`` when one was given)."""
+
+    tokens: int
+    blocks: int
+    data: Any
+
+
+def per_tier(tiers: Sequence[int]) -> dict[str, int]:
+    return {TIER_NAMES.get(tier, str(tier)): n for tier, n in Counter(tiers).items()}
+
+
+def loaded(resp: pb.LoadBlocksResponse, block_size: int) -> LookupResult:
+    return LookupResult(resp.loaded_blocks * block_size, resp.loaded_blocks, per_tier(resp.tiers))
