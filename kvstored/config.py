@@ -122,6 +122,25 @@ class EventsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """The router process's section (``kvstored-router`` reads the same file; the daemon ignores it)."""
+
+    listen: str = "127.0.0.1:8300"   # HTTP API (POST /v1/route, /v1/report; GET /v1/nodes)
+    grpc: str = ""                   # gRPC: kvstored.v1.Router and llm-d's indexer.v1.IndexerService; "" = off
+    sources: tuple[str, ...] = ()    # daemons' events: "node=PUB_ENDPOINT[,REPLAY_ENDPOINT]" each
+    engines: tuple[str, ...] = ()    # vLLM engines' own events (the GPU tier), the same form
+    engine_model: str = "default"    # the namespace of the engines' events: its model ...
+    engine_block_size: int = 16      # ... and tokens per block (other fields at their defaults)
+    heartbeat_timeout_s: float = 3.0   # a daemon silent this long is dropped from the index
+    etcd: str = ""                   # membership: a node whose lease expires is dropped; "" = peers.etcd
+    prefill_flops_per_s: float = 4.0e14   # prefill speed until engines report measured prefills
+    decode_s: float = 0.02           # decode time of a first block
+    peer_bytes_per_s: float = 5.0e9  # the peer link, for "route to X, let X pull from Y"
+    spread: float = 0.05             # candidates within this share of the best TTFT are near-equal
+    insecure: bool = False           # allow a non-loopback listen / grpc address (the API has no auth)
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -135,6 +154,7 @@ class Config:
     keys: KeysConfig = field(default_factory=KeysConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -255,7 +275,8 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     raise AssertionError(f"no coercion for {name}")
 
 
-def _validate(cfg: Config) -> None:
+def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the first invalid key of ``cfg``."""
     checks: list[tuple[bool, str]] = [
         (cfg.dram.capacity > 0, "dram.capacity: must be positive"),
         (cfg.dram.page_bytes >= 4096 and cfg.dram.page_bytes % 4096 == 0,
@@ -330,7 +351,7 @@ def _validate(cfg: Config) -> None:
                        f"peers.static: expected node_id=host:port with a port in 1..65535, got {entry!r}"))
         checks.append((node not in seen, f"peers.static: node id {node!r} is listed more than once"))
         seen.add(node)
-    checks += _events_checks(cfg.events)
+    checks += _events_checks(cfg.events) + _router_checks(cfg.router)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -378,6 +399,52 @@ def _events_checks(e: EventsConfig) -> list[tuple[bool, str]]:
     return checks
 
 
+def parse_source(entry: str) -> tuple[str, str, str]:
+    """``node=PUB[,REPLAY]`` -> (node, pub endpoint, replay endpoint or ""); ValueError naming
+    what is wrong."""
+    node, sep, rest = entry.partition("=")
+    endpoints = [e.strip() for e in rest.split(",")]
+    if not sep or not node or "/" in node or len(endpoints) > 2 or not endpoints[0]:
+        raise ValueError(f"expected node=PUB_ENDPOINT[,REPLAY_ENDPOINT], got {entry!r}")
+    for endpoint in endpoints:
+        scheme, sep, addr = endpoint.partition("://")
+        if scheme not in ("tcp", "ipc") or not sep or not addr:
+            raise ValueError(f"expected tcp:// or ipc:// endpoints, got {endpoint!r} in {entry!r}")
+    return node.strip(), endpoints[0], endpoints[1] if len(endpoints) > 1 else ""
+
+
+def _router_checks(r: RouterConfig) -> list[tuple[bool, str]]:
+    checks = [
+        (r.heartbeat_timeout_s > 0, "router.heartbeat_timeout_s: must be positive"),
+        (r.prefill_flops_per_s > 0, "router.prefill_flops_per_s: must be positive"),
+        (r.decode_s >= 0, "router.decode_s: must not be negative"),
+        (r.peer_bytes_per_s > 0, "router.peer_bytes_per_s: must be positive"),
+        (0 <= r.spread <= 1, "router.spread: must be in 0..1"),
+        (1 <= r.engine_block_size <= 4096, "router.engine_block_size: must be in 1..4096"),
+        (bool(r.engine_model), "router.engine_model: must not be empty"),
+        (_port_ok(r.listen, zero=True), "router.listen: expected host:port with a port in 0..65535"),
+        (r.grpc == "" or _port_ok(r.grpc, zero=True), "router.grpc: expected host:port with a port in 0..65535"),
+        (r.etcd == "" or _port_ok(r.etcd.split("://", 1)[-1].rstrip("/")),
+         "router.etcd: expected host:port with a port in 1..65535"),
+    ]
+    for name in ("listen", "grpc"):
+        address = getattr(r, name)
+        host = address.rpartition(":")[0].strip("[]")
+        checks.append((not address or r.insecure or is_loopback(host),
+                       f"router.{name}: {address} is not a loopback address and the router's API has no "
+                       "authentication; set router.insecure = true to accept that explicitly"))
+    for key in ("sources", "engines"):
+        nodes: list[str] = []
+        for entry in getattr(r, key):
+            try:
+                nodes.append(parse_source(entry)[0])
+            except ValueError as exc:
+                checks.append((False, f"router.{key}: {exc}"))
+        dup = sorted({n for n in nodes if nodes.count(n) > 1})
+        checks.append((not dup, f"router.{key}: node(s) listed twice: {', '.join(dup)}"))
+    return checks
+
+
 def build(values: dict[str, Any]) -> Config:
     """Build a Config from nested ``{section: {key: value}}``; raises ConfigError."""
     sections: dict[str, Any] = {}
@@ -396,7 +463,7 @@ def build(values: dict[str, Any]) -> Config:
             fields[key] = _coerce(section, key, value, fields[key])
         sections[section] = type(current)(**fields)
     cfg = dataclasses.replace(defaults, **sections)
-    _validate(cfg)
+    validate(cfg)
     return cfg
 
 

@@ -52,8 +52,11 @@ class Holdings:
 
 
 class GlobalIndex:
-    """Nodes and their blocks. Unknown nodes get a column on first use; a dropped node's column
-    is emptied and reused."""
+    """Sources and their blocks, answered per node. A source is a node id, or ``node/what`` for
+    a second stream of the same node (its engine's GPU events): each has a column of its own, so
+    that one stream's resync does not wipe the other's, and a node holds what any of its
+    sources holds. Unknown sources get a column on first use; a dropped one's is emptied and
+    reused."""
 
     def __init__(self, table: BlockTable | None = None) -> None:
         self._table = table or BlockTable()
@@ -61,11 +64,14 @@ class GlobalIndex:
         self._free: list[int] = []
         self.applied_events = 0
 
-    def nodes(self) -> list[str]:
+    def sources(self) -> list[str]:
         return sorted(self._columns)
 
-    def _column(self, node: str) -> int:
-        column = self._columns.get(node)
+    def nodes(self) -> list[str]:
+        return sorted({source.partition("/")[0] for source in self._columns})
+
+    def _column(self, source: str) -> int:
+        column = self._columns.get(source)
         if column is None:
             if self._free:
                 column = self._free.pop()
@@ -73,30 +79,27 @@ class GlobalIndex:
                 column = len(self._columns)
                 if column >= self._table.columns:
                     self._table.add_columns(max(2 * self._table.columns, column + 1))
-            self._columns[node] = column
+            self._columns[source] = column
         return column
 
-    def add_node(self, node: str) -> None:
-        self._column(node)
-
-    def clear(self, node: str) -> None:
-        """Forget every block of ``node`` (a new epoch, AllBlocksCleared, before a snapshot)."""
-        column = self._columns.get(node)
+    def clear(self, source: str) -> None:
+        """Forget every block of ``source`` (a new epoch, AllBlocksCleared, before a snapshot)."""
+        column = self._columns.get(source)
         if column is not None:
             self._table.clear_column(column)
 
-    def drop(self, node: str) -> None:
-        """Forget ``node`` altogether (its membership lease expired, its heartbeat stopped)."""
-        column = self._columns.pop(node, None)
+    def drop(self, source: str) -> None:
+        """Forget ``source`` altogether (its node's membership lease expired, it went silent)."""
+        column = self._columns.pop(source, None)
         if column is not None:
             self._table.clear_column(column)
             self._free.append(column)
 
-    def apply(self, node: str, events: Sequence[Event], namespace_id: int = 0) -> None:
-        """Apply one batch from ``node`` in order; ``namespace_id`` for events that name none
+    def apply(self, source: str, events: Sequence[Event], namespace_id: int = 0) -> None:
+        """Apply one batch from ``source`` in order; ``namespace_id`` for events that name none
         (a vLLM engine's). The last of several changes to the same (block, tier) wins, as it
         would one by one, so a batch is applied in a few vectorized steps."""
-        column = self._column(node)
+        column = self._column(source)
         start = 0
         for i, event in enumerate(events):
             if isinstance(event, AllBlocksCleared):
@@ -151,14 +154,22 @@ class GlobalIndex:
             self._table.clear_bits(keys[final[~key_ops[final]]], column, bit)
 
     def rows(self, namespace_id: int, hashes: Sequence[int | bytes] | Keys) -> tuple[list[str], Rows]:
-        """The nodes (sorted) and, per block of the chain, each one's tier bits."""
+        """The nodes (sorted) and, per block of the chain, each one's tier bits (its sources' together)."""
         if isinstance(hashes, np.ndarray):
             keys = hashes.astype(np.uint64, copy=False) ^ np.uint64(namespace_mix(namespace_id))
         else:
             keys = index_keys(namespace_id, hashes)
-        nodes = self.nodes()
         rows = self._table.rows(keys)
-        return nodes, rows[:, [self._columns[n] for n in nodes]]
+        by_node: dict[str, list[int]] = {}
+        for source, column in sorted(self._columns.items()):
+            by_node.setdefault(source.partition("/")[0], []).append(column)
+        nodes = sorted(by_node)
+        if all(len(c) == 1 for c in by_node.values()):
+            return nodes, rows[:, [by_node[n][0] for n in nodes]]
+        merged = np.zeros((len(rows), len(nodes)), np.uint8)
+        for i, node in enumerate(nodes):
+            merged[:, i] = np.bitwise_or.reduce(rows[:, by_node[node]], axis=1)
+        return nodes, merged
 
     def holdings(self, namespace_id: int, hashes: Sequence[int | bytes] | Keys) -> Holdings:
         """Per node, the leading blocks of the chain it holds and their fastest tiers."""

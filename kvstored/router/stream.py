@@ -47,7 +47,8 @@ class NodeStream:
         if self.epoch != epoch_of(seq) or self.expected is None:
             return self._resync(seq)
         if seq < self.expected:
-            return Action.IGNORE
+            # a stream without epochs (a vLLM engine's) starting again from 0: a restart
+            return self._resync(seq) if seq == 0 and self.epoch == 0 else Action.IGNORE
         if seq > self.expected:
             self.gaps += 1
             return Action.RECOVER

@@ -85,3 +85,15 @@ def test_the_stream_tracker_applies_in_order_and_asks_for_recovery() -> None:
     assert s.silent()
     s.lost()
     assert s.batch(make_seq(9, 3)) is Action.RESYNC
+
+
+def test_a_nodes_engine_stream_adds_to_its_daemons_and_resyncs_apart() -> None:
+    index = GlobalIndex()
+    chain = [1, 2, 3, 4]
+    index.apply("a", [BlockStored((1, 2), None, 16, "DISK", namespace_id=3)])
+    index.apply("a/gpu", [BlockStored((1, 2, 3), None, 16, "GPU")], namespace_id=3)
+    h = index.holdings(3, chain)
+    assert h.nodes == ("a",) and h.prefix.tolist() == [3] and h.gpu.tolist() == [3]
+    index.clear("a/gpu")
+    h = index.holdings(3, chain)
+    assert h.prefix.tolist() == [2] and h.ssd.tolist() == [2]
