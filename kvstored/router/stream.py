@@ -80,6 +80,7 @@ class NodeStream:
 
     def synced(self, next_seq: int) -> None:
         """Everything before ``next_seq`` is applied (a replay or snapshot ended there)."""
+        self.epoch = epoch_of(max(next_seq - 1, 0))
         self.expected = next_seq
 
     def lost(self) -> None:

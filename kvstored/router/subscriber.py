@@ -121,18 +121,27 @@ class Subscriber:
         if action is Action.APPLY:
             self._index.apply(self.source.name, decode_batch(frames[2]).events, self.source.namespace_id)
             self.up = True
-        elif action is Action.RECOVER:
+            return
+        if action is Action.RECOVER:
             assert self.stream.expected is not None
             await self._rebuild(self.stream.expected, clear=False)
         elif action is Action.RESYNC:
             if not self.source.heartbeats and self.stream.resyncs > 1:
                 log.info("router: %s restarted or rewound its stream: clearing it", self.source.node)
             await self._rebuild(self.stream.epoch_start(), clear=True)
-            if len(frames) == 3 and not self.stream.in_sync:   # best effort: start from this batch
-                self._index.clear(self.source.name)
+        else:
+            return
+        if len(frames) != 3:
+            return
+        # the batch that showed the gap: applied now if the rebuild stopped short of it
+        if self.stream.in_sync:
+            if self.stream.batch(seq) is Action.APPLY:
                 self._index.apply(self.source.name, decode_batch(frames[2]).events, self.source.namespace_id)
-                self.stream.synced(seq + 1)
-                self.up = True
+        elif not self.source.replay_endpoint:   # best effort: what came before it is unknown
+            self._index.clear(self.source.name)
+            self._index.apply(self.source.name, decode_batch(frames[2]).events, self.source.namespace_id)
+            self.stream.synced(seq + 1)
+            self.up = True
 
     async def _rebuild(self, start: int, clear: bool) -> None:
         """Bring the node's entries up to date from ``start``: a replay when it reaches, else a
