@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
-    engine = EngineModel(ModelShape.llama3_8b(), BLOCK_TOKENS, BLOCK_TOKENS * ModelShape.llama3_8b().kv_bytes_per_token())
+    shape = ModelShape.llama3_8b()
+    engine = EngineModel(shape, BLOCK_TOKENS, BLOCK_TOKENS * shape.kv_bytes_per_token())
     results = []
     for wname, rows in workloads(args):
         for k in (int(x) for x in args.nodes.split(",")):

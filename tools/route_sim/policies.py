@@ -22,7 +22,7 @@ from kvstored.router.calibration import Calibration
 from kvstored.router.index import GlobalIndex
 from kvstored.router.load import LoadBoard
 from kvstored.router.reports import NodeReports
-from kvstored.router.router import Defaults, Router, RouteQuery
+from kvstored.router.router import Defaults, RouteQuery, Router
 from kvstored_client.contract.namespace import Namespace
 from tools.route_sim.cluster import Cluster, Req
 
@@ -76,7 +76,7 @@ class LeastLoaded:
 
 class SGLangCacheAware:
     """An approximate tree per worker from the requests routed to it (LRU, bounded); shortest
-    queue when the load is imbalanced (max − min > 64 and max > 1.5 × min), else the best match
+    queue when the load is imbalanced (max - min > 64 and max > 1.5 x min), else the best match
     if its share of the prompt is above 0.3, else the worker with the smallest tree. Load is the
     requests routed and not finished, as the gateway counts them."""
 
@@ -130,7 +130,7 @@ class _IndexFed:
 
 
 class DynamoCost(_IndexFed):
-    """``prefill_load_scale · max(prefill blocks − credit, 0) + decode blocks`` with the credit
+    """``prefill_load_scale · max(prefill blocks - credit, 0) + decode blocks`` with the credit
     ``1.0 · device + 0.75 · host + 0.25 · disk`` overlap blocks (decay 1); prefill blocks are the
     request's plus those the router sent the worker that have not finished prefill, decode blocks
     those of its requests decoding; argmin (temperature 0). Router-local load."""
