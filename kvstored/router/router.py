@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstored.events.wire import hash64
 from kvstored.policy.cost import ModelShape, shape_for
 from kvstored.policy.routing import Breakdown, Held, NodeCosts, Request, choose, estimate_all
 from kvstored.router.calibration import Calibration
-from kvstored.router.index import GlobalIndex
+from kvstored.router.index import GlobalIndex, hashes64
 from kvstored.router.load import LoadBoard
 from kvstored.router.reports import NodeReports
 from kvstored_client.contract.hashing import block_hashes
@@ -97,8 +96,8 @@ class Router:
             if len(query.block_hashes) > MAX_BLOCKS:
                 raise RouteError("invalid_argument", f"{len(query.block_hashes)} blocks exceed {MAX_BLOCKS}")
             try:
-                keys = np.fromiter((hash64(h) for h in query.block_hashes), np.uint64, len(query.block_hashes))
-            except (TypeError, OverflowError):
+                keys = hashes64(query.block_hashes)
+            except (TypeError, OverflowError, ValueError):
                 raise RouteError("invalid_argument", "block_hashes must be ints or byte strings") from None
             tokens = query.tokens or len(keys) * ns.block_size
             if tokens < len(keys) * ns.block_size:
@@ -111,7 +110,7 @@ class Router:
                                   cache_salt=query.cache_salt or None, lora_name=query.lora_name or None)
         except (ValueError, TypeError) as exc:
             raise RouteError("invalid_argument", f"token_ids: {exc}") from None
-        keys = np.fromiter((int.from_bytes(h[-8:], "big") for h in hashes), np.uint64, len(hashes))
+        keys = hashes64(hashes)
         return ns.identity(), keys, len(query.token_ids)
 
     def costs(self, node: str) -> NodeCosts:
@@ -120,11 +119,11 @@ class Router:
         base = self._defaults.costs
         dram = self.reports.tier(node, "CPU")
         ssd = self.reports.tier(node, "DISK")
-        return replace(base, queue_s=self.load.queue_s(node), prefill_flops_per_s=speed.flops_per_s,
-                       prefill_overhead_s=speed.overhead_s if speed.samples else base.prefill_overhead_s,
-                       dram_bytes_per_s=dram.read_bytes_per_s if dram else base.dram_bytes_per_s,
-                       ssd_bytes_per_s=ssd.read_bytes_per_s if ssd else base.ssd_bytes_per_s,
-                       ssd_latency_s=ssd.read_latency_s if ssd else base.ssd_latency_s)
+        return NodeCosts(self.load.queue_s(node), speed.flops_per_s,
+                         speed.overhead_s if speed.samples else base.prefill_overhead_s,
+                         dram.read_bytes_per_s if dram else base.dram_bytes_per_s,
+                         ssd.read_bytes_per_s if ssd else base.ssd_bytes_per_s,
+                         ssd.read_latency_s if ssd else base.ssd_latency_s, base.peer_bytes_per_s, base.decode_s)
 
     def estimate(self, query: RouteQuery) -> tuple[int, int, int, list[Breakdown]]:
         """Every candidate's breakdown (sorted by node), without choosing."""

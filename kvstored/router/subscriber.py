@@ -24,11 +24,20 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from kvstored.events.wire import END_OF_REPLAY, SNAPSHOT_REQUEST, WireError, decode_batch, decode_seq, encode_seq
+from kvstored.events.wire import (
+    END_OF_REPLAY,
+    SNAPSHOT_REQUEST,
+    Event,
+    WireError,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+)
 from kvstored.router.index import GlobalIndex
 from kvstored.router.stream import Action, NodeStream
 
 log = logging.getLogger("kvstored.router")
+MAX_BURST = 64   # frames read before their batches are applied
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +82,7 @@ class Subscriber:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.connect(source.endpoint)
         self._task: asyncio.Task[None] | None = None
+        self._pending: list[Event] = []   # batches received in a burst, applied at its end
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self.run())
@@ -86,6 +96,7 @@ class Subscriber:
 
     def drop(self, why: str) -> None:
         """Forget the node (silent, or its membership ended); its next frame resyncs it."""
+        self._pending = []
         if self.up or self.source.name in self._index.sources():
             log.info("router: dropping node %s: %s", self.source.node, why)
         self._index.drop(self.source.name)
@@ -99,12 +110,23 @@ class Subscriber:
                 if self.source.heartbeats and self.stream.silent() and (self.up or self.stream.in_sync):
                     self.drop(f"no event or heartbeat for {self._timeout:g} s")
                 continue
-            frames = await self._sub.recv_multipart()
-            try:
-                await self._frame(frames)
-            except WireError as exc:
-                self.bad_frames += 1
-                log.warning("router: bad frame from %s: %s", self.source.node, exc)
+            # the frames already here, up to a bound: their batches are applied together (the
+            # index's fixed cost per apply is paid once per burst, not per batch)
+            for _ in range(MAX_BURST):
+                frames = await self._sub.recv_multipart()
+                try:
+                    await self._frame(frames)
+                except WireError as exc:
+                    self.bad_frames += 1
+                    log.warning("router: bad frame from %s: %s", self.source.node, exc)
+                if not await self._sub.poll(0):
+                    break
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pending:
+            pending, self._pending = self._pending, []
+            self._index.apply(self.source.name, pending, self.source.namespace_id)
 
     async def _frame(self, frames: list[bytes]) -> None:
         if len(frames) < 3:
@@ -119,9 +141,10 @@ class Subscriber:
         else:
             action = self.stream.batch(seq)
         if action is Action.APPLY:
-            self._index.apply(self.source.name, decode_batch(frames[2]).events, self.source.namespace_id)
+            self._pending.extend(decode_batch(frames[2]).events)
             self.up = True
             return
+        self._flush()
         if action is Action.RECOVER:
             assert self.stream.expected is not None
             await self._rebuild(self.stream.expected, clear=False)
@@ -151,8 +174,8 @@ class Subscriber:
             self.replays += 1
             if clear:
                 self._index.clear(self.source.name)
-            for _seq, payload in replay:
-                self._index.apply(self.source.name, decode_batch(payload).events, self.source.namespace_id)
+            self._index.apply(self.source.name, [e for _seq, payload in replay for e in decode_batch(payload).events],
+                              self.source.namespace_id)
             self.stream.synced(replay[-1][0] + 1)
             self.up = True
             return
@@ -160,8 +183,9 @@ class Subscriber:
         if snapshot:
             self.snapshots += 1
             self._index.clear(self.source.name)
-            for _seq, payload in snapshot:
-                self._index.apply(self.source.name, decode_batch(payload).events, self.source.namespace_id)
+            self._index.apply(self.source.name,
+                              [e for _seq, payload in snapshot for e in decode_batch(payload).events],
+                              self.source.namespace_id)
             self.stream.synced(snapshot[0][0] + 1)
             self.up = True
             return
