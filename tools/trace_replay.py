@@ -1,7 +1,7 @@
 """Replay a request trace through the real prefix index and the eviction policies.
 
-    python -m tools.trace_replay [--trace PATH] [--capacities 2,5,10,25,50] [--policies lru,lfu,credit]
-                                 [--limit N]
+    python -m tools.trace_replay [--trace PATH | --shape SHAPE [--requests N] [--seed S] [--param KEY=VALUE ...]]
+                                 [--capacities 2,5,10,25,50] [--policies lru,lfu,credit] [--limit N]
 
 Each request looks up the longest run of its leading blocks that is resident (a hit), then stores
 its missing blocks in order behind that prefix, evicting what the policy picks; its own blocks are
@@ -18,7 +18,9 @@ hits save (Llama-3-8B shape, ``kvstored.policy.cost``), against two references:
   bounds hit tokens; on saved FLOPs it is a reference, not a bound (it ignores that deeper blocks
   save more, and on small traces a policy can save slightly more FLOPs with the same hits).
 
-The policies see the trace's timestamps as their clock.
+The policies see the trace's timestamps as their clock. ``--shape`` replays a synthetic trace of
+that shape instead (``tools.workloads``, generated in-process with 512-token blocks; ``--param``
+sets one of the shape's parameters), the same records ``python -m tools.workloads`` would write.
 """
 
 from __future__ import annotations
@@ -29,15 +31,18 @@ import json
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvstored.index import SEALED, Block, PrefixIndex
 from kvstored.policy.cost import ModelShape, prefix_prefill_flops
 from kvstored.policy.interface import BlockPolicy
 from kvstored.policy.leafheap import LeafHeap
 from kvstored.policy.registry import DEFAULT_POLICY, POLICIES, make_policy
+from tools.workloads import SHAPES, generate
+from tools.workloads.cli import shape_params
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -56,18 +61,21 @@ class Trace:
 
 def load_trace(path: Path, limit: int | None = None) -> Trace:
     """The first ``limit`` requests (all when None) as chains of 8-byte keys of full blocks."""
+    with path.open() as f:
+        return trace_from_records((json.loads(line) for line in f if line.strip()), limit)
+
+
+def trace_from_records(records: Iterable[Mapping[str, Any]], limit: int | None = None) -> Trace:
+    """Records of the conversation trace's format (as ``tools.workloads.generate`` returns) as a
+    :class:`Trace`: the first ``limit`` of them, all when None."""
     chains: list[list[bytes]] = []
     times: list[float] = []
-    with path.open() as f:
-        for line in f:
-            if limit is not None and len(chains) >= limit:
-                break
-            if not line.strip():
-                continue
-            req = json.loads(line)
-            full = int(req["input_length"]) // BLOCK_TOKENS
-            chains.append([int(h).to_bytes(8, "big") for h in req["hash_ids"][:full]])
-            times.append(float(req["timestamp"]) / 1000.0)
+    for req in records:
+        if limit is not None and len(chains) >= limit:
+            break
+        full = int(req["input_length"]) // BLOCK_TOKENS
+        chains.append([int(h).to_bytes(8, "big") for h in req["hash_ids"][:full]])
+        times.append(float(req["timestamp"]) / 1000.0)
     unique = len({k for chain in chains for k in chain})
     return Trace(chains, times, unique)
 
@@ -292,7 +300,14 @@ def _names(text: str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.trace_replay", description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="JSONL trace (default: %(default)s)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--trace", type=Path, default=None, help=f"JSONL trace (default: {DEFAULT_TRACE})")
+    source.add_argument("--shape", choices=list(SHAPES), default=None,
+                        help="replay a synthetic trace of this shape (tools.workloads) instead of a file")
+    parser.add_argument("--requests", type=int, default=None, help="with --shape: how many requests (default 5000)")
+    parser.add_argument("--seed", type=int, default=None, help="with --shape: the random seed (default 0)")
+    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --shape: one of its parameters (python -m tools.workloads --help lists them)")
     parser.add_argument("--capacities", type=_floats, default=[2, 5, 10, 25, 50],
                         help="percentages of the trace's unique full blocks (default: 2,5,10,25,50)")
     parser.add_argument("--policies", type=_names, default=list(POLICIES),
@@ -300,10 +315,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument("--no-bound", action="store_true", help="skip the offline bound")
     args = parser.parse_args(argv)
-    if not args.trace.is_file():
-        print(f"trace not found: {args.trace}", file=sys.stderr)
-        return 2
-    trace = load_trace(args.trace, args.limit)
+    if args.shape is None and (args.requests is not None or args.seed is not None or args.param):
+        parser.error("--requests, --seed and --param go with --shape")
+    if args.shape is not None:
+        try:
+            params = shape_params(args.shape, [f"--{p}" for p in args.param])
+            records = generate(args.shape, 5000 if args.requests is None else args.requests, args.seed or 0,
+                               block_tokens=BLOCK_TOKENS, **params)
+        except ValueError as e:
+            parser.error(str(e))
+        trace = trace_from_records(records, args.limit)
+        print(f"shape {args.shape}, seed {args.seed or 0}" + "".join(f", {p}" for p in args.param) + ": ", end="")
+    else:
+        path = args.trace or DEFAULT_TRACE
+        if not path.is_file():
+            print(f"trace not found: {path}", file=sys.stderr)
+            return 2
+        trace = load_trace(path, args.limit)
     if not trace.unique_blocks:
         print("the trace has no full blocks", file=sys.stderr)
         return 2
