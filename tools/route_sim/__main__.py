@@ -141,7 +141,7 @@ def workloads(args: argparse.Namespace) -> list[tuple[str, list[dict[str, Any]]]
         out.append(("conversation", read_jsonl(Path(args.trace))))
     if args.shapes:
         try:
-            from tools import workloads as gen  # type: ignore[attr-defined]
+            from tools import workloads as gen
         except ImportError:
             raise SystemExit("route_sim: --shapes needs tools/workloads.py (the workload generator)") from None
         for shape in args.shapes.split(","):
