@@ -59,7 +59,8 @@ async def serve(cfg: Config) -> int:
         await service.close()
         return 1
     host = cfg.router.listen.rpartition(":")[0]
-    log.info("kvstored-router serving HTTP on %s:%d; %d event source(s)", host, service.port,
+    log.info("kvstored-router serving HTTP on %s:%d%s; %d event source(s)", host, service.port,
+             f", gRPC on {cfg.router.grpc.rpartition(':')[0]}:{service.grpc_port}" if service.grpc_port else "",
              len(service.subscribers))
     await stop.wait()
     await service.close()

@@ -1,6 +1,7 @@
 """The router process: subscribers feeding the global index, membership dropping dead nodes,
 and the HTTP API over the router. Runs on one event loop; the index and the router belong to it.
 
+gRPC (``router.grpc``): :mod:`kvstored.router.grpc_api`.
 HTTP: ``POST /v1/route`` (a route request, :mod:`kvstored.router.json_api`) answers the chosen
 node and each candidate's breakdown; ``POST /v1/report`` takes a node's queued prefill work and
 measured prefills; ``GET /v1/nodes`` the state of each node's stream; ``GET /healthz``. Bad input
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import zmq.asyncio
 
 from kvstored.cluster.membership import EtcdMembership, Member, MembershipError
@@ -24,9 +26,10 @@ from kvstored.config import Config, parse_source
 from kvstored.policy.cost import shape_for
 from kvstored.policy.routing import NodeCosts
 from kvstored.router.calibration import Calibration
+from kvstored.router.grpc_api import add_servicers
 from kvstored.router.http_server import JsonHttpServer
 from kvstored.router.index import GlobalIndex
-from kvstored.router.json_api import answer_to_json, query_from_json, report_from_json
+from kvstored.router.json_api import Report, answer_to_json, query_from_json, report_from_json
 from kvstored.router.load import LoadBoard
 from kvstored.router.reports import NodeReports
 from kvstored.router.router import Defaults, RouteError, Router
@@ -69,7 +72,9 @@ class RouterService:
                                     ("GET", "/v1/nodes"): self._nodes, ("GET", "/healthz"): self._health})
         self._membership: EtcdMembership | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._grpc: grpc.aio.Server | None = None
         self.port = 0
+        self.grpc_port = 0
 
     def available(self) -> list[str]:
         """Nodes a request may go to: a daemon stream in sync (an engine-only node once its
@@ -80,6 +85,13 @@ class RouterService:
     async def start(self) -> None:
         host, _, port = self._cfg.router.listen.rpartition(":")
         self.port = await self.http.start(host.strip("[]"), int(port))
+        if self._cfg.router.grpc:
+            self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            add_servicers(self._grpc, self.router, self.report)
+            self.grpc_port = self._grpc.add_insecure_port(self._cfg.router.grpc)
+            if not self.grpc_port:
+                raise OSError(f"cannot listen on router.grpc {self._cfg.router.grpc}")
+            await self._grpc.start()
         for sub in self.subscribers:
             sub.start()
         etcd = self._cfg.router.etcd or self._cfg.peers.etcd
@@ -111,6 +123,8 @@ class RouterService:
                 await self._membership.close()
         for sub in self.subscribers:
             await sub.close()
+        if self._grpc is not None:
+            await self._grpc.stop(1.0)
         await self.http.close()
         self._ctx.term()
 
@@ -127,11 +141,15 @@ class RouterService:
             report = report_from_json(body)
         except RouteError as exc:
             return 400, {"error": str(exc), "reason": exc.reason}
+        self.report(report)
+        return 200, {"ok": True}
+
+    def report(self, report: Report) -> None:
+        """A node's queued prefill work and measured prefills (HTTP or gRPC)."""
         if report.queued_prefill_s is not None:
             self.load.report(report.node, report.queued_prefill_s)
         for p in report.prefills:
             self.calibration.observe(report.node, shape_for(p.model), p.tokens, p.cached_tokens, p.seconds)
-        return 200, {"ok": True}
 
     async def _nodes(self, _body: Any) -> tuple[int, Any]:
         nodes = []

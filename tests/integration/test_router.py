@@ -17,6 +17,9 @@ from router_proc import RouterProc, events_args, source
 
 BLOCK = 4096
 MODEL = "m-route"
+# Blocks of 4 KiB cross a 5 GB/s peer link in no time, so any node could pull a prompt another
+# holds and all would be near-equal (chosen at random): a slow link makes the holder win.
+SLOW_PEERS = ("--set", "router.peer_bytes_per_s=1000")
 
 
 def save(daemon: Daemon, tokens: list[int]) -> None:
@@ -40,7 +43,7 @@ def test_a_killed_daemon_is_dropped_and_its_restart_relearned_under_a_new_epoch(
     # a slow prefill (1e12 FLOP/s): recomputing 640 tokens of an 8B model costs seconds, so the
     # node holding them wins clearly, not as one of two near-equal choices
     router = RouterProc(tmp_path, [source(tmp_path, "a"), source(tmp_path, "b")],
-                        "--set", "router.prefill_flops_per_s=1e12")
+                        "--set", "router.prefill_flops_per_s=1e12", *SLOW_PEERS)
     try:
         router.wait(lambda n: n["available"] == ["a", "b"])
         long, short = list(range(16 * 40)), list(range(100_000, 100_000 + 16 * 8))
@@ -170,7 +173,7 @@ def test_kvctl_route_prints_each_candidates_breakdown(tmp_path: Path) -> None:
     a = start_daemon(tmp_path / "a", *events_args(tmp_path, "a"))
     b = start_daemon(tmp_path / "b", *events_args(tmp_path, "b"))
     router = RouterProc(tmp_path, [source(tmp_path, "a"), source(tmp_path, "b")], "--set",
-                        "router.prefill_flops_per_s=1e12")
+                        "router.prefill_flops_per_s=1e12", *SLOW_PEERS)
     try:
         prompt = list(range(16 * 20))
         save(b, prompt)
@@ -195,6 +198,60 @@ def test_kvctl_route_prints_each_candidates_breakdown(tmp_path: Path) -> None:
         out = subprocess.run([*kvctl[:5], "--router", "http://127.0.0.1:1"], capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 1 and "cannot reach the router" in out.stderr
+    finally:
+        router.stop()
+        a.stop()
+        b.stop()
+
+
+def test_grpc_route_report_and_llm_d_pod_scores(tmp_path: Path) -> None:
+    import grpc
+    from loopback import free_ports
+
+    from kvstored.router.proto import indexer_pb2, indexer_pb2_grpc, router_pb2, router_pb2_grpc
+
+    port = free_ports(1)[0]
+    a = start_daemon(tmp_path / "a", *events_args(tmp_path, "a"))
+    b = start_daemon(tmp_path / "b", *events_args(tmp_path, "b"))
+    router = RouterProc(tmp_path, [source(tmp_path, "a"), source(tmp_path, "b")], "--set",
+                        f"router.grpc=127.0.0.1:{port}", "--set", "router.prefill_flops_per_s=1e12", *SLOW_PEERS)
+    try:
+        prompt = list(range(16 * 24))
+        save(a, prompt)
+        router.wait(lambda n: n["available"] == ["a", "b"] and n["index_entries"] == 24)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            ns = router_pb2.RouteNamespace(model=MODEL)
+            answer = stub.Route(router_pb2.RouteRequest(namespace=ns, token_ids=prompt), timeout=10)
+            assert answer.node == "a" and {c.node: c.local_blocks for c in answer.candidates} == {"a": 24, "b": 0}
+            hashes = [int.from_bytes(h[-8:], "big") for h in kvstored.block_hashes(prompt)]
+            by_hash = stub.Route(router_pb2.RouteRequest(namespace=ns, block_hashes=hashes), timeout=10)
+            assert {c.node: c.local_blocks for c in by_hash.candidates} == {"a": 24, "b": 0}
+            for bad in (router_pb2.RouteRequest(namespace=ns),
+                        router_pb2.RouteRequest(namespace=router_pb2.RouteNamespace(model=MODEL, block_size=9999),
+                                                token_ids=prompt),
+                        router_pb2.RouteRequest(namespace=ns, block_hashes=[1], block_keys=[b"x" * 32])):
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.Route(bad, timeout=10)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Route(router_pb2.RouteRequest(namespace=ns, token_ids=prompt, candidates=["zz"]), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            stub.Report(router_pb2.ReportRequest(node="b", has_queue=True, queued_prefill_s=0.5,
+                                                 prefills=[router_pb2.Prefill(model=MODEL, tokens=512, seconds=0.2)]),
+                        timeout=10)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Report(router_pb2.ReportRequest(node=""), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            scorer = indexer_pb2_grpc.IndexerServiceStub(channel)
+            scores = scorer.GetPodScores(indexer_pb2.GetPodScoresRequest(
+                prompt=" ".join(map(str, prompt)), model_name=MODEL, pod_identifiers=["a", "b", "gone"]), timeout=10)
+            got = {s.pod: s.score for s in scores.scores}
+            assert got["a"] == 1.0 and 0 < got["b"] < 1.0 and got["gone"] == 0.0
+            with pytest.raises(grpc.RpcError) as err:
+                scorer.GetPodScores(indexer_pb2.GetPodScoresRequest(prompt="hello world", model_name=MODEL), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token ids" in err.value.details()
+        assert router.proc.poll() is None
     finally:
         router.stop()
         a.stop()
