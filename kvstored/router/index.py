@@ -35,22 +35,24 @@ def namespace_mix(namespace_id: int) -> int:
 
 def hashes64(hashes: Sequence[int | bytes]) -> Keys:
     """Block hashes in either wire form as 64-bit ints (vectorized where they are all one kind:
-    a 2,048-block prompt converted one by one costs half a millisecond). TypeError or
-    OverflowError for anything else."""
+    a 2,048-block prompt converted one by one costs half a millisecond). TypeError for anything
+    but ints and byte strings (numpy would take floats and digit strings silently)."""
     if not hashes:
         return np.zeros(0, np.uint64)
-    first = hashes[0]
-    if isinstance(first, bytes):
-        size = len(first)
+    types = set(map(type, hashes))
+    if types <= {int}:
+        try:
+            return np.asarray(hashes, np.uint64)
+        except OverflowError:   # negative: signed int64s from a consumer that wrote them so
+            pass
+    elif types <= {bytes}:
+        size = len(hashes[0])
         joined = b"".join(hashes)  # type: ignore[arg-type]
         if size >= 8 and len(joined) == size * len(hashes):
             return np.frombuffer(joined, np.uint8).reshape(-1, size)[:, size - 8:].copy().view(">u8") \
                 .astype(np.uint64).ravel()
-    else:
-        try:
-            return np.asarray(hashes, np.uint64)
-        except (OverflowError, TypeError, ValueError):
-            pass
+    elif not types <= {int, bytes}:
+        raise TypeError("block hashes are ints or byte strings")
     return np.fromiter((hash64(h) for h in hashes), np.uint64, len(hashes))
 
 

@@ -90,9 +90,9 @@ class Router:
             ns.validate()
         except ValueError as exc:
             raise RouteError("invalid_argument", str(exc)) from None
-        if bool(query.token_ids) == bool(query.block_hashes):
+        if (query.token_ids and query.block_hashes) or not (query.token_ids or query.block_hashes or query.tokens):
             raise RouteError("invalid_argument", "give token_ids or block_hashes (one of them)")
-        if query.block_hashes:
+        if not query.token_ids:   # hashes; none at all for a prompt shorter than a block
             if len(query.block_hashes) > MAX_BLOCKS:
                 raise RouteError("invalid_argument", f"{len(query.block_hashes)} blocks exceed {MAX_BLOCKS}")
             try:
