@@ -46,7 +46,7 @@ def hashes64(hashes: Sequence[int | bytes]) -> Keys:
         except OverflowError:   # negative: signed int64s from a consumer that wrote them so
             pass
     elif types <= {bytes}:
-        size = len(hashes[0])
+        size = len(hashes[0])  # type: ignore[arg-type]
         joined = b"".join(hashes)  # type: ignore[arg-type]
         if size >= 8 and len(joined) == size * len(hashes):
             return np.frombuffer(joined, np.uint8).reshape(-1, size)[:, size - 8:].copy().view(">u8") \
