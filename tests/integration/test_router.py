@@ -256,3 +256,33 @@ def test_grpc_route_report_and_llm_d_pod_scores(tmp_path: Path) -> None:
         router.stop()
         a.stop()
         b.stop()
+
+
+def test_a_node_whose_etcd_lease_expires_is_dropped_at_once(tmp_path: Path, etcd: str) -> None:
+    """Heartbeats alone would take a minute here (router.heartbeat_timeout_s=60): the node goes
+    when etcd expires its lease, and comes back when it registers again."""
+    import time
+
+    from loopback import free_ports
+
+    ports = free_ports(2)
+    daemons = {name: start_daemon(tmp_path / name, *events_args(tmp_path, name), "--set",
+                                  f"peers.listen=127.0.0.1:{port}", "--set", f"peers.node_id={name}", "--set",
+                                  f"peers.etcd={etcd}", "--set", "peers.etcd_ttl_s=2", "--set", "peers.token=t")
+               for name, port in zip("ab", ports)}
+    router = RouterProc(tmp_path, [source(tmp_path, "a"), source(tmp_path, "b")], "--set", f"router.etcd={etcd}",
+                        "--set", "router.heartbeat_timeout_s=60")
+    try:
+        save(daemons["a"], list(range(16 * 4)))
+        router.wait(lambda n: n["available"] == ["a", "b"] and n["index_entries"] == 4)
+        daemons["a"].proc.send_signal(signal.SIGSTOP)   # alive to the kernel, silent to everyone
+        started = time.monotonic()
+        nodes = router.wait(lambda n: n["available"] == ["b"], timeout=30)
+        assert nodes["index_entries"] == 0 and time.monotonic() - started < 20
+        daemons["a"].proc.send_signal(signal.SIGCONT)
+        router.wait(lambda n: n["available"] == ["a", "b"] and n["index_entries"] == 4, timeout=30)
+    finally:
+        daemons["a"].proc.send_signal(signal.SIGCONT)
+        router.stop()
+        for d in daemons.values():
+            d.stop()
