@@ -40,3 +40,18 @@ def test_the_scale_figures_run(capsys) -> None:  # type: ignore[no-untyped-def]
     assert scale_main(["--entries", "20000", "--nodes", "4", "--runs", "3", "--events", "5000"]) == 0
     text = capsys.readouterr().out
     assert "events/s on one core" in text and "B per (block, node) entry" in text and "32k-token prompt" in text
+
+
+def test_the_live_run_routes_real_requests_through_three_daemons(capsys) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tools.route_live import main as live_main
+
+    assert live_main(["--conversations", "2", "--turns", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| kvstored router", "| round robin"))]
+    assert len(rows) == 2, out
+    # the second turn of each conversation finds its first turn on the node the router chose
+    assert float(rows[0].split("|")[4].strip().rstrip("%")) > 0, out
