@@ -120,11 +120,12 @@ def estimate(node: str, held: Held, request: Request, shape: ModelShape, costs: 
 
 
 def estimate_all(request: Request, shape: ModelShape, held: dict[str, Held],
-                 costs: dict[str, NodeCosts]) -> list[Breakdown]:
+                 costs: dict[str, NodeCosts], donors: dict[str, Held] | None = None) -> list[Breakdown]:
     """Every candidate (the nodes in ``costs``; what they hold from ``held``, else nothing),
-    each with the pull option from the node holding the longest prefix."""
+    each with the pull option from the node holding the longest prefix in ``donors`` (default
+    ``held``: a caller that counts blocks not there yet leaves them out of what can be pulled)."""
     donor: tuple[str, Held, NodeCosts] | None = None
-    for node, h in held.items():
+    for node, h in (held if donors is None else donors).items():
         if node in costs and (donor is None or h.prefix > donor[1].prefix):
             donor = (node, h, costs[node])
     return [estimate(node, held.get(node, Held(0)), request, shape, c, donor) for node, c in sorted(costs.items())]

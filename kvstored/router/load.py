@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 class LoadBoard:
     def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self._clock = clock
         self._backlog: dict[str, tuple[float, float]] = {}   # node -> (seconds, as of)
 

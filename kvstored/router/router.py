@@ -17,13 +17,18 @@ import numpy as np
 from kvstored.policy.cost import ModelShape, shape_for
 from kvstored.policy.routing import Breakdown, Held, NodeCosts, Request, choose, estimate_all
 from kvstored.router.calibration import Calibration
-from kvstored.router.index import GlobalIndex, hashes64
+from kvstored.router.index import GlobalIndex, hashes64, namespace_mix
 from kvstored.router.load import LoadBoard
+from kvstored.router.pending import PendingChains
 from kvstored.router.reports import NodeReports
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.namespace import Namespace
 
 MAX_BLOCKS = 1 << 18
+
+
+def index_keys_of(namespace_id: int, keys: np.ndarray) -> np.ndarray:
+    return keys ^ np.uint64(namespace_mix(namespace_id))
 
 
 class RouteError(ValueError):
@@ -81,6 +86,7 @@ class Router:
         self._rng = rng or random.Random()
         self._defaults = defaults or Defaults()
         self._shapes = shapes
+        self.pending = PendingChains(load.clock)
         self.routed = 0
 
     def chain(self, query: RouteQuery) -> tuple[int, np.ndarray, int]:
@@ -127,6 +133,10 @@ class Router:
 
     def estimate(self, query: RouteQuery) -> tuple[int, int, int, list[Breakdown]]:
         """Every candidate's breakdown (sorted by node), without choosing."""
+        namespace_id, keys, tokens, breakdowns = self._estimate(query)
+        return namespace_id, len(keys), tokens, breakdowns
+
+    def _estimate(self, query: RouteQuery) -> tuple[int, np.ndarray, int, list[Breakdown]]:
         namespace_id, keys, tokens = self.chain(query)
         up = set(self._available())
         if query.candidates:
@@ -139,19 +149,29 @@ class Router:
         holdings = self.index.holdings(namespace_id, keys)
         held = {node: Held(int(p), int(g), int(d), int(s)) for node, p, g, d, s in
                 zip(holdings.nodes, holdings.prefix, holdings.gpu, holdings.dram, holdings.ssd) if node in up}
+        donors = dict(held)   # only blocks there now can be pulled
+        table_keys = index_keys_of(namespace_id, keys)
+        for node in up:   # what this router sent there that the node's events do not show yet
+            h = held.get(node, Held(0))
+            sent = self.pending.prefix(node, table_keys) if h.prefix < len(keys) else 0
+            if sent > h.prefix:
+                held[node] = Held(sent, h.gpu, h.dram + sent - h.prefix, h.ssd)
         ns = query.namespace
         shape = self._shapes(ns.model)
         nbytes = self.reports.block_bytes(namespace_id) or ns.block_bytes or \
             shape.kv_bytes_per_token() * ns.block_size // max(ns.tp_size, 1)
         request = Request(tokens, ns.block_size, nbytes)
-        return namespace_id, len(keys), tokens, estimate_all(request, shape, held,
-                                                             {node: self.costs(node) for node in up})
+        return namespace_id, keys, tokens, estimate_all(request, shape, held, {node: self.costs(node) for node in up},
+                                                        donors)
 
     def route(self, query: RouteQuery, record: bool = True) -> RouteAnswer:
         """Choose a node; with ``record`` its predicted prefill joins its queue here."""
-        namespace_id, blocks, tokens, breakdowns = self.estimate(query)
+        namespace_id, keys, tokens, breakdowns = self._estimate(query)
         chosen = choose(breakdowns, self._rng, self._defaults.spread, self._defaults.spread_s)
         if record:
             self.load.routed(chosen.node, chosen.prefill_s)
+            self.pending.sent(chosen.node, index_keys_of(namespace_id, keys), chosen.queue_s + chosen.prefill_s)
             self.routed += 1
-        return RouteAnswer(chosen.node, namespace_id, blocks, tokens, tuple(breakdowns))
+            if self.routed % 1024 == 0:
+                self.pending.expire()
+        return RouteAnswer(chosen.node, namespace_id, len(keys), tokens, tuple(breakdowns))

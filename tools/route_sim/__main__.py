@@ -65,7 +65,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def make_policy(name: str, cluster: Cluster, index: GlobalIndex, ns: Namespace, seed: int) -> Policy:
+def make_policy(name: str, cluster: Cluster, index: GlobalIndex, ns: Namespace, seed: int,
+                spread: float = 0.05) -> Policy:
     if name == "round-robin":
         return RoundRobin(cluster)
     if name == "least-loaded":
@@ -77,18 +78,18 @@ def make_policy(name: str, cluster: Cluster, index: GlobalIndex, ns: Namespace, 
     if name == "llm-d":
         return LlmdPrefix(cluster, index)
     if name == "kvstored":
-        return Kvstored(cluster, index, ns, lambda: cluster.now, random.Random(seed), 4.0e14, 0.05)
+        return Kvstored(cluster, index, ns, lambda: cluster.now, random.Random(seed), 4.0e14, spread)
     if name == "oracle":
         return Oracle(cluster)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
 
 
 def simulate(name: str, reqs: list[Req], k: int, capacity: int, engine: EngineModel, seed: int,
-             report_s: float = 0.1) -> dict[str, Any]:
+             report_s: float = 0.1, spread: float = 0.05) -> dict[str, Any]:
     ns = Namespace(model="llama-3-8b", block_size=BLOCK_TOKENS)
     cluster = Cluster(k, capacity, "credit", engine, ns.identity())
     index = GlobalIndex()
-    policy = make_policy(name, cluster, index, ns, seed)
+    policy = make_policy(name, cluster, index, ns, seed, spread)
     names = [n.name for n in cluster.nodes]
     ttfts = np.empty(len(reqs))
     cached = total = 0
@@ -123,13 +124,16 @@ def simulate(name: str, reqs: list[Req], k: int, capacity: int, engine: EngineMo
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    dynamo = {r["nodes"]: r["mean_ttft_s"] for r in results if r["policy"] == "dynamo"}
-    oracle = {r["nodes"]: r["mean_ttft_s"] for r in results if r["policy"] == "oracle"}
+    def key(r: dict[str, Any]) -> tuple[str, int]:
+        return r.get("workload", ""), r["nodes"]
+
+    dynamo = {key(r): r["mean_ttft_s"] for r in results if r["policy"] == "dynamo"}
+    oracle = {key(r): r["mean_ttft_s"] for r in results if r["policy"] == "oracle"}
     lines = ["| workload | K | policy | mean TTFT s | p90 TTFT s | hit rate | imbalance | vs Dynamo | vs oracle |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        vs_d = f"{100 * (r['mean_ttft_s'] / dynamo[r['nodes']] - 1):+.1f}%" if r["nodes"] in dynamo else "-"
-        vs_o = f"{100 * (r['mean_ttft_s'] / oracle[r['nodes']] - 1):+.1f}%" if r["nodes"] in oracle else "-"
+        vs_d = f"{100 * (r['mean_ttft_s'] / dynamo[key(r)] - 1):+.1f}%" if key(r) in dynamo else "-"
+        vs_o = f"{100 * (r['mean_ttft_s'] / oracle[key(r)] - 1):+.1f}%" if key(r) in oracle else "-"
         lines.append(f"| {r.get('workload', '')} | {r['nodes']} | {r['policy']} | {r['mean_ttft_s']:.3f} | "
                      f"{r['p90_ttft_s']:.3f} | {100 * r['hit_rate']:.1f}% | {r['imbalance']:.3f} | {vs_d} | {vs_o} |")
     return "\n".join(lines)
@@ -161,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speedup", type=float, default=0.0, help="arrival compression (0: K / 4)")
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report-s", type=float, default=0.1, help="how often nodes report their queue to kvstored")
+    parser.add_argument("--spread", type=float, default=0.05, help="kvstored's router.spread")
     parser.add_argument("--json", default="", help="also write the results here")
     args = parser.parse_args(argv)
     shape = ModelShape.llama3_8b()
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in (int(x) for x in args.nodes.split(",")):
             reqs = load_requests(rows, args.limit, args.speedup or k / 4)
             for name in args.policies.split(","):
-                r = simulate(name, reqs, k, args.capacity, engine, args.seed)
+                r = simulate(name, reqs, k, args.capacity, engine, args.seed, args.report_s, args.spread)
                 r["workload"] = wname
                 results.append(r)
                 print(f"{wname} K={k} {name}: mean {r['mean_ttft_s']:.3f} s, p90 {r['p90_ttft_s']:.3f} s, "

@@ -98,3 +98,13 @@ def test_the_router_routes_to_the_holder_and_says_why_not_when_it_cannot() -> No
     with pytest.raises(RouteError) as err:
         empty.route(RouteQuery(ns, token_ids=tokens))
     assert err.value.reason == "no_candidate"
+
+
+def test_a_chain_just_sent_counts_as_held_there_until_the_events_say_so() -> None:
+    router, _ = _router(["a", "b"])
+    ns = Namespace(model="m", block_size=16)
+    tokens = list(range(16 * 32))
+    first = router.route(RouteQuery(ns, token_ids=tokens))
+    assert {c.local_blocks for c in first.candidates} == {0}
+    second = router.route(RouteQuery(ns, token_ids=tokens), record=False)
+    assert {c.node: c.local_blocks for c in second.candidates} == {first.node: 32, ({"a", "b"} - {first.node}).pop(): 0}
