@@ -145,6 +145,7 @@ def test_a_restart_changes_the_epoch_and_restored_blocks_are_announced(tmp_path:
         client.flush()
         client.close()
         assert daemon.stop() == 0
+        consumer.frames(0.5)   # what the old daemon sent before it stopped
         daemon = start_daemon(tmp_path, *events_args(tmp_path))
         hb = consumer.wait_heartbeat()
         assert hb["epoch"] != epoch
