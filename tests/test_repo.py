@@ -95,6 +95,19 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     assert "kvstored.service" not in out.stderr, out.stderr  # no warnings about our unit
 
 
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_the_router_unit_verifies(tmp_path: Path) -> None:
+    unit = (ROOT / "systemd" / "kvstored-router.service").read_text()
+    assert "ExecStart=/usr/bin/kvstored-router" in unit and "RestartPreventExitStatus=2" in unit
+    (tmp_path / "kvstored-router.service").write_text(unit.replace("/usr/bin/kvstored-router",
+                                                                   str(BIN / "kvstored-router")))
+    env = {**os.environ, "SYSTEMD_LOG_LEVEL": "warning"}
+    out = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "kvstored-router.service")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "kvstored-router.service" not in out.stderr, out.stderr
+
+
 def _unit_values(key: str) -> list[str]:
     """The space-separated values of every ``key=`` line of systemd/kvstored.service."""
     unit = (ROOT / "systemd" / "kvstored.service").read_text()
