@@ -158,19 +158,19 @@ def _decode_event(raw: Any) -> Event:
             hashes = raw.get("block_hashes")
             medium = raw.get("medium") or Medium.GPU.value   # null before vLLM had media: its GPU cache
             namespace_id = raw.get("namespace_id")
-            if type(hashes) is not list or not set(map(type, hashes)) <= _HASH_TYPES:
+            if type(hashes) is not tuple or not set(map(type, hashes)) <= _HASH_TYPES:
                 raise WireError("block_hashes must be a list of ints or byte strings")
             if type(medium) is not str:
                 raise WireError("medium must be a string")
             if namespace_id is not None and type(namespace_id) is not int:
                 raise WireError("namespace_id must be an int")
             if kind == "BlockRemoved":
-                return BlockRemoved(tuple(hashes), medium, namespace_id)
+                return BlockRemoved(hashes, medium, namespace_id)
             size = raw.get("block_size", 0)
             if type(size) is not int:
                 raise WireError("block_size must be an int")
             lora = raw.get("lora_name")
-            return BlockStored(tuple(hashes), _parent(raw.get("parent_block_hash")), size, medium, (),
+            return BlockStored(hashes, _parent(raw.get("parent_block_hash")), size, medium, (),
                                lora if type(lora) is str else None, namespace_id)
         if kind == "AllBlocksCleared":
             return AllBlocksCleared()
@@ -206,7 +206,8 @@ def _medium(value: Any) -> str:
 def decode_batch(payload: bytes) -> Batch:
     """A payload as sent; WireError for anything else (the caller drops it and says so)."""
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        # arrays as tuples: the events keep their hashes without a copy
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=False)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise WireError(f"not msgpack: {exc}") from None
     if not isinstance(raw, (list, tuple)) or len(raw) < 2 or not isinstance(raw[1], (list, tuple)):
@@ -215,7 +216,7 @@ def decode_batch(payload: bytes) -> Batch:
     if not isinstance(ts, (int, float)) or isinstance(ts, bool):
         raise WireError("a batch's ts must be a number")
     rank = raw[2] if len(raw) > 2 else None
-    return Batch(float(ts), tuple(_decode_event(e) for e in raw[1]), rank if isinstance(rank, int) else None)
+    return Batch(float(ts), tuple(map(_decode_event, raw[1])), rank if isinstance(rank, int) else None)
 
 
 def medium_rank(medium: str) -> int:
