@@ -6,8 +6,9 @@ when the node is new to it or restarted, replays from the first batch missed aft
 snapshot when the replay no longer reaches it), and drops the node from the index at once when
 it has been silent past the timeout. Heartbeats' info maps go to ``on_info``.
 
-A source that names no replay socket (an engine publishing without one) is followed best-effort:
-it cannot be rebuilt, so a gap or restart clears it and it is learned anew from then on.
+A source that cannot be rebuilt (no replay socket, or an engine's, which serves no snapshot, when
+its replay does not reach back far enough) is followed best-effort: a gap or a restart clears it
+and it is learned anew from the batch that showed it.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ class Subscriber:
         if self.stream.in_sync:
             if self.stream.batch(seq) is Action.APPLY:
                 self._index.apply(self.source.name, decode_batch(frames[2]).events, self.source.namespace_id)
-        elif not self.source.replay_endpoint:   # best effort: what came before it is unknown
+        elif not self.source.replay_endpoint or not self.source.heartbeats:
+            # best effort (no replay, or an engine's, which has no snapshot): what came before is unknown
             self._index.clear(self.source.name)
             self._index.apply(self.source.name, decode_batch(frames[2]).events, self.source.namespace_id)
             self.stream.synced(seq + 1)
