@@ -50,6 +50,9 @@ class DramConfig:
     # usually finds a clean block it can drop at once.
     writeback_watermark: float = 0.75
     policy: str = DEFAULT_POLICY     # eviction order of the arena (per slot size): lru | lfu | credit
+    # A save that finds DRAM full of blocks not yet on SSD (which may not leave uncopied) waits up
+    # to this long for the write-back to copy some, then stores what fits.
+    room_wait_s: float = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,9 @@ class SSDConfig:
     policy: str = DEFAULT_POLICY     # eviction order and admission of the SSD tier: lru | lfu | credit
     read_threads: int = 2
     sync: bool = True                # fsync each group commit (off: faster, loses recent writes on power loss)
+    # Blocks sealed longer ago than this are on SSD (when ssd.admission accepts them): a kill -9
+    # loses at most the blocks of this window (and of the write in flight).
+    max_dirty_s: float = 1.0
     reader_check_interval_s: float = 30.0
 
     @property
@@ -297,6 +303,8 @@ def validate(cfg: Config) -> None:
          f"leases.reservation_ttl_s: must be positive and at most {MAX_LEASE_TTL_S} (about 49 days)"),
         (cfg.leases.reap_interval_s > 0, "leases.reap_interval_s: must be positive"),
         (0 < cfg.dram.writeback_watermark <= 1, "dram.writeback_watermark: must be in (0, 1]"),
+        (cfg.dram.room_wait_s >= 0, "dram.room_wait_s: must not be negative"),
+        (cfg.ssd.max_dirty_s > 0, "ssd.max_dirty_s: must be positive"),
         (cfg.ssd.capacity > 0, "ssd.capacity: must be positive"),
         (cfg.ssd.map_slack >= 1.1, "ssd.map_slack: must be at least 1.1"),
         (cfg.ssd.capacity * cfg.ssd.map_slack < MAX_MAP_BYTES,

@@ -18,6 +18,8 @@ ON_SSD = 2      # a verified copy is in the SSD tier
 HIT = 4         # matched by a lookup since it was stored
 DEMOTING = 8    # being written to the SSD tier
 PROMOTING = 16  # being read up from the SSD tier into its DRAM slot
+SSD_DECLINED = 32   # the SSD tier's policy refused it (full of blocks worth more): it may leave DRAM uncopied
+WRITE_FAILED = 64   # its last write to the SSD tier failed: it may leave DRAM uncopied
 NO_SLOT = -1    # Block.offset when the block has no DRAM slot
 
 

@@ -83,6 +83,9 @@ def render_stats(stats: dict[str, Any], console: Console) -> None:
         ("saved blocks", stats["saved_blocks"]),
         ("promotions / demotions", f"{stats['promotions']} / {stats['demotions']}"),
         ("dropped blocks", stats["dropped_blocks"]),
+        *[(f"  dropped: {reason}", n) for reason, n in sorted(stats.get("dropped_blocks_by_reason", {}).items()) if n],
+        ("saves that waited for room", f"{stats.get('room_waits', 0)}  ({stats.get('room_wait_seconds', 0.0):.3f} s "
+                                       "in all)"),
         ("index blocks", stats["index_blocks"]),
         ("namespaces", stats["namespaces"]),
         ("active leases", stats["active_leases"]),

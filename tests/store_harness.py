@@ -26,8 +26,9 @@ def open_store(tmp_path: Path, values: dict[str, dict[str, object]],
                ssd: bool = False) -> Iterator[tuple[BlockStore, Clock]]:
     """A store configured by ``values`` (an arena in ``tmp_path``, not pre-faulted; with ``ssd``,
     an SSD tier in ``tmp_path / "ssd"``), on a manual clock, its sessions named s1, s2, ...;
-    everything is closed on exit."""
-    cfg = config.build(values)
+    everything is closed on exit. No write-back task runs unless a test starts one
+    (``store.writeback_loop()``), so ``dram.room_wait_s`` defaults to :data:`ROOM_WAIT_S` here."""
+    cfg = config.build({**values, "dram": {"room_wait_s": ROOM_WAIT_S, **values.get("dram", {})}})
     arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
     copy = CopyEngine(arena)
     tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False) if ssd else None
@@ -41,6 +42,11 @@ def open_store(tmp_path: Path, values: dict[str, dict[str, object]],
             tier.close()
         copy.close()
         arena.close()
+
+
+# How long a save or a read waits for a write-back that, in most unit tests, nobody runs: long
+# enough for the tests that start one, short enough not to slow those that do not.
+ROOM_WAIT_S = 0.05
 
 
 def chain(n: int, start: int = 0) -> list[bytes]:

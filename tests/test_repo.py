@@ -296,7 +296,7 @@ def test_readme_metric_names_exist() -> None:
 
     from kvstored.server import metrics
 
-    exposed = {"kvstored_rpc_duration_seconds"}
+    exposed = {"kvstored_rpc_duration_seconds", *metrics.LABELLED_METRICS}
     for kind, name, _doc, _attr in (metrics._TIER_METRICS + metrics._STORE_METRICS + metrics._PEER_METRICS
                                     + metrics._EVENT_METRICS):
         exposed.add(f"kvstored_{name}" + ("_total" if kind is CounterMetricFamily else ""))

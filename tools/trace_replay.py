@@ -86,7 +86,7 @@ class Result:
     saved_flops: float
 
 
-class _Savings:
+class Savings:
     """Hit tokens and saved prefill FLOPs, with the FLOPs of each prefix length memoised."""
 
     def __init__(self, shape: ModelShape) -> None:
@@ -110,7 +110,7 @@ def replay(trace: Trace, policy: BlockPolicy, capacity: int, shape: ModelShape,
            on_request: Callable[[int], None] = lambda i: None) -> Result:
     """Run ``trace`` through a fresh :class:`PrefixIndex` of ``capacity`` blocks under ``policy``."""
     index = PrefixIndex(1)
-    savings = _Savings(shape)
+    savings = Savings(shape)
     for i, chain in enumerate(trace.chains):
         set_clock(trace.times[i])
         on_request(i)
@@ -150,7 +150,7 @@ def replay_per_block_lru(trace: Trace, capacity: int, shape: ModelShape) -> Resu
     """Per-block LRU: every block of a request is touched (or stored) in order; the least recent
     block goes, whether or not other resident blocks hang below it."""
     lru: OrderedDict[bytes, None] = OrderedDict()
-    savings = _Savings(shape)
+    savings = Savings(shape)
     for chain in trace.chains:
         hits = 0
         while hits < len(chain) and chain[hits] in lru:

@@ -554,7 +554,8 @@ class Client(Connection):
                                         always_print_fields_with_no_presence=True)
         # protobuf's JSON mapping writes 64-bit integers as strings; give callers numbers
         return {k: (int(v) if isinstance(v, str) and k != "version" else v) for k, v in out.items()} | {
-            "tiers": [{k: (int(v) if k != "name" else v) for k, v in t.items()} for t in out["tiers"]]}
+            "tiers": [{k: (int(v) if k != "name" else v) for k, v in t.items()} for t in out["tiers"]],
+            "dropped_blocks_by_reason": {k: int(v) for k, v in out.get("dropped_blocks_by_reason", {}).items()}}
 
     def evict(self, model: str = "", tier: str | None = None) -> int:
         """Drop cached blocks of ``model``'s namespaces (all when empty) from ``tier`` ("dram",

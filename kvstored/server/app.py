@@ -420,6 +420,15 @@ async def serve(cfg: Config) -> int:
         await store.finish_background()
         if written:
             log.info("wrote %d DRAM-only block(s) to SSD before stopping", written)
+    if ssd is not None:
+        try:   # bounded like the write-back: the records keep the counts of their last write
+            updated = await asyncio.wait_for(store.record_reuses(), max(cfg.server.shutdown_grace_s, 1.0))
+            log.info("kept the reuse counts of %d block(s) with their SSD records", updated)
+        except TimeoutError:
+            log.warning("recording reuse counts at shutdown stopped after %.0f s (server.shutdown_grace_s)",
+                        max(cfg.server.shutdown_grace_s, 1.0))
+        except Exception:
+            log.exception("recording reuse counts at shutdown failed")
     await store.finish_background()
     if ssd is not None and (left := store.dram_only_blocks()):
         log.warning("%d block(s) only in DRAM are dropped (not on SSD: ssd.admission, a full SSD tier "

@@ -22,7 +22,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import grpc
 from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
@@ -58,8 +58,6 @@ _STORE_METRICS: list[tuple[_Kind, str, str, str]] = [
     (_C, "saved_blocks", "Blocks stored by clients.", "saved_blocks"),
     (_C, "promotions", "Blocks brought from SSD to DRAM.", "promotions"),
     (_C, "demotions", "Blocks written from DRAM to SSD.", "demotions"),
-    (_C, "dropped_blocks", "Blocks lost: evicted for room with no copy elsewhere (from DRAM or SSD), or corrupt.",
-     "dropped_blocks"),
     (_C, "peer_fetched_blocks", "Blocks fetched from peers.", "peer_fetched_blocks"),
     (_C, "peer_served_blocks", "Blocks served to peers.", "peer_served_blocks"),
     (_C, "peer_received_blocks", "Blocks peers pushed here.", "peer_received_blocks"),
@@ -69,6 +67,8 @@ _STORE_METRICS: list[tuple[_Kind, str, str, str]] = [
     (_G, "namespaces", "Namespaces known.", "namespaces"),
     (_G, "index_blocks", "Blocks in the prefix index.", "index_blocks"),
 ]
+# exposed with labels, by StoreCollector.collect itself
+LABELLED_METRICS = ("kvstored_dropped_blocks_total", "kvstored_room_wait_seconds")
 _PEER_METRICS: list[tuple[_Kind, str, str, str]] = [
     (_C, "peer_pushed_blocks", "Blocks pushed to peers.", "peer_pushed_blocks"),
     (_C, "peer_failures", "Failed exchanges with peers.", "peer_failures"),
@@ -120,6 +120,22 @@ class StoreCollector(Collector):
             yield kind(f"kvstored_{name}", doc, value=getattr(snap.store, attr))
         for kind, name, doc, attr in _PEER_METRICS + _EVENT_METRICS:
             yield kind(f"kvstored_{name}", doc, value=getattr(snap, attr))
+        by_reason = CounterMetricFamily(
+            "kvstored_dropped_blocks", "Blocks whose last copy went, by why: refused (ssd.admission), ssd_off, "
+            "ssd_full, write_error, ssd_evicted, corrupt, unreadable.", labels=["reason"])
+        for reason, n in sorted(snap.store.dropped_by_reason.items()):
+            by_reason.add_metric([reason], n)
+        yield by_reason
+        waits = snap.store.room_waits
+        if waits is not None:
+            cumulative, buckets = 0, []
+            for bound, n in zip(waits.bounds, waits.counts):
+                cumulative += n
+                buckets.append((repr(bound), cumulative))
+            buckets.append(("+Inf", waits.count))
+            yield HistogramMetricFamily("kvstored_room_wait_seconds",
+                                        "How long saves waited for the write-back to make room in DRAM.",
+                                        buckets=buckets, sum_value=waits.sum_s)
 
 
 class RpcTimer(grpc.aio.ServerInterceptor):

@@ -59,6 +59,16 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else asyncio.get_running_loop().time() + remaining
 
 
+def _answer_by(context: grpc.aio.ServicerContext) -> float | None:
+    """When (the event loop's time) a call that may wait should stop waiting so that its answer
+    reaches the client before its deadline: STREAM_END_MARGIN_S (or a tenth of the time left)
+    before it; None without a deadline."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return None
+    return asyncio.get_running_loop().time() + remaining - min(STREAM_END_MARGIN_S, remaining / 10)
+
+
 def _keys(msg: pb.BlockKeys) -> KeyRequest:
     return KeyRequest(list(msg.hashes), msg.token_ids, msg.cache_salt, msg.lora_name, msg.packed_hashes)
 
@@ -207,8 +217,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @mapped
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
-        r = self._store.reserve(request.session_id, request.namespace_id, _keys(request.keys),
-                                request.block_bytes)
+        r = await self._store.reserve_waiting(request.session_id, request.namespace_id, _keys(request.keys),
+                                              request.block_bytes, _answer_by(context))
         return pb.ReserveResponse(reservation_id=r.reservation_id, present_blocks=r.present,
                                   offsets=r.offsets, ttl_ms=int(r.ttl_s * 1000))
 
@@ -267,7 +277,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             _, chain = self._store.resolve_keys(request.namespace_id, keys)
             keys = KeyRequest(hashes=chain)
         present, stored = await self._store.save_blocks(
-            request.session_id, request.namespace_id, request.buffers_id, keys, _block_ids(request))
+            request.session_id, request.namespace_id, request.buffers_id, keys, _block_ids(request),
+            _answer_by(context))
         if peers is not None:
             peers.push_later(request.push_to, request.namespace_id, chain[: present + stored])
         return pb.SaveBlocksResponse(present_blocks=present, stored_blocks=stored)
@@ -460,4 +471,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             peer_fetched_blocks=s.peer_fetched_blocks, peer_served_blocks=s.peer_served_blocks,
             peer_received_blocks=s.peer_received_blocks,
             peer_pushed_blocks=self._peers.pushed if self._peers is not None else 0,
-            peer_failures=self._peers.failures if self._peers is not None else 0)
+            peer_failures=self._peers.failures if self._peers is not None else 0,
+            dropped_blocks_by_reason=dict(s.dropped_by_reason),
+            room_waits=s.room_waits.count if s.room_waits is not None else 0,
+            room_wait_seconds=s.room_waits.sum_s if s.room_waits is not None else 0.0)

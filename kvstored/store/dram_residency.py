@@ -21,13 +21,9 @@ from kvstored.tiers.dram import SlotAllocator
 MIN_GHOST_BLOCKS = 1024
 
 
-def dram_can_evict(block: Block) -> bool:
-    """May ``block`` give up its DRAM slot now? Not while pinned, being written out, promoted
-    or unsealed; with an SSD copy it just loses the slot, so it may have children in the index
-    (the policy still offers only leaves of the DRAM-resident tree); without one it would
-    leave the index, which only leaves may."""
-    return block.pins == 0 and block.flags & (SEALED | DEMOTING | PROMOTING) == SEALED \
-        and (block.flags & ON_SSD != 0 or block.children == 0)
+def never(block: Block) -> bool:
+    """A keep rule under which every block may leave DRAM without a copy (no SSD tier)."""
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +40,14 @@ class DramResidency:
     page remembers when it was last used (sealed into, hit), and making room for one size may
     take a whole page of another (see :meth:`room_for`)."""
 
-    def __init__(self, config: Config, capacity: int, clock: Callable[[], float]) -> None:
-        """``capacity``: the arena's bytes."""
+    def __init__(self, config: Config, capacity: int, clock: Callable[[], float],
+                 keep: Callable[[Block], bool] = never) -> None:
+        """``capacity``: the arena's bytes. ``keep(block)``: a sealed block without an SSD copy
+        must not leave DRAM until it has one (the SSD tier admits it): it waits for the write-back
+        instead of being dropped."""
         self._config = config
         self._clock = clock
+        self._keep = keep
         self._allocator = SlotAllocator(capacity, config.dram.page_bytes)
         self._tick = 0                                      # advances with every request that allocates
         self._page_tick = [0] * self._allocator.num_pages   # when each page was last used (sealed or hit)
@@ -109,8 +109,21 @@ class DramResidency:
         if policy is None:
             policy = self._policies[slot_bytes] = make_policy(
                 self._config.dram.policy, self._clock, max(self._allocator.capacity // slot_bytes, MIN_GHOST_BLOCKS),
-                can_evict=dram_can_evict)
+                can_evict=self.can_evict)
         return policy
+
+    def keeps(self, block: Block) -> bool:
+        """Whether ``block`` (sealed, without an SSD copy) must stay until it has one."""
+        return self._keep(block)
+
+    def can_evict(self, block: Block) -> bool:
+        """May ``block`` give up its DRAM slot now? Not while pinned, being written out, promoted
+        or unsealed; with an SSD copy it just loses the slot, so it may have children in the index
+        (the policy still offers only leaves of the DRAM-resident tree); without one it would
+        leave the index, which only leaves may, and only when ``keep`` lets it go uncopied."""
+        if block.pins or block.flags & (SEALED | DEMOTING | PROMOTING) != SEALED:
+            return False
+        return bool(block.flags & ON_SSD) or (block.children == 0 and not self._keep(block))
 
     def take_free(self, slot_bytes: int) -> int | None:
         """A free slot of ``slot_bytes`` (its offset), or None when none is free."""
@@ -198,17 +211,20 @@ class DramResidency:
     def page_leavers(self, page: int) -> tuple[bool, list[Block] | None]:
         """``(held, leavers)`` of ``page``: ``held`` when a slot in it cannot be given up now,
         whatever else leaves; ``leavers``: its blocks, deepest first, when all may give up their
-        slots now (else None). As :func:`dram_can_evict` asks of a victim: unpinned, sealed, not
-        being written out or promoted; a slot held by no block (a peer's block landing) is held.
-        A block with an SSD copy only loses its slot; one without leaves the index, so its
-        children must too: all in this page and leaving as well (leaf-first within the page)."""
+        slots now (else None). As :meth:`can_evict` asks of a victim: unpinned, sealed, not
+        being written out or promoted; a slot held by no block (a peer's block landing) is held,
+        and so is a block without an SSD copy that ``keep`` keeps until it has one. A block with
+        an SSD copy only loses its slot; one without leaves the index, so its children must too:
+        all in this page and leaving as well (leaf-first within the page)."""
         blocks = self._page_blocks[page]
         used = self._allocator.used_slots(page)
         assert len(blocks) <= used, f"page {page}: {len(blocks)} blocks in {used} used slots"
         if len(blocks) < used:
             return True, None
+        keep = self._keep
         for block in blocks:   # before sorting: pages of other sizes are scanned while none can empty
-            if block.pins or block.flags & (SEALED | DEMOTING | PROMOTING) != SEALED:
+            if block.pins or block.flags & (SEALED | DEMOTING | PROMOTING) != SEALED \
+                    or (not block.flags & ON_SSD and keep(block)):
                 return True, None
         order = sorted(blocks, key=lambda b: -b.depth)   # children before their parents
         leaving: dict[Block, int] = {}   # children of a block leaving the index with it

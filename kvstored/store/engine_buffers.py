@@ -152,16 +152,17 @@ class EngineBuffers:
             check_distinct(ids)
 
     async def save(self, session: Session, buffers: RegisteredBuffers, state: NamespaceState,
-                   chain: list[bytes], block_ids: BlockIds) -> tuple[int, int]:
-        """Copy the not-yet-cached blocks of a chain from engine buffers into the store.
-
-        Returns (already present, newly stored); stored may fall short when the tier is full.
+                   chain: list[bytes], block_ids: BlockIds, room_until: float) -> tuple[int, int]:
+        """Copy the not-yet-cached blocks of a chain from engine buffers into the store, waiting
+        for room until ``room_until`` (the event loop's time) when DRAM holds only blocks that
+        must reach SSD first. Returns (already present, newly stored); stored may fall short when
+        the tier is full.
         """
         leasing = self._leasing
         # The ids of blocks cached already are not used: an engine that no longer holds them may
         # name them all by one placeholder (vLLM's null block, say); those copied must differ.
         self.check_block_ids(buffers, chain, block_ids, distinct=False)
-        lease = self._reservations.reserve_chain(session, state, chain)
+        lease = await self._reservations.reserve_chain_waiting(session, state, chain, room_until)
         present = len(lease.pinned)
         try:
             copied = np.asarray(block_ids[present: present + len(lease.new)])

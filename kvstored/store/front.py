@@ -28,7 +28,7 @@ from kvstored.index import Tier
 from kvstored.leases import LeaseKind, Session
 from kvstored.store.background import Background
 from kvstored.store.catalog import Catalog, NamespaceState
-from kvstored.store.dram_residency import DramResidency
+from kvstored.store.dram_residency import DramResidency, never
 from kvstored.store.engine_buffers import EngineBuffers
 from kvstored.store.events import TierEvents
 from kvstored.store.leasing import Leasing
@@ -47,7 +47,7 @@ from kvstored.store.values import (
     StoreStats,
     TierStats,
 )
-from kvstored.store.writeback import WriteBack
+from kvstored.store.writeback import WriteBack, keep_for_ssd
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import Progress, SSDError, SSDTier
 from kvstored_client.contract.errors import FailedPrecondition, InvalidArgument, Reason
@@ -79,10 +79,12 @@ class BlockStore:
         self._started = clock()
         self.background = Background()
         self.catalog = Catalog(config, ssd)
-        self.placement = Placement(DramResidency(config, arena.capacity, clock), SsdResidency(config, clock, ssd),
-                                   config.dram.writeback_watermark * arena.capacity)
+        keep = keep_for_ssd(config, self.catalog) if ssd is not None else never
+        self.placement = Placement(DramResidency(config, arena.capacity, clock, keep),
+                                   SsdResidency(config, clock, ssd),
+                                   config.dram.writeback_watermark * arena.capacity, clock)
         self.promotion = Promotion(self.placement, arena, ssd, self.background)
-        self.writeback = WriteBack(config, clock, self.catalog, self.placement, arena, ssd, self.background)
+        self.writeback = WriteBack(config, clock, self.catalog, self.placement, arena, ssd, self.background, keep)
         self.leasing = Leasing(config, clock, self.placement, new_session_id)
         self.reservations = Reservations(config, self.leasing, self.placement)
         self.reads = Reads(config, self.leasing, self.placement, self.promotion)
@@ -138,24 +140,43 @@ class BlockStore:
         self.leasing.release(session_id, lease_id, reservation_only)
 
     # -- writes -----------------------------------------------------------------------------
-    def reserve(self, session_id: str, namespace_id: int, keys: KeyRequest,
-                block_bytes: int) -> Reservation:
-        """Allocate slots for the blocks of ``keys`` not cached yet (a suffix of the chain).
-
-        Fewer slots than asked come back when the tier cannot make room; none when another
-        client is writing the next block. Raises InvalidArgument for a wrong payload size.
-        """
-        session = self.leasing.working_session(session_id)
-        state, chain = self.catalog.resolve_keys(namespace_id, keys)
+    def _check_block_bytes(self, state: NamespaceState, block_bytes: int) -> None:
         if block_bytes <= 0:
             raise InvalidArgument("block_bytes must be positive")
         if state.spec.block_bytes and block_bytes != state.spec.block_bytes:
             raise InvalidArgument(f"namespace {state.spec.model!r} stores blocks of "
                                   f"{state.spec.block_bytes} bytes; got {block_bytes}")
         self.catalog.fix_block_bytes(state, block_bytes)
+
+    def reserve(self, session_id: str, namespace_id: int, keys: KeyRequest,
+                block_bytes: int) -> Reservation:
+        """Allocate slots for the blocks of ``keys`` not cached yet (a suffix of the chain).
+
+        Fewer slots than asked come back when the tier cannot make room now (see
+        :meth:`reserve_waiting`); none when another client is writing the next block. Raises
+        InvalidArgument for a wrong payload size.
+        """
+        session = self.leasing.working_session(session_id)
+        state, chain = self.catalog.resolve_keys(namespace_id, keys)
+        self._check_block_bytes(state, block_bytes)
         lease = self.reservations.reserve_chain(session, state, chain)
         return Reservation(lease.lease_id, len(lease.pinned), [b.offset for b in lease.new],
                            self.config.leases.reservation_ttl_s)
+
+    async def reserve_waiting(self, session_id: str, namespace_id: int, keys: KeyRequest, block_bytes: int,
+                              until: float | None = None) -> Reservation:
+        """:meth:`reserve`, waiting (up to ``dram.room_wait_s``, and not past ``until``, the event
+        loop's time) for the write-back when DRAM is full of blocks that must reach SSD first."""
+        session = self.leasing.working_session(session_id)
+        state, chain = self.catalog.resolve_keys(namespace_id, keys)
+        self._check_block_bytes(state, block_bytes)
+        lease = await self.reservations.reserve_chain_waiting(session, state, chain, self._room_deadline(until))
+        return Reservation(lease.lease_id, len(lease.pinned), [b.offset for b in lease.new],
+                           self.config.leases.reservation_ttl_s)
+
+    def _room_deadline(self, until: float | None) -> float:
+        end = asyncio.get_running_loop().time() + self.config.dram.room_wait_s
+        return end if until is None else min(end, until)
 
     def seal(self, session_id: str, reservation_id: int) -> int:
         """Make a reservation's written blocks visible; returns how many were sealed."""
@@ -183,15 +204,16 @@ class BlockStore:
         await self.buffers.unregister(self.leasing.session(session_id), buffers_id)
 
     async def save_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
-                          keys: KeyRequest, block_ids: BlockIds) -> tuple[int, int]:
+                          keys: KeyRequest, block_ids: BlockIds, until: float | None = None) -> tuple[int, int]:
         """Copy the not-yet-cached blocks of a chain from engine buffers into the store.
 
-        Returns (already present, newly stored); stored may fall short when the tier is full.
+        Returns (already present, newly stored); stored may fall short when the tier is full
+        (after waiting for room as :meth:`reserve_waiting` does).
         """
         session = self.leasing.working_session(session_id)
         buffers = self.buffers.owned(session_id, buffers_id, namespace_id)
         state, chain = self.catalog.resolve_keys(namespace_id, keys)
-        return await self.buffers.save(session, buffers, state, chain, block_ids)
+        return await self.buffers.save(session, buffers, state, chain, block_ids, self._room_deadline(until))
 
     async def load_blocks(self, session_id: str, namespace_id: int, buffers_id: int,
                           keys: KeyRequest, block_ids: BlockIds,
@@ -268,12 +290,18 @@ class BlockStore:
                           r.hit_tokens, self.leasing.saved_blocks, self.leasing.count(LeaseKind.READ),
                           self.leasing.sessions(), len(self.catalog), self.catalog.block_count(),
                           self.promotion.promotions, self.writeback.demotions, p.dropped,
-                          self.peer_traffic.fetched, self.peer_traffic.served, self.peer_traffic.received)
+                          self.peer_traffic.fetched, self.peer_traffic.served, self.peer_traffic.received,
+                          dict(p.dropped_by), self.reservations.room_waits.snapshot())
 
     async def write_back_for_shutdown(self) -> int:
         """Shutdown: write DRAM blocks without an SSD copy to SSD (under ``ssd.admission`` and the
         SSD policy) until none is left that may go; returns how many were written."""
         return await self.writeback.for_shutdown()
+
+    async def record_reuses(self) -> int:
+        """Shutdown: keep each reused block's count with its SSD record (see
+        :meth:`WriteBack.record_reuses`); how many records were updated."""
+        return await self.writeback.record_reuses()
 
     def dram_only_blocks(self) -> int:
         """Sealed blocks whose only copy is in DRAM (lost when the daemon stops)."""

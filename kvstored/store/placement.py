@@ -5,16 +5,25 @@ block out of the index with everything it held.
 Tiers are exclusive in their eviction policies and inclusive in their bytes: a sealed block with a
 DRAM slot is tracked by its slot size's DRAM policy, one without by the SSD policy; a block may
 have both a slot and an SSD copy ("clean"), which makes evicting it from DRAM free. The DRAM
-blocks without an SSD copy wait in the write-back queue, oldest first.
+blocks without an SSD copy wait in the write-back queue, oldest first; one the SSD tier admits
+never leaves DRAM before it has its copy (see ``DramResidency``'s ``keep``): a save that needs its
+slot waits for the write-back (:meth:`Placement.wait_for_room`). A block's last copy goes only
+for a reason, counted in :attr:`Placement.dropped_by`:
+
+- ``refused``: ``ssd.admission`` refused it; ``ssd_off``: there is no SSD tier;
+- ``ssd_full``: the SSD tier's policy refused it (full of blocks worth more);
+- ``write_error``: its write to the SSD tier failed;
+- ``ssd_evicted``: the SSD tier's policy evicted it (its only copy was there);
+- ``corrupt``: its SSD copy failed its checksum; ``unreadable``: its record did not restore.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, PROMOTING, SEALED, Block, Tier
+from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, PROMOTING, SEALED, SSD_DECLINED, WRITE_FAILED, Block, Tier
 from kvstored.store.dram_residency import DramResidency
 from kvstored.store.events import NO_EVENTS, TierEvents
 from kvstored.store.ssd_residency import SsdResidency
@@ -22,15 +31,20 @@ from kvstored.tiers.ssd import PROGRESS_EVERY, Progress
 
 log = logging.getLogger("kvstored.store")
 
+ROOM_POLL_S = 0.01   # how often a save waiting for room looks again
+DROP_REASONS = ("refused", "ssd_off", "ssd_full", "write_error", "ssd_evicted", "corrupt", "unreadable")
+
 
 class WriteBackQueue:
-    """The sealed DRAM blocks without an SSD copy, oldest first (the write-back order), their
-    slot bytes, and the signal that wakes the write-back task."""
+    """The sealed DRAM blocks without an SSD copy in the order they were queued (the write-back
+    order; a block's parent is queued before it), when each was queued, their slot bytes, the
+    signal that wakes the write-back task, and how many saves wait for it."""
 
     def __init__(self) -> None:
-        self._blocks: dict[Block, None] = {}
+        self._blocks: dict[Block, float] = {}
         self.bytes = 0
         self.wanted = asyncio.Event()
+        self.waiters = 0   # saves waiting for the write-back to make room (it writes at once then)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -38,9 +52,19 @@ class WriteBackQueue:
     def __iter__(self) -> Iterator[Block]:
         return iter(self._blocks)
 
-    def add(self, block: Block) -> None:
+    def add(self, block: Block, now: float) -> None:
         self.bytes += block.index.slot_bytes
-        self._blocks[block] = None
+        self._blocks[block] = now
+
+    def oldest(self, keep: Callable[[Block], bool], scan: int = 256) -> float | None:
+        """When the oldest of the first ``scan`` queued blocks that ``keep`` keeps for the SSD
+        tier was queued (None: none of them); blocks the tier will not take are passed over."""
+        for n, (block, queued) in enumerate(self._blocks.items()):
+            if n == scan:
+                return None
+            if not block.flags & DEMOTING and keep(block):
+                return queued
+        return None
 
     def discard(self, block: Block) -> None:
         """``block`` got an SSD copy or lost its slot."""
@@ -52,15 +76,27 @@ class Placement:
     """A block's copies across the DRAM and SSD tiers, kept consistent with the index, both
     residencies' policies and the write-back queue. Counts evictions and blocks dropped."""
 
-    def __init__(self, dram: DramResidency, ssd: SsdResidency, writeback_watermark_bytes: float) -> None:
+    def __init__(self, dram: DramResidency, ssd: SsdResidency, writeback_watermark_bytes: float,
+                 clock: Callable[[], float]) -> None:
         self.dram = dram
         self.ssd = ssd
         self.queue = WriteBackQueue()
         self._watermark = writeback_watermark_bytes
+        self._clock = clock
         self.dram_evictions = 0
         self.ssd_evictions = 0
-        self.dropped = 0   # blocks whose last copy went (evicted, or lost: failed checksums)
+        # blocks whose last copy went, by reason (see the module docstring)
+        self.dropped_by: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.events: TierEvents = NO_EVENTS   # told of every copy a block gains or loses
+
+    @property
+    def dropped(self) -> int:
+        """Blocks whose last copy went, for any reason."""
+        return sum(self.dropped_by.values())
+
+    def count_dropped(self, reason: str, n: int = 1) -> None:
+        assert reason in self.dropped_by, f"unknown drop reason {reason!r}"
+        self.dropped_by[reason] += n
 
     def hit(self, blocks: Sequence[Block]) -> None:
         """Tell the tiers' policies that a lookup hit ``blocks``, a prefix of one namespace's chain.
@@ -118,13 +154,53 @@ class Placement:
         self.dram.release(block, moved=block.on_ssd and not leaving)
 
     def evict_slot(self, block: Block) -> None:
-        """Evict ``block`` from DRAM: with an SSD copy it only loses its slot, else it is dropped."""
+        """Evict ``block`` from DRAM: with an SSD copy it only loses its slot, else it is dropped
+        (counted by why it had no copy)."""
         if block.on_ssd:
             self.leave_dram_for_ssd(block)
         else:
+            self.count_dropped(self._why_uncopied(block))
             self.remove(block)
-            self.dropped += 1
         self.dram_evictions += 1
+
+    def _why_uncopied(self, block: Block) -> str:
+        if not self.ssd.enabled:
+            return "ssd_off"
+        if block.flags & WRITE_FAILED:
+            return "write_error"
+        if block.flags & SSD_DECLINED:
+            return "ssd_full"
+        return "refused"
+
+    async def wait_for_room(self, until: float) -> bool:
+        """A save found no slot: DRAM holds only blocks that may not leave now. When some wait
+        for their SSD copy (or are being written), have the write-back write at once and wait a
+        moment (at most until ``until``, the event loop's time) for it; True: try again. False
+        when waiting for the write-back cannot help (no SSD tier, nothing it would free) or the
+        time is up."""
+        loop = asyncio.get_running_loop()
+        left = until - loop.time()
+        if left <= 0 or not self.ssd.enabled or not self._writer_can_help():
+            return False
+        self.queue.waiters += 1
+        self.queue.wanted.set()
+        try:
+            # polled: a write-back round takes milliseconds to seconds, and other slots free up
+            # as leases end; an event per change would cost every one of those paths
+            await asyncio.sleep(min(left, ROOM_POLL_S))
+        finally:
+            self.queue.waiters -= 1
+        return True
+
+    def _writer_can_help(self, scan: int = 256) -> bool:
+        """Whether the write-back will free a slot: among the first ``scan`` queued blocks, one
+        is being written, or waits for its SSD copy (it may leave once it has it)."""
+        for n, block in enumerate(self.queue):
+            if n == scan:
+                return False
+            if block.flags & DEMOTING or self.dram.keeps(block):
+                return True
+        return False
 
     def leave_dram_for_ssd(self, block: Block) -> None:
         """Give up the DRAM slot of ``block`` (sealed, with an SSD copy): it stays on SSD only,
@@ -150,9 +226,10 @@ class Placement:
         """Blocks of one chain whose bytes just landed in their DRAM slots become visible."""
         if not blocks:
             return
+        now = self._clock()
         for block in blocks:
             block.flags |= SEALED
-            self.queue.add(block)
+            self.queue.add(block, now)
         self.dram.policy_for(blocks[0]).inserted(blocks)  # one chain: one namespace, one slot size
         self.events.stored(blocks, Tier.DRAM)
         self.dram.mark_pages(blocks)
@@ -162,6 +239,7 @@ class Placement:
     # -- SSD copies ---------------------------------------------------------------------------
     def ssd_written(self, block: Block, check: int) -> None:
         """``block``'s SSD copy (reserved in the SSD residency) is written."""
+        block.flags &= ~(SSD_DECLINED | WRITE_FAILED)
         self.ssd.written(block, check)
         self.events.stored((block,), Tier.SSD)
         if block.in_dram:
@@ -173,7 +251,7 @@ class Placement:
         self.ssd.dropped(block, leaving)
         self.events.removed((block,), Tier.SSD)
         if block.in_dram and block.sealed:
-            self.queue.add(block)
+            self.queue.add(block, self._clock())
 
     def drop_lost_copy(self, block: Block, why: object) -> None:
         """``block``'s SSD copy failed its checksum: drop it (counted once, however many reads
@@ -181,7 +259,7 @@ class Placement:
         if block.on_ssd:   # else an earlier failed read of this copy dropped it (and counted it)
             log.warning("dropping block %s: %s", block.key.hex()[:16], why)
             self.drop_ssd_copy(block)
-            self.dropped += 1
+            self.count_dropped("corrupt")
 
     def make_ssd_room(self, nbytes: float, progress: Progress | None = None) -> bool:
         """Evict SSD-only leaves (the SSD policy's victims) so ``nbytes`` more fit under the high
@@ -196,7 +274,7 @@ class Placement:
                 break
             self.remove(victim)  # untracks it: the next victim is another block
             self.ssd_evictions += 1
-            self.dropped += 1   # SSD-only: its last copy
+            self.count_dropped("ssd_evicted")   # SSD-only: its last copy
             evicted += 1
             if progress is not None and evicted % PROGRESS_EVERY == 0:
                 progress("restoring blocks from SSD: evicting to fit ssd.capacity", evicted, 0)

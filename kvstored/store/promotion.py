@@ -75,7 +75,7 @@ class Promotion:
         self._background.spawn(run())
 
     async def ensure_dram(self, blocks: list[Block], ready: Callable[[int], None] | None = None,
-                          wanted: Callable[[], bool] | None = None) -> int:
+                          wanted: Callable[[], bool] | None = None, room_until: float | None = None) -> int:
         """Give every block of a (pinned) prefix a valid DRAM slot, reading SSD copies as needed.
 
         Returns how many leading blocks are now readable in DRAM: fewer when the arena cannot
@@ -84,7 +84,9 @@ class Promotion:
         count returned), so that a caller can use the first blocks before the last have landed.
         Other tasks run between steps of PROMOTIONS_PER_STEP reads set up; a block found unpinned
         at its turn (its reader's lease ended meanwhile), or ``wanted()`` false at a step (a busy
-        lease doomed: it keeps its pins until its request ends), ends the prefix there.
+        lease doomed: it keeps its pins until its request ends), ends the prefix there. A block
+        without an SSD copy never gives its slot up to a promotion: with ``room_until`` (the event
+        loop's time) a promotion that finds no other slot waits for the write-back until then.
         """
         placement = self._placement
         ssd_policy = placement.ssd.policy
@@ -112,7 +114,9 @@ class Promotion:
         loop = asyncio.get_running_loop()
         set_up = 0   # reads started since the last step
         try:
-            for i, block in enumerate(blocks):
+            i = 0
+            while i < len(blocks):
+                block = blocks[i]
                 if set_up == PROMOTIONS_PER_STEP:
                     set_up = 0
                     # Let other clients' calls in: set up in one step, a long prompt's promotions
@@ -131,14 +135,24 @@ class Promotion:
                 pending = self._promoting.get(block)
                 if pending is not None:
                     waits.append((i, pending))
+                    i += 1
                     continue
                 if block.in_dram:
+                    i += 1
                     continue
                 if self._tier is None or not block.on_ssd:
                     cut = min(cut, i)
                     break
                 offset = placement.alloc(block.index.slot_bytes)
                 if offset is None:
+                    # DRAM holds only blocks that may not leave now (leased, or waiting for their
+                    # SSD copy, which a promotion never evicts): a reader waits for the write-back
+                    if room_until is not None and await placement.wait_for_room(room_until):
+                        report(i)
+                        if cut < i or (wanted is not None and not wanted()):
+                            cut = min(cut, i)
+                            break
+                        continue   # this block again: another reader may have brought it up meanwhile
                     cut = min(cut, i)
                     break
                 reuses = ssd_policy.reuses(block) or 0   # its history goes up with it
@@ -159,6 +173,7 @@ class Promotion:
                 waits.append((i, done))
                 started.append((block, done, reuses, unfolded))
                 set_up += 1
+                i += 1
         finally:   # cancelled between steps too: every slot bound here goes to the DRAM policy
             if started:
                 self._background.spawn(self._track_promoted(started))

@@ -3,6 +3,7 @@ up from SSD as needed) or, unleased, promoted in the background; and the lookups
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable, Sequence
 
@@ -49,8 +50,9 @@ class Reads:
         ``on_lease`` learns the id of the hits' lease as it is taken, before any ``prefix_up``,
         and ``prefix_up(hits, tiers, k)`` learns, while SSD reads are still running, that the first
         ``k`` hits (found in ``tiers``) are in DRAM and leased (the result names no fewer, unless
-        the lease was reaped meanwhile). Without, blocks found on a slower tier start moving to
-        DRAM in the background (prefetch)."""
+        the lease was reaped meanwhile); when DRAM has no slot to give them but blocks waiting for
+        their SSD copy, the reads wait for the write-back (up to ``dram.room_wait_s``). Without,
+        blocks found on a slower tier start moving to DRAM in the background (prefetch)."""
         leasing, placement = self._leasing, self._placement
         namespace_id = state.namespace_id
         hits = state.index.match(chain)
@@ -72,7 +74,9 @@ class Reads:
             with leasing.lookup_in_flight():
                 try:
                     up = None if prefix_up is None else functools.partial(self._prefix_up, held, prefix_up, hits, tiers)
-                    n = await self._promotion.ensure_dram(hits, up, lambda: not leasing.doomed(held.lease_id))
+                    n = await self._promotion.ensure_dram(
+                        hits, up, lambda: not leasing.doomed(held.lease_id),
+                        asyncio.get_running_loop().time() + self._config.dram.room_wait_s)
                 except BaseException:   # cancelled while blocks came up from SSD: the lease goes too
                     if leasing.live(held):
                         leasing.end(held, session, aborted=True)

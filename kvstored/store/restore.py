@@ -17,7 +17,8 @@ def restore(catalog: Catalog, placement: Placement, tier: SSDTier | None,
     Records that do not decode, whose namespace is unknown (or one this config refuses:
     blocks larger than ``dram.page_bytes``, a fast hash not allowed), whose parent is missing
     or whose length is wrong are deleted from disk and counted; payload checksums are
-    verified when a block is read, so a corrupt payload is still never served.
+    verified when a block is read, so a corrupt payload is still never served. Each block enters
+    the SSD policy with the reuse count its record kept.
     """
     if tier is None:
         return RestoreReport(0, 0, 0)
@@ -33,6 +34,7 @@ def restore(catalog: Catalog, placement: Placement, tier: SSDTier | None,
             tier.delete_raw(item[0])
             dropped += 1
     restored: list[Block] = []
+    reuses: list[int] = []
     for n, rec in enumerate(sorted(records, key=lambda r: r.depth), 1):
         if progress is not None and n % PROGRESS_EVERY == 0:
             progress("restoring blocks from SSD: indexing", n, len(records))
@@ -47,9 +49,10 @@ def restore(catalog: Catalog, placement: Placement, tier: SSDTier | None,
         block.flags = SEALED | ON_SSD
         block.pins = 0
         restored.append(block)
-    placement.ssd.restored(restored)
+        reuses.append(rec.reuses)
+    placement.ssd.restored(restored, reuses)
     placement.events.stored(restored, Tier.SSD)
-    placement.dropped += dropped
+    placement.count_dropped("unreadable", dropped)
     before = placement.ssd_evictions
     # The capacity may have been lowered since: back under it now (a minute for a million
     # blocks here, told as the other steps are, or systemd takes the start for hung)

@@ -42,6 +42,11 @@ class SsdResidency:
         self._blocks = 0
 
     @property
+    def enabled(self) -> bool:
+        """Whether there is an SSD tier."""
+        return self._tier is not None
+
+    @property
     def used_bytes(self) -> int:
         """Bytes of the copies written and of those being written."""
         return self._used
@@ -79,11 +84,12 @@ class SsdResidency:
         self._blocks += 1
         block.check = check
 
-    def restored(self, blocks: Sequence[Block]) -> None:
-        """``blocks`` (parents first, each marked ON_SSD) were found on the tier at start."""
+    def restored(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
+        """``blocks`` (parents first, each marked ON_SSD) were found on the tier at start, with
+        the reuse counts their records kept."""
         self._blocks += len(blocks)
         self._used += sum(b.index.block_bytes for b in blocks)
-        self.policy.inserted(blocks)   # parents first, as the policies expect
+        self.policy.inserted(blocks, reuses)   # parents first, as the policies expect
 
     def dropped(self, block: Block, leaving: bool) -> None:
         """``block`` loses its SSD copy (deleted from the tier); ``leaving``: the index too."""

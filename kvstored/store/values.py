@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from kvstored.index import Tier
+from kvstored.store.waits import WaitSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,8 @@ class StoreStats:
     peer_fetched_blocks: int = 0
     peer_served_blocks: int = 0
     peer_received_blocks: int = 0
+    dropped_by_reason: Mapping[str, int] = field(default_factory=dict)   # dropped_blocks by reason
+    room_waits: WaitSnapshot | None = None   # saves' waits for the write-back to make room
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,18 @@
 """Write-back: DRAM blocks without an SSD copy written down to the SSD tier, in the background
-(under ``dram.writeback_watermark``), on demand (flush) and at shutdown, with room made on the
-tier by its policy's victims."""
+(within ``ssd.max_dirty_s`` of their sealing, at once for a save waiting for room, and under
+``dram.writeback_watermark``), on demand (flush) and at shutdown, with room made on the tier by
+its policy's victims."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 from collections.abc import AsyncGenerator, Callable, Sequence
 
 from kvstored.config import Config
-from kvstored.index import DEMOTING, HIT, ON_SSD, PROMOTING, SEALED, Block
+from kvstored.index import DEMOTING, HIT, ON_SSD, PROMOTING, SEALED, SSD_DECLINED, WRITE_FAILED, Block
 from kvstored.policy.admission import admit
 from kvstored.store.background import Background
 from kvstored.store.catalog import Catalog
@@ -21,7 +24,20 @@ from kvstored_client.contract.errors import FailedPrecondition, Reason, Resource
 
 log = logging.getLogger("kvstored.store")
 
+WAITED_ROUNDS = 16     # a round written for waiting saves is this share of the arena
 _FLUSH_ROUNDS = 6000   # write-back rounds (or 10 ms waits for other write-backs) a flush takes at most
+
+
+def keep_for_ssd(config: Config, catalog: Catalog) -> Callable[[Block], bool]:
+    """The rule for a sealed DRAM block without an SSD copy: True when it must not leave DRAM
+    before it has one, that is when ``ssd.admission`` accepts it and the SSD tier has neither
+    declined it (its policy: full of blocks worth more) nor failed to write it."""
+    mode = config.ssd.admission
+
+    def keep(block: Block) -> bool:
+        return not block.flags & (SSD_DECLINED | WRITE_FAILED) and \
+            admit(mode, block.depth, bool(block.flags & HIT), catalog.get(block.index.namespace_id).spec)
+    return keep
 
 
 class WriteBack:
@@ -29,8 +45,11 @@ class WriteBack:
     background rounds back off for a second."""
 
     def __init__(self, config: Config, clock: Callable[[], float], catalog: Catalog, placement: Placement,
-                 arena: Arena, tier: SSDTier | None, background: Background) -> None:
+                 arena: Arena, tier: SSDTier | None, background: Background,
+                 keep: Callable[[Block], bool]) -> None:
+        """``keep``: the rule of :func:`keep_for_ssd` (which blocks must reach SSD)."""
         self._config = config
+        self._keep = keep
         self._clock = clock
         self._catalog = catalog
         self._placement = placement
@@ -50,20 +69,41 @@ class WriteBack:
         """The DRAM bytes without an SSD copy above which the background task writes."""
         return self._config.dram.writeback_watermark * self._placement.dram.capacity
 
-    async def loop(self, interval_s: float = 0.5) -> None:
-        """Background task: keep DRAM's blocks without an SSD copy under the watermark."""
+    def due(self) -> float:
+        """How many bytes a background round should write now: all it may when a save waits for
+        room or a block the tier takes has waited half of ``ssd.max_dirty_s`` (its write must end
+        within the window), else what exceeds the watermark (0: nothing is due)."""
         queue = self._placement.queue
+        if not len(queue):
+            return 0.0
+        if queue.waiters:
+            # a round's blocks become evictable only when all of it is written: short rounds
+            # make room for the waiting saves sooner (the writer batches them all the same)
+            return self._placement.dram.capacity / WAITED_ROUNDS
+        oldest = queue.oldest(self._keep)
+        if oldest is not None and self._clock() - oldest >= self._config.ssd.max_dirty_s / 2:
+            return math.inf
+        return max(0.0, queue.bytes - self.watermark_bytes())
+
+    async def loop(self, interval_s: float = 0.5) -> None:
+        """Background task: write what is :meth:`due`, looking at least every ``interval_s`` (and
+        every quarter of ``ssd.max_dirty_s``)."""
+        queue = self._placement.queue
+        interval_s = min(interval_s, self._config.ssd.max_dirty_s / 4)
         while True:
-            try:
-                await asyncio.wait_for(queue.wanted.wait(), interval_s)
-            except TimeoutError:
-                pass
+            # asyncio.timeout, not wait_for: on 3.11 wait_for returns the event's result when a
+            # cancel arrives as it is set (often, here), and the task would outlive its cancel
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval_s):
+                    await queue.wanted.wait()
             queue.wanted.clear()
-            limit = self.watermark_bytes()
-            if self._tier is None or self._clock() < self._backoff_until or queue.bytes <= limit:
+            if self._tier is None or self._clock() < self._backoff_until:
+                continue
+            nbytes = self.due()
+            if not nbytes:
                 continue
             try:
-                wrote = await self.write_back(queue.bytes - limit, force=False, models=None)
+                wrote = await self.write_back(nbytes, force=False, models=None)
             except Exception:  # a bug here must not stop write-back for good
                 log.exception("write-back round failed")
                 wrote = 0
@@ -105,11 +145,13 @@ class WriteBack:
             if models is not None and block.index.namespace_id not in models:
                 continue
             size = block.index.block_bytes
-            if not force and not (
-                    admit(cfg.admission, block.depth, bool(block.flags & HIT),
-                          self._catalog.get(block.index.namespace_id).spec)
-                    and ssd.policy.admit(block.key, ssd.used_bytes + total + size > room)):
-                continue
+            if not force:
+                if not admit(cfg.admission, block.depth, bool(block.flags & HIT),
+                             self._catalog.get(block.index.namespace_id).spec):
+                    continue   # ssd.admission refuses it: it may leave DRAM uncopied (keep_for_ssd)
+                if not ssd.policy.admit(block.key, ssd.used_bytes + total + size > room):
+                    block.flags |= SSD_DECLINED   # the tier is full of blocks worth more
+                    continue
             # A block is of use on SSD only under its parents: those passed over earlier (refused)
             # go down with it. Left in DRAM without a copy, they could never leave it while it is
             # in the index (only leaves leave), nor be rebuilt at restart.
@@ -125,6 +167,8 @@ class WriteBack:
                 # (its blocks stay evictable leaves first), rather than fail the round after
                 # make_ssd_room emptied the tier trying
                 too_big.update(run)
+                for b in run:
+                    b.flags |= SSD_DECLINED
                 continue
             if chosen and total + size * len(run) > batch_cap:
                 break   # this run goes first in a round of its own
@@ -162,7 +206,8 @@ class WriteBack:
             parent_key = block.parent.key if block.parent is not None else b""
             futures.append(asyncio.wrap_future(self._tier.put(
                 block.index.namespace_id, block.key, parent_key, block.depth,
-                self._arena.view(block.offset, block.index.block_bytes), block.check)))
+                self._arena.view(block.offset, block.index.block_bytes), block.check,
+                reuses=placement.dram.policy_for(block).reuses(block) or 0)))
             ssd.reserve(block.index.block_bytes)  # returned on failure
         # A task of its own: a cancelled caller (a flush past its deadline) must not leave the
         # blocks DEMOTING and pinned, nor their bytes reserved on SSD.
@@ -191,6 +236,7 @@ class WriteBack:
             if isinstance(result, BaseException):
                 self._placement.ssd.unreserve(block.index.block_bytes)
                 self.write_errors += 1
+                block.flags |= WRITE_FAILED   # it may leave DRAM uncopied; a later round tries again
                 if isinstance(result, MapFull):
                     self._placement.make_ssd_room(self._config.ssd.capacity * 0.05)
                 elif isinstance(result, SSDError):
@@ -232,6 +278,30 @@ class WriteBack:
                                     f"(SSD tier of {self._config.ssd.capacity >> 20} MiB full, or write errors: "
                                     "see kvctl stats)")
         yield FlushProgress(total, 0, done=True)
+
+    async def record_reuses(self) -> int:
+        """Shutdown: write the reuse count each reused block with an SSD copy has now into its
+        record (written with the count it had then), so that a restart's policies do not take
+        the most reused blocks for new ones; returns how many records were updated. A kill -9
+        keeps the counts of the last writes."""
+        if self._tier is None:
+            return 0
+        dram, ssd = self._placement.dram, self._placement.ssd
+        updated = 0
+        # A hit is recorded on the deepest block of its prefix and reaches the ancestors only as
+        # that block leaves (kvstored.policy.usage): each block counts the hits pending below it.
+        below: dict[Block, int] = {}
+        for block in sorted(self._catalog.blocks(), key=lambda b: -b.depth):
+            policy = dram.policy_for(block) if block.in_dram else ssd.policy
+            under = below.pop(block, 0)
+            if block.parent is not None:
+                below[block.parent] = below.get(block.parent, 0) + under + policy.pending_hits(block)
+            reuses = (policy.reuses(block) or 0) + under
+            if reuses and block.on_ssd:
+                self._tier.set_reuses(block.index.namespace_id, block.key, reuses)
+                updated += 1
+        await asyncio.wrap_future(self._tier.barrier())
+        return updated
 
     async def for_shutdown(self) -> int:
         """Shutdown: write DRAM blocks without an SSD copy to SSD (as the background rounds would,

@@ -23,6 +23,7 @@ and reports a mismatch, never returns it. A full disk is an error (``SSDError``)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -44,15 +45,17 @@ from kvstored.tiers.slot_files import ALIGN, SlotFile
 
 log = logging.getLogger("kvstored.ssd")
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3   # 3: the block's reuse count after the parent hash (2 has none: read as 0)
 # Reads of consecutive slots queued together are merged into one preadv up to this many bytes:
 # for small blocks a read's thread hand-offs and GIL waits cost more than the read (64 KiB blocks
 # came up at half the speed); a 2 MiB block is read alone.
 MERGE_BYTES = 1 << 20
 PROGRESS_EVERY = 4096   # records between progress reports of a long scan
 Progress = Callable[[str, int, int], None]   # (what, done, total or 0 when not known)
-# version, namespace id, depth, length, checksum, slot, parent length, then the parent hash
+# version, namespace id, depth, length, checksum, slot, parent length, then the parent hash, then
+# (version 3) the reuse count
 _META = struct.Struct(">HQIQQQB")
+_REUSES = struct.Struct(">I")
 
 
 class SSDError(Exception):
@@ -111,6 +114,7 @@ class BlockRecord:
     length: int
     checksum: int
     slot: int = 0
+    reuses: int = 0       # how often the block had been reused when its record was last written
 
 
 def checksum(data: memoryview | bytes | np.ndarray) -> int:
@@ -123,27 +127,34 @@ def db_key(namespace_id: int, key: bytes) -> bytes:
 
 def encode_meta(rec: BlockRecord) -> bytes:
     return _META.pack(FORMAT_VERSION, rec.namespace_id, rec.depth, rec.length, rec.checksum, rec.slot,
-                      len(rec.parent)) + rec.parent
+                      len(rec.parent)) + rec.parent + _REUSES.pack(min(rec.reuses, 0xFFFFFFFF))
 
 
 def decode_meta(raw: bytes, key: bytes) -> BlockRecord:
+    """A ``meta`` record of this format or of version 2 (written before reuse counts: 0 reuses)."""
     try:
         version, ns, depth, length, check, slot, plen = _META.unpack_from(raw)
     except struct.error:
         raise Corrupt("meta record truncated") from None
-    if version != FORMAT_VERSION:
+    if version not in (2, FORMAT_VERSION):
         raise Corrupt(f"unknown format version {version}")
-    parent = bytes(raw[_META.size:_META.size + plen])
+    end = _META.size + plen
+    parent = bytes(raw[_META.size:end])
+    reuses = 0
+    if version >= 3:
+        if len(raw) < end + _REUSES.size:
+            raise Corrupt("meta record truncated")
+        (reuses,) = _REUSES.unpack_from(raw, end)
     if len(parent) != plen or int.from_bytes(key[:8], "big") != ns:
         raise Corrupt("meta record does not match its key")
-    return BlockRecord(ns, bytes(key[8:]), parent, depth, length, check, slot)
+    return BlockRecord(ns, bytes(key[8:]), parent, depth, length, check, slot, reuses)
 
 
 @dataclass(slots=True)
 class _Op:
-    kind: str                       # "put" | "delete" | "namespace" | "barrier"
+    kind: str                       # "put" | "delete" | "namespace" | "barrier" | "reuses"
     key: bytes
-    meta: bytes                     # "namespace": the spec; "put": filled in by the writer
+    meta: bytes                     # "namespace": the spec; "put": filled in by the writer; "reuses": the count
     payload: np.ndarray | None      # "put": the block's bytes
     done: Future[Any]               # "put": its checksum; the others: None
     record: BlockRecord | None = None   # "put": its checksum is the caller's (0: not known)
@@ -275,19 +286,20 @@ class SSDTier:
 
     # -- writes (one thread owns every write) ------------------------------------------------
     def put(self, namespace_id: int, key: bytes, parent: bytes, depth: int, payload: np.ndarray,
-            known_checksum: int | None = None) -> Future[int]:
+            known_checksum: int | None = None, reuses: int = 0) -> Future[int]:
         """Queue a block write; the future gives the payload's xxh3-64 checksum (as stored) once
         the block is on disk, or fails with SSDError. ``known_checksum``: the payload's checksum
         when the caller has it, stored as given (a wrong one makes every read of the block fail
         its check); otherwise it is computed while the batch is written. ``payload`` must stay
         valid and unchanged until the future is done; a put cancelled before the writer takes it
-        is not written (once taken, it can no longer be cancelled)."""
+        is not written (once taken, it can no longer be cancelled). ``reuses``: how often the block
+        has been reused, kept with its record for the policies after a restart."""
         fut: Future[int] = Future()
         check: Future[int] | None = None
         if known_checksum is not None:
             check = Future()
             check.set_result(known_checksum)
-        rec = BlockRecord(namespace_id, key, parent, depth, int(payload.nbytes), 0)
+        rec = BlockRecord(namespace_id, key, parent, depth, int(payload.nbytes), 0, reuses=reuses)
         self._ops.put(_Op("put", db_key(namespace_id, key), b"", payload, fut, rec, check))
         return fut
 
@@ -298,6 +310,12 @@ class SSDTier:
         """Delete by database key (namespace id ‖ hash), also for records that do not decode."""
         fut: Future[None] = Future()
         self._ops.put(_Op("delete", key, b"", None, fut))
+        return fut
+
+    def set_reuses(self, namespace_id: int, key: bytes, reuses: int) -> Future[None]:
+        """Queue a new reuse count for a stored block's record (nothing when it has none)."""
+        fut: Future[None] = Future()
+        self._ops.put(_Op("reuses", db_key(namespace_id, key), _REUSES.pack(min(reuses, 0xFFFFFFFF)), None, fut))
         return fut
 
     def put_namespace(self, namespace_id: int, spec_json: bytes) -> Future[None]:
@@ -389,7 +407,7 @@ class SSDTier:
             try:
                 assert op.check is not None, "a put without its checksum"
                 op.meta = encode_meta(BlockRecord(rec.namespace_id, rec.key, rec.parent, rec.depth, rec.length,
-                                                  op.check.result(), slot))
+                                                  op.check.result(), slot, rec.reuses))
             except BaseException:
                 self._give_back(written)
                 raise
@@ -451,6 +469,14 @@ class SSDTier:
             for op in batch:
                 if op.kind == "namespace":
                     txn.put(op.key, op.meta, db=self._namespaces)
+                    continue
+                if op.kind == "reuses":
+                    raw = txn.get(op.key, db=self._meta)
+                    if raw is not None:   # else deleted meanwhile
+                        with contextlib.suppress(Corrupt):   # a read of it reports it
+                            rec = decode_meta(bytes(raw), op.key)
+                            (reuses,) = _REUSES.unpack(op.meta)
+                            txn.put(op.key, encode_meta(dataclasses.replace(rec, reuses=reuses)), db=self._meta)
                     continue
                 if op.kind == "delete":
                     old = txn.pop(op.key, db=self._meta)

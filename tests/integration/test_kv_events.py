@@ -98,17 +98,17 @@ def test_a_daemon_publishes_what_it_stores_and_drops_in_vllm_format(tmp_path: Pa
         hashes = kvstored.block_hashes(tokens)
         client.save(tokens, np.ones((5, BLOCK), np.uint8))
         got = data_events(consumer.frames(1.0))
-        stored = [(t, e) for t, _, e in got if isinstance(e, BlockStored)]
-        assert len(stored) == 1
+        stored = [(t, e) for t, _, e in got if isinstance(e, BlockStored) and e.medium == "CPU"]
+        assert len(stored) == 1   # one chain saved: one event
         topic, event = stored[0]
         assert topic == "kv@n1@m-events"
         assert isinstance(event, BlockStored)
         assert event.block_hashes == tuple(int.from_bytes(h[-8:], "big") for h in hashes)
-        assert event.parent_block_hash is None and event.medium == "CPU" and event.block_size == 16
+        assert event.parent_block_hash is None and event.block_size == 16
         seqs = [s for _, s, _ in got]
         assert {epoch_of(s) for s in seqs} == {hb["epoch"]}
-        assert client.flush() == 5
-        got = data_events(consumer.frames(1.0))
+        client.flush()   # (the write-back may have written some already)
+        got += data_events(consumer.frames(1.0))
         disk = [e for _, _, e in got if isinstance(e, BlockStored) and e.medium == "DISK"]
         assert sorted(h for e in disk for h in e.block_hashes) == sorted(event.block_hashes)
         assert client.evict(tier="dram") == 5

@@ -279,7 +279,9 @@ def _stats(blocks: int, evictions: int) -> dict[str, Any]:
     tier = {"capacity_bytes": 3 << 40, "used_bytes": 1 << 40, "blocks": blocks, "evictions": evictions,
             "write_errors": 123456, "read_errors": 654321}
     return {"version": kvstored.__version__, "uptime_s": 1e6,
-            "tiers": [{"name": "dram", **tier}, {"name": "ssd", **tier}], **dict.fromkeys(COUNTERS, 7)}
+            "tiers": [{"name": "dram", **tier}, {"name": "ssd", **tier}], **dict.fromkeys(COUNTERS, 7),
+            "dropped_blocks_by_reason": {"refused": 5, "write_error": 2, "ssd_full": 0},
+            "room_waits": 31, "room_wait_seconds": 1.25}
 
 
 @pytest.mark.parametrize("width", [80, 120])
@@ -293,8 +295,10 @@ def test_stats_counters_are_never_cut_to_fit_the_terminal(width: int) -> None:
     assert "…" not in text, text
     for value in ("123456789", "9876543210", "123456", "654321", "3.0 TiB", "1.0 TiB", "33.3"):
         assert value in text, (value, text)
-    for name in ("evictions", "write errors", "read errors", "dram", "ssd"):
+    for name in ("evictions", "write errors", "read errors", "dram", "ssd", "dropped: refused",
+                 "dropped: write_error", "waited for room"):
         assert name in text, (name, text)
+    assert "ssd_full" not in text, "a reason nothing was dropped for is not listed"
     assert max(len(line) for line in text.splitlines()) <= width
 
 

@@ -306,7 +306,8 @@ def test_disk_full_keeps_serving_and_recovers(tmp_path: Path) -> None:
         subprocess.run(["umount", "-l", str(mnt)])
 
 
-def test_kvctl_evict_and_flush(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_kvctl_evict_and_flush(daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    daemon = daemon_factory("--set", "ssd.max_dirty_s=3600")   # nothing written before the flush
     with kvstored.Client(daemon.socket) as c:
         for i in range(3):
             c.save(prompt(i), content(prompt(i)), namespace=kvstored.Namespace(model="a"))
@@ -338,7 +339,8 @@ def test_a_flush_longer_than_the_client_timeout_completes_and_shows_progress(dae
     with DeadlineExceeded, and showed nothing meanwhile. Flushing now streams progress; the
     client gives up only after a silence."""
     d = daemon_factory("--dram-capacity", "256MiB", "--ssd-capacity", "512MiB",
-                       "--set", "dram.writeback_watermark=1.0")   # nothing written before the flush
+                       "--set", "dram.writeback_watermark=1.0",   # nothing written before the flush
+                       "--set", "ssd.max_dirty_s=3600")
     with kvstored.Client(d.socket) as c:
         for i in range(60):                       # 960 blocks of 256 KiB: 240 MiB
             c.save(prompt(i), content(prompt(i)))

@@ -28,6 +28,7 @@ OPTIONS = {
                 "--skip-throughput", "--skip-ttfb", "--out"],
     "tiering": ["--tokens", "--runs", "--out"],
     "gpu": [],
+    "burst": ["--dram-mib", "--ssd-mib", "--block-kib", "--blocks", "--seconds", "--clients", "--admission", "--dir"],
 }
 
 
@@ -142,6 +143,18 @@ def test_tiering_serves_a_prompt_from_each_tier_and_prints_the_break_even(tmp_pa
     assert len(rows["64"]) == 4 and set(rows["llama-3-8b"]) <= {"never"} | {str(i) for i in range(1 << 20)}
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["median"]) == {"fresh", "dram", "ssd", "peer"}
+
+
+def test_burst_saves_past_dram_drops_nothing_and_measures_a_kill(tmp_path: Path) -> None:
+    """Saves into a DRAM tier smaller than them, an SSD tier with room: nothing dropped, and after
+    the kill -9 the saved prompts come back with their bytes (but for the durability window)."""
+    out = bench("burst", "--seconds", "2", "--dram-mib", "32", "--ssd-mib", "512", "--blocks", "8",
+                "--block-kib", "64", "--dir", str(tmp_path)).stdout
+    rows = table_rows(out)
+    assert rows["blocks dropped"][0].startswith("0 "), out
+    assert "bytes intact" in rows["after kill -9 and restart"][0], out
+    assert {"disk, direct sequential write", "saves", "saves that waited for room", "lost"} <= set(rows), out
+    assert list(tmp_path.iterdir()) == [], "the daemon's files were left behind"
 
 
 def test_gpu_without_a_device_says_so() -> None:

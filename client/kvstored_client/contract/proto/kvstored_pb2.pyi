@@ -533,7 +533,14 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., write_errors: _Optional[int] = ..., read_errors: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "saved_blocks", "active_leases", "clients", "namespaces", "index_blocks", "promotions", "demotions", "dropped_blocks", "peer_fetched_blocks", "peer_served_blocks", "peer_pushed_blocks", "peer_received_blocks", "peer_failures")
+    __slots__ = ("version", "uptime_s", "tiers", "lookups", "lookup_blocks", "hit_blocks", "hit_tokens", "saved_blocks", "active_leases", "clients", "namespaces", "index_blocks", "promotions", "demotions", "dropped_blocks", "peer_fetched_blocks", "peer_served_blocks", "peer_pushed_blocks", "peer_received_blocks", "peer_failures", "dropped_blocks_by_reason", "room_waits", "room_wait_seconds")
+    class DroppedBlocksByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -554,6 +561,9 @@ class StatsResponse(_message.Message):
     PEER_PUSHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEER_RECEIVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEER_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BLOCKS_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    ROOM_WAITS_FIELD_NUMBER: _ClassVar[int]
+    ROOM_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -574,4 +584,7 @@ class StatsResponse(_message.Message):
     peer_pushed_blocks: int
     peer_received_blocks: int
     peer_failures: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., saved_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., clients: _Optional[int] = ..., namespaces: _Optional[int] = ..., index_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., peer_fetched_blocks: _Optional[int] = ..., peer_served_blocks: _Optional[int] = ..., peer_pushed_blocks: _Optional[int] = ..., peer_received_blocks: _Optional[int] = ..., peer_failures: _Optional[int] = ...) -> None: ...
+    dropped_blocks_by_reason: _containers.ScalarMap[str, int]
+    room_waits: int
+    room_wait_seconds: float
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., saved_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., clients: _Optional[int] = ..., namespaces: _Optional[int] = ..., index_blocks: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., dropped_blocks: _Optional[int] = ..., peer_fetched_blocks: _Optional[int] = ..., peer_served_blocks: _Optional[int] = ..., peer_pushed_blocks: _Optional[int] = ..., peer_received_blocks: _Optional[int] = ..., peer_failures: _Optional[int] = ..., dropped_blocks_by_reason: _Optional[_Mapping[str, int]] = ..., room_waits: _Optional[int] = ..., room_wait_seconds: _Optional[float] = ...) -> None: ...

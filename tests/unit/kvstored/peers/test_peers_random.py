@@ -39,7 +39,7 @@ if __name__ == "__main__":   # run as a script: find the tests' helpers as pytes
 from clock import Clock
 from loopback import free_ports
 from random_model import Broken, ClientSession, Tracked, payload, sweep, under_ssd
-from store_harness import exchange, streamer
+from store_harness import ROOM_WAIT_S, exchange, streamer
 
 from kvstored import config
 from kvstored.buffers import TensorSource
@@ -116,7 +116,8 @@ class Fuzz:
         for name, port in zip(names, ports):
             cfg = config.build({
                 "dram": {"capacity": rng.choice((2, 3)) * PAGE, "page_bytes": PAGE, "prefault": False,
-                         "policy": rng.choice(POLICIES), "writeback_watermark": rng.choice((0.25, 0.5))},
+                         "policy": rng.choice(POLICIES), "writeback_watermark": rng.choice((0.25, 0.5)),
+                         "room_wait_s": ROOM_WAIT_S},
                 "ssd": {"enabled": True, "capacity": rng.choice((8, 12, 16)) * SIZES[0],
                         "policy": rng.choice(POLICIES), "high_watermark": 0.95, "low_watermark": 0.5,
                         "sync": False, "admission": rng.choice(("always", "always", "hit_before"))},

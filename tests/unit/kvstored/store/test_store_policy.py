@@ -494,7 +494,7 @@ def test_ssd_admission_refusing_a_parent_does_not_strand_it_in_dram(tmp_path: Pa
     admitted from depth 1800, i.e. 28.8k tokens in), so write-back stores the tail of a long
     prompt on SSD and never its head (store.py _write_back: a refused block does not end the
     chain, unlike BlockPolicy.admit's contract). The head then has no SSD copy and children in
-    the index, so _dram_can_evict refuses it for as long as the tail stays on SSD: long prompts
+    the index, so DramResidency.can_evict refuses it for as long as the tail stays on SSD: long prompts
     fill DRAM with blocks nothing can evict, and saves store less and less (then fail)."""
     from kvstored.policy import cost
     # the cost model's depth threshold, scaled down from 1800 blocks to 1
@@ -517,7 +517,7 @@ def test_a_hit_on_a_prefix_that_starts_on_ssd_and_ends_in_dram_reaches_the_polic
     ancestors. It is not: a peer's checkout brings one deep block up alone (and a stream's
     _drop_clean_slots frees the head of a chain first). A lookup of A, B (SSD only), C (DRAM)
     then reaches neither policy, and C is evicted as if it had not just been read."""
-    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=64) as (store, _):
+    with make_store(tmp_path, dram="lru", ssd="lru", ssd_blocks=64, admission="never") as (store, _):
         s = store.open_session("t", 1).session_id
         ns = store.open_namespace(Namespace()).namespace_id
         abc = chain(3)
@@ -980,7 +980,7 @@ def test_a_block_reused_in_dram_keeps_its_reuses_on_ssd(tmp_path: Path, policy: 
 def test_a_block_hit_on_ssd_keeps_the_hit_when_it_comes_up_to_dram(tmp_path: Path, policy: str) -> None:
     """Was: the lookup that found a block on SSD recorded its hit in the SSD policy, which let the
     block go as it came up; DRAM tracked it as never hit and a burst of saves evicted it first."""
-    with make_store(tmp_path, dram=policy, ssd=policy, ssd_blocks=64) as (store, clock):
+    with make_store(tmp_path, dram=policy, ssd=policy, ssd_blocks=64, admission="never") as (store, clock):
         s = store.open_session("t", 1).session_id
         state = store.open_namespace(Namespace())
         ns = state.namespace_id

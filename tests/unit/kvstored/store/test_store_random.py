@@ -32,7 +32,7 @@ if __name__ == "__main__":   # run as a script: find the tests' helpers as pytes
 
 from clock import Clock
 from random_model import Broken, ClientSession, Tracked, payload, sweep, under_ssd
-from store_harness import exchange, streamer
+from store_harness import ROOM_WAIT_S, exchange, streamer
 
 from kvstored import config
 from kvstored.buffers import TensorSource
@@ -67,7 +67,8 @@ class Fuzz:
         rng = self.rng
         self.cfg = config.build({
             "dram": {"capacity": rng.choice((2, 3)) * PAGE, "page_bytes": PAGE, "prefault": False,
-                     "policy": rng.choice(POLICIES), "writeback_watermark": rng.choice((0.25, 0.5))},
+                     "policy": rng.choice(POLICIES), "writeback_watermark": rng.choice((0.25, 0.5)),
+                     "room_wait_s": ROOM_WAIT_S},
             "ssd": {"enabled": True, "capacity": rng.choice((8, 12, 16)) * SIZES[0], "policy": rng.choice(POLICIES),
                     "high_watermark": 0.95, "low_watermark": 0.5, "sync": False,
                     "admission": rng.choice(("always", "always", "hit_before"))},
@@ -129,10 +130,10 @@ class Fuzz:
             fut.set_exception(exc)
             return fut
 
-        def faulty_put(*args: Any) -> Future[None]:
+        def faulty_put(*args: Any, **kwargs: Any) -> Future[None]:
             if self.faults.random() < self.fault_rate:
                 return failed(self.faults.choice((SSDError("injected write error"), MapFull("injected"))))
-            return put(*args)
+            return put(*args, **kwargs)
 
         def faulty_read(*args: Any) -> Future[None]:
             if self.faults.random() < self.fault_rate:
