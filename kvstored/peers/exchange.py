@@ -38,13 +38,13 @@ class PeerLanding:
         changed while they arrived (the slot is freed; nothing is stored)."""
         assert not self.done, "a landing is committed or aborted once"
         self.done = True
-        return self.exchange._landed(self, True, checksum)
+        return self.exchange.finish_landing(self, True, checksum)
 
     def abort(self) -> None:
         """The bytes did not arrive or failed their checksum: free the slot."""
         assert not self.done, "a landing is committed or aborted once"
         self.done = True
-        self.exchange._landed(self, False)
+        self.exchange.finish_landing(self, False)
 
 
 class PeerExchange:
@@ -217,9 +217,10 @@ class PeerExchange:
             return None
         return PeerLanding(self, state, above, key, offset, self._arena.view(offset, length).data)
 
-    def _landed(self, landing: PeerLanding, verified: bool, checksum: int | None = None) -> bool:
-        """Finish a landing: ``verified``, the block joins the index, sealed (keeping ``checksum``);
-        otherwise, or when the chain changed meanwhile, its slot is freed."""
+    def finish_landing(self, landing: PeerLanding, verified: bool, checksum: int | None = None) -> bool:
+        """Finish a landing (its ``commit`` or ``abort``, exactly once): ``verified``, the block joins
+        the index, sealed (keeping ``checksum``); otherwise, or when the chain changed meanwhile,
+        its slot is freed."""
         state, above = landing.state, landing.parent
         placement = self._placement
         if above is not None:

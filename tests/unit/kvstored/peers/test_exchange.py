@@ -13,13 +13,10 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from store_harness import chain, exchange, streamer
+from store_harness import chain, exchange, open_store, streamer
 
-from kvstored import config
-from kvstored.copy import CopyEngine
 from kvstored.index import SEALED, PrefixIndex
 from kvstored.store import BlockStore, KeyRequest
-from kvstored.tiers.dram import Arena
 from kvstored_client.contract.errors import NotFound
 from kvstored_client.contract.namespace import Namespace
 
@@ -31,14 +28,11 @@ NS = Namespace(model="m", block_bytes=BLOCK)
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[BlockStore]:
     # LRU: these tests are about pins and structure; with the default credit policy and a frozen
-    # clock, a block once served to a peer would outlive every newcomer by design.
-    cfg = config.build({"dram": {"capacity": SLOTS * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
-                                 "policy": "lru"}})
-    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
-    copy = CopyEngine(arena)
-    yield BlockStore(cfg, arena, copy, clock=lambda: 1000.0)   # fixed: stats compare equal
-    copy.close()
-    arena.close()
+    # clock (the harness's, never moved here: stats compare equal), a block once served to a peer
+    # would outlive every newcomer by design.
+    with open_store(tmp_path, {"dram": {"capacity": SLOTS * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
+                                        "policy": "lru"}}) as (made, _):
+        yield made
 
 
 def payload(i: int, size: int = BLOCK) -> memoryview:
@@ -324,18 +318,12 @@ def test_learn_namespace_describes_what_another_store_sends(store: BlockStore, t
     """The description one store gives (namespace_description) is what another learns from."""
     ns = store.open_namespace(NS).namespace_id
     text = exchange(store).describe_namespace(ns)
-    cfg = config.build({"dram": {"capacity": SLOTS * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False}})
     (tmp_path / "b").mkdir()
-    arena = Arena(str(tmp_path / "b"), cfg.dram.capacity, prefault=False)
-    copy = CopyEngine(arena)
-    try:
-        other = BlockStore(cfg, arena, copy, clock=lambda: 1000.0)
+    with open_store(tmp_path / "b", {"dram": {"capacity": SLOTS * BLOCK, "page_bytes": 4 * BLOCK,
+                                              "prefault": False}}) as (other, _):
         assert exchange(other).learn_namespace(ns, text) == ""
         assert exchange(other).describe_namespace(ns) == text
         assert exchange(other).adopt(ns, b"", chain(1)[0], payload(0)) is True
-    finally:
-        copy.close()
-        arena.close()
 
 
 @pytest.mark.parametrize("body", [b"", b"not json", b"[1, 2]", b'{"model": "m", "colour": "blue"}',

@@ -11,13 +11,11 @@ from typing import Any
 
 import pytest
 from clock import Clock
-from store_harness import ROOM_WAIT_S, chain, exchange, streamer
+from store_harness import chain, exchange, open_store, streamer
 
-from kvstored import config
 from kvstored.copy import CopyEngine
 from kvstored.peers.chain_streams import Fetched
 from kvstored.store import BlockStore, KeyRequest
-from kvstored.tiers.dram import Arena
 from kvstored_client.contract.errors import KVStoreError
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.namespace import Namespace
@@ -39,15 +37,10 @@ def _engine_buffers(store: BlockStore, session_id: str, ns: int):  # type: ignor
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[tuple[BlockStore, Clock]]:
-    cfg = config.build({"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
-                                 "policy": "lru"},
-                        "leases": {"ttl_s": 10.0, "reservation_ttl_s": 20.0}})
-    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
-    copy = CopyEngine(arena)
-    clock = Clock()
-    yield BlockStore(cfg, arena, copy, clock=clock), clock
-    copy.close()
-    arena.close()
+    with open_store(tmp_path, {"dram": {"capacity": 8 * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
+                                        "policy": "lru"},
+                               "leases": {"ttl_s": 10.0, "reservation_ttl_s": 20.0}}) as made:
+        yield made
 
 
 def test_an_arena_stream_longer_than_the_ttl_still_hands_over_a_live_lease(env: tuple[BlockStore, Clock]) -> None:
@@ -97,22 +90,12 @@ def _corrupt_on_disk(store: BlockStore, ns: int, key: bytes) -> None:
 def _store_over_ssd(tmp_path: Path, dram_blocks: int = 8,
                     admission: str = "always") -> Iterator[tuple[BlockStore, Clock, CopyEngine]]:
     """A store of ``dram_blocks`` DRAM blocks (pages of 4) over an SSD tier of 64, both LRU."""
-    from kvstored.tiers.ssd import SSDTier
-    cfg = config.build({"dram": {"capacity": dram_blocks * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False,
-                                 "policy": "lru", "room_wait_s": ROOM_WAIT_S},
-                        "ssd": {"enabled": True, "capacity": 64 * BLOCK, "policy": "lru",
-                                "high_watermark": 0.95, "low_watermark": 0.5, "sync": False,
-                                "admission": admission}})
-    arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
-    copy = CopyEngine(arena)
-    tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False)
-    clock = Clock()
-    try:
-        yield BlockStore(cfg, arena, copy, tier, clock=clock), clock, copy
-    finally:
-        tier.close()
-        copy.close()
-        arena.close()
+    values: dict[str, dict[str, object]] = {
+        "dram": {"capacity": dram_blocks * BLOCK, "page_bytes": 4 * BLOCK, "prefault": False, "policy": "lru"},
+        "ssd": {"enabled": True, "capacity": 64 * BLOCK, "policy": "lru", "high_watermark": 0.95,
+                "low_watermark": 0.5, "sync": False, "admission": admission}}
+    with open_store(tmp_path, values, ssd=True) as (store, clock):
+        yield store, clock, store.copy
 
 
 @pytest.fixture
