@@ -112,6 +112,41 @@ class PeersConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class EventsConfig:
+    enabled: bool = False            # publish KV events (vLLM's format) over ZMQ
+    endpoint: str = "tcp://127.0.0.1:5557"          # PUB socket the daemon binds (tcp:// or ipc://)
+    replay_endpoint: str = "tcp://127.0.0.1:5558"   # ROUTER socket: replay from a seq, snapshots; "" = none
+    topic: str = "kv@{node}@{model}"                # per namespace's model (llm-d's form)
+    heartbeat_topic: str = "kvstored-heartbeat@{node}"
+    hash_format: str = "int64"       # int64 (a key's last 8 bytes, as vLLM sends by default) | bytes
+    buffer_steps: int = 10000        # batches kept for replay
+    hwm: int = 100000                # PUB high-water mark: messages queued per subscriber
+    queue_batches: int = 10000       # batches waiting for the sender thread; past it they are dropped
+    heartbeat_s: float = 1.0
+    node_id: str = ""                # "" = peers.node_id, else the host name
+    insecure: bool = False           # allow a non-loopback tcp:// endpoint (events name every cached prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """The router process's section (``kvstored-router`` reads the same file; the daemon ignores it)."""
+
+    listen: str = "127.0.0.1:8300"   # HTTP API (POST /v1/route, /v1/report; GET /v1/nodes)
+    grpc: str = ""                   # gRPC: kvstored.v1.Router and llm-d's indexer.v1.IndexerService; "" = off
+    sources: tuple[str, ...] = ()    # daemons' events: "node=PUB_ENDPOINT[,REPLAY_ENDPOINT]" each
+    engines: tuple[str, ...] = ()    # vLLM engines' own events (the GPU tier), the same form
+    engine_model: str = "default"    # the namespace of the engines' events: its model ...
+    engine_block_size: int = 16      # ... and tokens per block (other fields at their defaults)
+    heartbeat_timeout_s: float = 3.0   # a daemon silent this long is dropped from the index
+    etcd: str = ""                   # membership: a node whose lease expires is dropped; "" = peers.etcd
+    prefill_flops_per_s: float = 4.0e14   # prefill speed until engines report measured prefills
+    decode_s: float = 0.02           # decode time of a first block
+    peer_bytes_per_s: float = 5.0e9  # the peer link, for "route to X, let X pull from Y"
+    spread: float = 0.05             # candidates within this share of the best TTFT are near-equal
+    insecure: bool = False           # allow a non-loopback listen / grpc address (the API has no auth)
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     level: str = "info"
 
@@ -124,6 +159,8 @@ class Config:
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     keys: KeysConfig = field(default_factory=KeysConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     @property
@@ -244,7 +281,8 @@ def _coerce(section: str, key: str, value: Any, default: Any) -> Any:
     raise AssertionError(f"no coercion for {name}")
 
 
-def _validate(cfg: Config) -> None:
+def validate(cfg: Config) -> None:
+    """Raise ConfigError naming the first invalid key of ``cfg``."""
     checks: list[tuple[bool, str]] = [
         (cfg.dram.capacity > 0, "dram.capacity: must be positive"),
         (cfg.dram.page_bytes >= 4096 and cfg.dram.page_bytes % 4096 == 0,
@@ -321,6 +359,7 @@ def _validate(cfg: Config) -> None:
                        f"peers.static: expected node_id=host:port with a port in 1..65535, got {entry!r}"))
         checks.append((node not in seen, f"peers.static: node id {node!r} is listed more than once"))
         seen.add(node)
+    checks += _events_checks(cfg.events) + _router_checks(cfg.router)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -328,6 +367,90 @@ def _validate(cfg: Config) -> None:
     if cfg.server.tcp and not cfg.server.insecure and not is_loopback(host):
         raise ConfigError(f"server.tcp: {cfg.server.tcp} is not a loopback address and the API has no "
                           "authentication yet; set server.insecure = true to accept that explicitly")
+
+
+HASH_FORMATS = ("int64", "bytes")
+
+
+def zmq_endpoint_ok(endpoint: str, insecure: bool) -> str:
+    """Why ``endpoint`` cannot be bound as an events socket ("" when it can): ``ipc://PATH`` or
+    ``tcp://HOST:PORT``, HOST loopback unless ``insecure``."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc") or not rest:
+        return f"expected tcp://HOST:PORT or ipc://PATH, got {endpoint!r}"
+    if scheme == "ipc":
+        return ""
+    if not _port_ok(rest.replace("*", "0.0.0.0"), zero=False):
+        return f"expected tcp://HOST:PORT with a port in 1..65535, got {endpoint!r}"
+    host = rest.rpartition(":")[0].strip("[]")
+    if not insecure and (host == "*" or not is_loopback(host)):
+        return (f"{endpoint} is not a loopback address and events name every cached prefix; "
+                "set events.insecure = true to accept that explicitly")
+    return ""
+
+
+def _events_checks(e: EventsConfig) -> list[tuple[bool, str]]:
+    checks = [
+        (e.hash_format in HASH_FORMATS, f"events.hash_format: must be one of {', '.join(HASH_FORMATS)}"),
+        (e.buffer_steps >= 1, "events.buffer_steps: must be at least 1"),
+        (e.hwm >= 1, "events.hwm: must be at least 1"),
+        (e.queue_batches >= 1, "events.queue_batches: must be at least 1"),
+        (e.heartbeat_s > 0, "events.heartbeat_s: must be positive"),
+        ("@" not in e.node_id and "/" not in e.node_id, "events.node_id: must not contain '@' or '/'"),
+    ]
+    if e.enabled:
+        why = zmq_endpoint_ok(e.endpoint, e.insecure)
+        checks.append((not why, f"events.endpoint: {why}"))
+        why = zmq_endpoint_ok(e.replay_endpoint, e.insecure) if e.replay_endpoint else ""
+        checks.append((not why, f"events.replay_endpoint: {why}"))
+        checks.append((e.endpoint != e.replay_endpoint, "events.replay_endpoint: must differ from events.endpoint"))
+    return checks
+
+
+def parse_source(entry: str) -> tuple[str, str, str]:
+    """``node=PUB[,REPLAY]`` -> (node, pub endpoint, replay endpoint or ""); ValueError naming
+    what is wrong."""
+    node, sep, rest = entry.partition("=")
+    endpoints = [e.strip() for e in rest.split(",")]
+    if not sep or not node or "/" in node or len(endpoints) > 2 or not endpoints[0]:
+        raise ValueError(f"expected node=PUB_ENDPOINT[,REPLAY_ENDPOINT], got {entry!r}")
+    for endpoint in endpoints:
+        scheme, sep, addr = endpoint.partition("://")
+        if scheme not in ("tcp", "ipc") or not sep or not addr:
+            raise ValueError(f"expected tcp:// or ipc:// endpoints, got {endpoint!r} in {entry!r}")
+    return node.strip(), endpoints[0], endpoints[1] if len(endpoints) > 1 else ""
+
+
+def _router_checks(r: RouterConfig) -> list[tuple[bool, str]]:
+    checks = [
+        (r.heartbeat_timeout_s > 0, "router.heartbeat_timeout_s: must be positive"),
+        (r.prefill_flops_per_s > 0, "router.prefill_flops_per_s: must be positive"),
+        (r.decode_s >= 0, "router.decode_s: must not be negative"),
+        (r.peer_bytes_per_s > 0, "router.peer_bytes_per_s: must be positive"),
+        (0 <= r.spread <= 1, "router.spread: must be in 0..1"),
+        (1 <= r.engine_block_size <= 4096, "router.engine_block_size: must be in 1..4096"),
+        (bool(r.engine_model), "router.engine_model: must not be empty"),
+        (_port_ok(r.listen, zero=True), "router.listen: expected host:port with a port in 0..65535"),
+        (r.grpc == "" or _port_ok(r.grpc, zero=True), "router.grpc: expected host:port with a port in 0..65535"),
+        (r.etcd == "" or _port_ok(r.etcd.split("://", 1)[-1].rstrip("/")),
+         "router.etcd: expected host:port with a port in 1..65535"),
+    ]
+    for name in ("listen", "grpc"):
+        address = getattr(r, name)
+        host = address.rpartition(":")[0].strip("[]")
+        checks.append((not address or r.insecure or is_loopback(host),
+                       f"router.{name}: {address} is not a loopback address and the router's API has no "
+                       "authentication; set router.insecure = true to accept that explicitly"))
+    for key in ("sources", "engines"):
+        nodes: list[str] = []
+        for entry in getattr(r, key):
+            try:
+                nodes.append(parse_source(entry)[0])
+            except ValueError as exc:
+                checks.append((False, f"router.{key}: {exc}"))
+        dup = sorted({n for n in nodes if nodes.count(n) > 1})
+        checks.append((not dup, f"router.{key}: node(s) listed twice: {', '.join(dup)}"))
+    return checks
 
 
 def build(values: dict[str, Any]) -> Config:
@@ -348,7 +471,7 @@ def build(values: dict[str, Any]) -> Config:
             fields[key] = _coerce(section, key, value, fields[key])
         sections[section] = type(current)(**fields)
     cfg = dataclasses.replace(defaults, **sections)
-    _validate(cfg)
+    validate(cfg)
     return cfg
 
 

@@ -228,6 +228,73 @@ def drain(socket: str | None, to: str) -> None:
     _run_migration(socket, to, "", drain=True)
 
 
+def _prompt_request(text: str, model: str, block_size: int) -> dict[str, Any]:
+    """A prompt file as a route request: a JSON request object as is (model and block size
+    filled in where it has none), a JSON list of token ids, or token ids separated by spaces,
+    commas or newlines."""
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        body = json.loads(stripped)
+        if not isinstance(body, dict):
+            raise click.UsageError("PROMPT_FILE: expected a JSON object, a JSON list or token ids")
+        body.setdefault("model", model)
+        return body
+    if stripped.startswith("["):
+        tokens = json.loads(stripped)
+    else:
+        try:
+            tokens = [int(t) for t in stripped.replace(",", " ").split()]
+        except ValueError:
+            raise click.UsageError("PROMPT_FILE: expected token ids (integers), a JSON list of them, or a "
+                                   "JSON route request") from None
+    return {"model": model, "namespace": {"block_size": block_size}, "token_ids": tokens}
+
+
+@cli.command()
+@click.argument("prompt_file", type=click.File("r"))
+@click.option("--router", "router_url", envvar="KVSTORED_ROUTER", default="http://127.0.0.1:8300", show_default=True,
+              help="the router's HTTP API (router.listen; default also from $KVSTORED_ROUTER)")
+@click.option("--model", default="default", show_default=True, help="the namespace's model")
+@click.option("--block-size", default=16, show_default=True, help="tokens per block")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def route(prompt_file: Any, router_url: str, model: str, block_size: int, as_json: bool) -> None:
+    """Ask the router where PROMPT_FILE (token ids, or a JSON route request; - for stdin) should
+    go, and print each candidate's TTFT breakdown."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps(_prompt_request(prompt_file.read(), model, block_size)).encode()
+    request = urllib.request.Request(router_url.rstrip("/") + "/v1/route", body,
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            answer = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        try:
+            why = json.load(exc).get("error", exc.reason)
+        except ValueError:
+            why = exc.reason
+        click.echo(f"kvctl: the router refused the request: {why}", err=True)
+        sys.exit(1)
+    except (urllib.error.URLError, OSError) as exc:
+        click.echo(f"kvctl: cannot reach the router at {router_url}: {getattr(exc, 'reason', exc)}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    table = Table(title=f"route: {answer['node']} ({answer['tokens']} tokens, {answer['blocks']} blocks)")
+    for col in ("node", "TTFT ms", "queue ms", "prefill ms", "fetch ms", "decode ms", "cached", "local",
+                "pulled", "from"):
+        table.add_column(col, justify="left" if col in ("node", "from") else "right")
+    for c in sorted(answer["candidates"], key=lambda c: c["ttft_s"]):
+        mark = " *" if c["node"] == answer["node"] else ""
+        table.add_row(c["node"] + mark, *(f"{c[k] * 1e3:.2f}" for k in ("ttft_s", "queue_s", "prefill_s",
+                                                                        "fetch_s", "decode_s")),
+                      str(c["cached_blocks"]), str(c["local_blocks"]), str(c["pulled_blocks"]),
+                      c["pull_from"] or "-")
+    _console().print(table)
+
+
 def main() -> None:
     cli(prog_name="kvctl")
 

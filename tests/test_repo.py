@@ -95,6 +95,19 @@ def test_systemd_unit_verifies(tmp_path: Path) -> None:
     assert "kvstored.service" not in out.stderr, out.stderr  # no warnings about our unit
 
 
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_the_router_unit_verifies(tmp_path: Path) -> None:
+    unit = (ROOT / "systemd" / "kvstored-router.service").read_text()
+    assert "ExecStart=/usr/bin/kvstored-router" in unit and "RestartPreventExitStatus=2" in unit
+    (tmp_path / "kvstored-router.service").write_text(unit.replace("/usr/bin/kvstored-router",
+                                                                   str(BIN / "kvstored-router")))
+    env = {**os.environ, "SYSTEMD_LOG_LEVEL": "warning"}
+    out = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "kvstored-router.service")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "kvstored-router.service" not in out.stderr, out.stderr
+
+
 def _unit_values(key: str) -> list[str]:
     """The space-separated values of every ``key=`` line of systemd/kvstored.service."""
     unit = (ROOT / "systemd" / "kvstored.service").read_text()
@@ -284,7 +297,8 @@ def test_readme_metric_names_exist() -> None:
     from kvstored.server import metrics
 
     exposed = {"kvstored_rpc_duration_seconds", *metrics.LABELLED_METRICS}
-    for kind, name, _doc, _attr in metrics._TIER_METRICS + metrics._STORE_METRICS + metrics._PEER_METRICS:
+    for kind, name, _doc, _attr in (metrics._TIER_METRICS + metrics._STORE_METRICS + metrics._PEER_METRICS
+                                    + metrics._EVENT_METRICS):
         exposed.add(f"kvstored_{name}" + ("_total" if kind is CounterMetricFamily else ""))
     named = set()
     for span in re.findall(r"`(kvstored_[^`]*)`", README):
@@ -512,8 +526,17 @@ _FORBIDDEN = [
      "policy is pure: no tier, store, server or transport"),
     (("kvstored.tiers",), ("kvstored.store", "kvstored.server", "kvstored.peers", "kvstored.cluster"),
      "tiers are mechanism under the store"),
-    (("kvstored.store",), ("kvstored.peers", "kvstored.server", "kvstored.cluster", "kvstored.kvctl"),
-     "the store is below the peers and the server"),
+    (("kvstored.store",), ("kvstored.peers", "kvstored.server", "kvstored.cluster", "kvstored.kvctl",
+                            "kvstored.events", "kvstored.router"),
+     "the store is below the peers and the server; it tells an observer of its events and knows no more"),
+    (("kvstored.events",), ("kvstored.store", "kvstored.tiers", "kvstored.server", "kvstored.peers",
+                             "kvstored.router", "kvstored.cluster"),
+     "events read the index's blocks; the server connects them to the store"),
+    (("kvstored.router",), ("kvstored.store", "kvstored.tiers", "kvstored.server", "kvstored.peers",
+                             "kvstored.index", "kvstored.leases", "kvstored.buffers", "kvstored.copy",
+                             "kvstored.cuda", "kvstored.handover", "kvstored.events.recorder",
+                             "kvstored.events.publisher"),
+     "the router is a process of its own: the event format, membership and the cost model, no daemon internals"),
     (("kvstored.peers", "kvstored.cluster"), ("kvstored.server", "kvstored.kvctl"),
      "nothing below the server imports it"),
     (("kvstored.config", "kvstored.addresses", "kvstored.errors", "kvstored.index", "kvstored.leases",
@@ -593,6 +616,9 @@ def test_the_layering_holds() -> None:
     ("kvstored.policy.credit", "kvstored.tiers.ssd"),
     ("kvstored_client.client", "kvstored.store"),
     ("kvstored.peers.node", "kvstored.server.metrics"),
+    ("kvstored.store.placement", "kvstored.events.recorder"),
+    ("kvstored.router.index", "kvstored.store.front"),
+    ("kvstored.events.recorder", "kvstored.store.placement"),
 ])
 def test_the_layering_check_finds_the_imports_it_forbids(module: str, target: str) -> None:
     graph = _import_graph()

@@ -9,6 +9,7 @@ downloaded.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,7 @@ class Turn:
     cached_tokens: int       # reused from kvstored
     prefilled_tokens: int    # computed by the model
     logits: torch.Tensor     # next-token logits after the prompt
+    ttft_s: float = 0.0      # from the call to the logits (the load and the prefill; not the save after)
 
 
 class Engine:
@@ -87,6 +89,7 @@ class Engine:
     @torch.no_grad()
     def run(self, prompt: np.ndarray, use_store: bool = True) -> Turn:
         """Prefill ``prompt`` (pages 0.. hold its blocks in order), reuse and save through kvstored."""
+        start = time.perf_counter()
         ids = torch.as_tensor(np.asarray(prompt), dtype=torch.long).unsqueeze(0)
         whole = len(prompt) // BLOCK
         assert whole <= self.num_blocks, "prompt longer than the engine's pages"
@@ -97,10 +100,11 @@ class Engine:
             cached -= 1  # recompute the last block to get logits for the last token
         cache = self._cache_from_pages(cached) if cached else DynamicCache()
         out = self.model(ids[:, cached * BLOCK:], cache=cache, use_cache=True)
+        ttft = time.perf_counter() - start
         if use_store and whole > cached:
             self._pages_from_cache(out.past_key_values, cached, whole - cached)
             self.client.save_blocks(self.buffers, list(range(whole)), prompt)
-        return Turn(cached * BLOCK, len(prompt) - cached * BLOCK, out.logits[0, -1].clone())
+        return Turn(cached * BLOCK, len(prompt) - cached * BLOCK, out.logits[0, -1].clone(), ttft)
 
     def close(self) -> None:
         self.client.unregister_buffers(self.buffers)

@@ -116,7 +116,7 @@ class EtcdMembership(Membership):
     is refreshed every ``ttl_s / 3``. ``timeout_s`` bounds every etcd request."""
 
     def __init__(self, endpoint: str, node_id: str, address: str, ttl_s: int = 10, *,
-                 prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0) -> None:
+                 prefix: str = DEFAULT_PREFIX, timeout_s: float = 5.0, register: bool = True) -> None:
         if not node_id or "/" in node_id:
             raise ValueError(f"node_id must be non-empty without '/', got {node_id!r}")
         if ttl_s < 1:
@@ -133,6 +133,7 @@ class EtcdMembership(Membership):
         self._keepalive: asyncio.Task[None] | None = None
         self._closed = asyncio.Event()
         self.registrations = 0    # how many times this node (re)registered; for tests and metrics
+        self._register_self = register   # False: only watch the members (a router is not one)
 
     @property
     def key(self) -> bytes:
@@ -147,13 +148,15 @@ class EtcdMembership(Membership):
         try:
             async with asyncio.timeout(self._timeout):
                 await self._client.connect()
-            await self._register()
+            if self._register_self:
+                await self._register()
         except (aetcd.ClientError, TimeoutError, OSError) as exc:
             await self._client.close()
             self._client = None
             raise MembershipError(f"cannot register {self.node_id!r} in etcd at {self._host}:{self._port}: "
                                   f"{exc or type(exc).__name__}") from None
-        self._keepalive = asyncio.ensure_future(self._keep_alive())
+        if self._register_self:
+            self._keepalive = asyncio.ensure_future(self._keep_alive())
 
     async def _register(self) -> None:
         async with asyncio.timeout(self._timeout):

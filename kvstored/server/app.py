@@ -26,6 +26,7 @@ from kvstored.copy import CopyEngine
 from kvstored.peers.errors import PeerConfigError
 from kvstored.peers.node import PeerNode
 from kvstored.server import gc_freeze, logs, sdnotify
+from kvstored.server.kv_events import KvEvents
 from kvstored.server.metrics import RpcTimer, Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.server.startup import StartupProgress, StartupStopped
@@ -106,9 +107,11 @@ def _effective_json(cfg: Config) -> str:
     return json.dumps(data, indent=2)
 
 
-def _metrics_snapshot(store: BlockStore, peers: PeerNode | None) -> Snapshot:
+def _metrics_snapshot(store: BlockStore, peers: PeerNode | None, events: KvEvents | None) -> Snapshot:
     return Snapshot(store.stats(), peers.pushed if peers is not None else 0,
-                    peers.failures if peers is not None else 0)
+                    peers.failures if peers is not None else 0,
+                    events.publisher.sent_events if events is not None else 0,
+                    events.publisher.dropped_events if events is not None else 0)
 
 
 def _stop_metrics(server: WSGIServer | None) -> None:
@@ -214,6 +217,7 @@ async def serve(cfg: Config) -> int:
     ssd: SSDTier | None = None
     copy: CopyEngine | None = None
     peers: PeerNode | None = None
+    events: KvEvents | None = None
     metrics_server: WSGIServer | None = None
     socket_bound = False
     tcp_address = ""
@@ -267,6 +271,14 @@ async def serve(cfg: Config) -> int:
             log.info("DRAM arena pinned for CUDA copies (cudaHostRegister)")
         copy = CopyEngine(arena)
         store = BlockStore(cfg, arena, copy, ssd)
+        if cfg.events.enabled:   # before the restore: its blocks are announced as they come back
+            try:
+                events = KvEvents(cfg, store, loop)
+            except OSError as exc:
+                raise StartupError(f"cannot publish KV events: {exc}") from None
+            events.start()
+            log.info("KV events on %s (replay %s), node %s, epoch %d", events.publisher.endpoint,
+                     events.publisher.replay_endpoint or "off", events.publisher.node_id, events.publisher.epoch)
         try:
             report = store.restore(starting.report)
         except (OSError, lmdb.Error) as exc:   # a damaged index, a failing disk: not ours to repair
@@ -292,7 +304,7 @@ async def serve(cfg: Config) -> int:
             KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down, peers),
             server)
         if cfg.server.metrics:
-            snapshot = functools.partial(_metrics_snapshot, store, peers)
+            snapshot = functools.partial(_metrics_snapshot, store, peers, events)
             try:
                 metrics_server = serve_metrics(cfg.server.metrics, asyncio.get_running_loop(), snapshot, timer)
             except (OSError, ValueError) as exc:
@@ -315,6 +327,8 @@ async def serve(cfg: Config) -> int:
         if peers is not None:
             with contextlib.suppress(Exception):
                 await peers.close()
+        if events is not None:
+            events.close()
         if copy is not None:
             copy.close()
         if ssd is not None:
@@ -345,6 +359,8 @@ async def serve(cfg: Config) -> int:
                 log.info("cleared %d stale LMDB reader slot(s)", n)
 
     tasks = [asyncio.ensure_future(reaper())]
+    if events is not None:
+        tasks.append(asyncio.ensure_future(events.report_loop()))
     if cfg.server.gc_freeze_interval_s:
         # the restored index first: its blocks are the bulk of the heap from the start
         log.debug("garbage collection and freeze after start-up: %.1f ms", gc_freeze.freeze() * 1e3)
@@ -417,6 +433,8 @@ async def serve(cfg: Config) -> int:
     if ssd is not None and (left := store.dram_only_blocks()):
         log.warning("%d block(s) only in DRAM are dropped (not on SSD: ssd.admission, a full SSD tier "
                     "or write errors)", left)
+    if events is not None:
+        events.close()
     copy.close()
     if ssd is not None:
         ssd.close()  # commits writes already queued

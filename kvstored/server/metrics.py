@@ -73,6 +73,11 @@ _PEER_METRICS: list[tuple[_Kind, str, str, str]] = [
     (_C, "peer_pushed_blocks", "Blocks pushed to peers.", "peer_pushed_blocks"),
     (_C, "peer_failures", "Failed exchanges with peers.", "peer_failures"),
 ]
+_EVENT_METRICS: list[tuple[_Kind, str, str, str]] = [
+    (_C, "events_sent", "KV events published ([events]).", "events_sent"),
+    (_C, "events_dropped", "KV events dropped: the sender's queue or a subscriber's buffer was full.",
+     "events_dropped"),
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +87,8 @@ class Snapshot:
     store: StoreStats
     peer_pushed_blocks: int = 0
     peer_failures: int = 0
+    events_sent: int = 0
+    events_dropped: int = 0
 
 
 class StoreCollector(Collector):
@@ -111,7 +118,7 @@ class StoreCollector(Collector):
             yield family
         for kind, name, doc, attr in _STORE_METRICS:
             yield kind(f"kvstored_{name}", doc, value=getattr(snap.store, attr))
-        for kind, name, doc, attr in _PEER_METRICS:
+        for kind, name, doc, attr in _PEER_METRICS + _EVENT_METRICS:
             yield kind(f"kvstored_{name}", doc, value=getattr(snap, attr))
         by_reason = CounterMetricFamily(
             "kvstored_dropped_blocks", "Blocks whose last copy went, by why: refused (ssd.admission), ssd_off, "

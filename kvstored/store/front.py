@@ -30,6 +30,7 @@ from kvstored.store.background import Background
 from kvstored.store.catalog import Catalog, NamespaceState
 from kvstored.store.dram_residency import DramResidency, never
 from kvstored.store.engine_buffers import EngineBuffers
+from kvstored.store.events import TierEvents
 from kvstored.store.leasing import Leasing
 from kvstored.store.placement import Placement
 from kvstored.store.promotion import Promotion
@@ -272,6 +273,10 @@ class BlockStore:
     async def writeback_loop(self, interval_s: float = 0.5) -> None:
         """Background task: keep DRAM's blocks without an SSD copy under the watermark."""
         await self.writeback.loop(interval_s)
+
+    def observe(self, events: TierEvents) -> None:
+        """Tell ``events`` of every copy a block gains or loses from now on (the KV events)."""
+        self.placement.events = events
 
     # -- introspection and shutdown ---------------------------------------------------------
     def stats(self) -> StoreStats:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, PROMOTING, SEALED, SSD_DECLINED, WRITE_FAILED, Block, Tier
 from kvstored.store.dram_residency import DramResidency
+from kvstored.store.events import NO_EVENTS, TierEvents
 from kvstored.store.ssd_residency import SsdResidency
 from kvstored.tiers.ssd import PROGRESS_EVERY, Progress
 
@@ -86,6 +87,7 @@ class Placement:
         self.ssd_evictions = 0
         # blocks whose last copy went, by reason (see the module docstring)
         self.dropped_by: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
+        self.events: TierEvents = NO_EVENTS   # told of every copy a block gains or loses
 
     @property
     def dropped(self) -> int:
@@ -146,6 +148,8 @@ class Placement:
             return
         if block.sealed and not block.on_ssd:
             self.queue.discard(block)
+        if block.sealed and not block.flags & PROMOTING:   # a promotion that failed was never announced
+            self.events.removed((block,), Tier.DRAM)
         # to the SSD tier (a move, not an eviction of its bytes), or gone
         self.dram.release(block, moved=block.on_ssd and not leaving)
 
@@ -227,6 +231,7 @@ class Placement:
             block.flags |= SEALED
             self.queue.add(block, now)
         self.dram.policy_for(blocks[0]).inserted(blocks)  # one chain: one namespace, one slot size
+        self.events.stored(blocks, Tier.DRAM)
         self.dram.mark_pages(blocks)
         if self.queue.bytes > self._watermark:
             self.queue.wanted.set()
@@ -236,6 +241,7 @@ class Placement:
         """``block``'s SSD copy (reserved in the SSD residency) is written."""
         block.flags &= ~(SSD_DECLINED | WRITE_FAILED)
         self.ssd.written(block, check)
+        self.events.stored((block,), Tier.SSD)
         if block.in_dram:
             self.queue.discard(block)
 
@@ -243,6 +249,7 @@ class Placement:
         if not block.on_ssd:
             return
         self.ssd.dropped(block, leaving)
+        self.events.removed((block,), Tier.SSD)
         if block.in_dram and block.sealed:
             self.queue.add(block, self._clock())
 

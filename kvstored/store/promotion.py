@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from kvstored.index import NO_SLOT, PROMOTING, SEALED, Block
+from kvstored.index import NO_SLOT, PROMOTING, SEALED, Block, Tier
 from kvstored.store.background import Background
 from kvstored.store.placement import Placement
 from kvstored.tiers.dram import Arena
@@ -211,6 +211,7 @@ class Promotion:
             return
         self._end(block)
         block.check = check   # verified against these bytes: a peer gets the block unhashed
+        self._placement.events.stored((block,), Tier.DRAM)
         self.promotions += 1
         done.set_result(True)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstored.index import NO_SLOT, ON_SSD, SEALED, Block
+from kvstored.index import NO_SLOT, ON_SSD, SEALED, Block, Tier
 from kvstored.store.catalog import Catalog
 from kvstored.store.placement import Placement
 from kvstored.store.values import RestoreReport
@@ -51,6 +51,7 @@ def restore(catalog: Catalog, placement: Placement, tier: SSDTier | None,
         restored.append(block)
         reuses.append(rec.reuses)
     placement.ssd.restored(restored, reuses)
+    placement.events.stored(restored, Tier.SSD)
     placement.count_dropped("unreadable", dropped)
     before = placement.ssd_evictions
     # The capacity may have been lowered since: back under it now (a minute for a million

@@ -6,6 +6,7 @@ there with figures and that nothing is left behind.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ OPTIONS = {
     "peers": ["--blocks", "--block-bytes", "--run-bytes", "--runs", "--no-mooncake", "--mooncake-python"],
     "cluster": ["--runs", "--block-bytes", "--run-bytes", "--ttfb-block-bytes", "--no-mooncake",
                 "--skip-throughput", "--skip-ttfb", "--out"],
+    "tiering": ["--tokens", "--runs", "--out"],
     "gpu": [],
     "burst": ["--dram-mib", "--ssd-mib", "--block-kib", "--blocks", "--seconds", "--clients", "--admission", "--dir"],
 }
@@ -132,6 +134,15 @@ def test_cluster_ships_between_two_daemons_and_writes_its_results(tmp_path: Path
                  "kvstored pull (stream)", "kvstored push (migrate)"):
         assert name in rows and float(rows[name][0]) > 0, f"row {name!r} missing:\n{out}"
     assert (tmp_path / "out" / "results.json").exists()
+
+
+def test_tiering_serves_a_prompt_from_each_tier_and_prints_the_break_even(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    proc = bench("tiering", "--tokens", "64", "--runs", "1", "--out", str(tmp_path), timeout=600)
+    rows = table_rows(proc.stdout)
+    assert len(rows["64"]) == 4 and set(rows["llama-3-8b"]) <= {"never"} | {str(i) for i in range(1 << 20)}
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["median"]) == {"fresh", "dram", "ssd", "peer"}
 
 
 def test_burst_saves_past_dram_drops_nothing_and_measures_a_kill(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@
 * ``putget``: the side-by-side run's put/get bars and its lookup and small-call latencies, from its
   ``results.json``;
 * ``first-last``: ``python -m tools.bench cluster``'s time to first vs last block per prompt, from
-  the ``results.json`` it writes with ``--out``.
+  the ``results.json`` it writes with ``--out``;
+* ``tiering``: ``python -m tools.bench tiering``'s TTFT per tier against recomputing, measured next
+  to the model.
 
 ``python -m tools.bench.chart KIND results.json chart.png`` draws one. The product's venv need not
 have matplotlib (the bench venv has it): :func:`render` runs that command in the first interpreter
@@ -129,7 +131,31 @@ def first_last(data: dict[str, Any], png: str) -> None:
     fig.savefig(png, dpi=120)
 
 
-CHARTS: dict[str, Callable[[dict[str, Any], str], None]] = {"putget": putget, "first-last": first_last}
+def tiering(results: dict[str, Any], png: str) -> None:
+    """``python -m tools.bench tiering``: TTFT per tier and prompt length, measured bars next to
+    the model's predicted markers."""
+    plt = _pyplot()
+    med, pred = results["median"], results["predicted"]
+    lengths = list(med["fresh"])
+    kinds = ["fresh", "dram", "ssd", "peer"]
+    labels = {"fresh": "recompute", "dram": "DRAM", "ssd": "SSD", "peer": "peer"}
+    fig, ax = plt.subplots(figsize=(9, 5))
+    width = 0.8 / len(kinds)
+    for i, kind in enumerate(kinds):
+        xs = [j + (i - 1.5) * width for j in range(len(lengths))]
+        ax.bar(xs, [med[kind][n] * 1e3 for n in lengths], width, label=f"{labels[kind]} (measured)")
+        ax.scatter(xs, [pred[kind][n] * 1e3 for n in lengths], color="black", marker="_", s=300, zorder=3,
+                   label="model" if i == 0 else None)
+    ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
+    ax.set_ylabel("TTFT, ms")
+    ax.set_title("A prompt served from each tier vs recomputed (tiny Llama, CPU)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+CHARTS: dict[str, Callable[[dict[str, Any], str], None]] = {"putget": putget, "first-last": first_last,
+                                                             "tiering": tiering}
 
 
 def render(kind: str, results_json: Path, png: Path, log: Path | None = None) -> str | None:

@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC code (tools/gen_proto.py)."""

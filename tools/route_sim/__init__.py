@@ -1,0 +1,2 @@
+"""Routing evaluation: workloads replayed through the real router and index code over simulated
+nodes (``python -m tools.route_sim``)."""
