@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ OPTIONS = {
     "tiering": ["--tokens", "--runs", "--out"],
     "gpu": [],
     "burst": ["--dram-mib", "--ssd-mib", "--block-kib", "--blocks", "--seconds", "--clients", "--admission", "--dir"],
+    "transports": ["--calls", "--warmup", "--runs", "--clients", "--messages", "--transports", "--out"],
 }
 
 
@@ -155,6 +157,38 @@ def test_burst_saves_past_dram_drops_nothing_and_measures_a_kill(tmp_path: Path)
     assert "bytes intact" in rows["after kill -9 and restart"][0], out
     assert {"disk, direct sequential write", "saves", "saves that waited for room", "lost"} <= set(rows), out
     assert list(tmp_path.iterdir()) == [], "the daemon's files were left behind"
+
+
+def test_transports_serves_every_message_over_every_transport_bit_exact(tmp_path: Path) -> None:
+    """gRPC, ZeroMQ, both frame servers and the raw floor each answer every message (1 block,
+    2,048 blocks, Stats) alone and with two clients at once, with the handler's bytes exactly;
+    every row has latencies and calls/s; no server, client or socket outlives the run."""
+    from tools.bench import transports
+
+    before = set(Path(tempfile.gettempdir()).glob("kvbench-transports-*"))
+    out = bench("transports", "--calls", "20", "--warmup", "2", "--runs", "2", "--clients", "2",
+                "--out", str(tmp_path)).stdout
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["transports"] == list(transports.TRANSPORTS) and set(res["messages"]) == set(transports.MESSAGES)
+    for m in transports.MESSAGES:
+        assert res["exact"][m] == dict.fromkeys(transports.TRANSPORTS, True), (m, res["exact"][m])
+        assert res["in_process"][m]["p50_us"] > 0
+        for t in transports.TRANSPORTS:
+            assert len(res["per_run"][m][t]["alone"]) == 2 and len(res["per_run"][m][t]["together"]) == 2
+            for mode in ("alone", "together"):
+                fig = res["median"][m][t][mode]
+                assert 0 < fig["p50_us"] <= fig["p90_us"] <= fig["p99_us"] and fig["calls_per_s"] > 0, (m, t, fig)
+    # the Lookup of 2,048 blocks carries their hashes and leased offsets: the messages are the real ones
+    assert res["sizes"]["lookup2048"]["request"] > 2048 * 32 and res["sizes"]["lookup2048"]["response"] > 2 * 2048
+    # the table a user reads: a section per message, every transport's row in it, bit-exact
+    sections = out.split("\n### ")[1:]
+    assert len(sections) == len(transports.MESSAGES), out
+    for section in sections:
+        rows = table_rows(section)
+        assert transports.IN_PROCESS in rows, section
+        for label in transports.TRANSPORTS.values():
+            assert label in rows and rows[label][-1] == "yes" and float(rows[label][0]) > 0, section
+    assert set(Path(tempfile.gettempdir()).glob("kvbench-transports-*")) <= before, "sockets left behind"
 
 
 def test_gpu_without_a_device_says_so() -> None:

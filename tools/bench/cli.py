@@ -54,6 +54,7 @@ SUBCOMMANDS = {
     "tiering": ("tools.bench.tiering", "TTFT served from DRAM, SSD, a peer vs recomputed; the tiering break-even"),
     "gpu": ("tools.bench.gpu", "GPU copies through the daemon vs plain cudaMemcpyAsync (CUDA hosts)"),
     "burst": ("tools.bench.burst", "saves faster than the disk: saves/s, waits for room, drops, kill -9 losses"),
+    "transports": ("tools.bench.transports", "small calls over gRPC, ZeroMQ and plain frames vs the raw socket floor"),
 }
 
 
