@@ -66,6 +66,7 @@ TRANSPORTS = {
     "frames": "frames on a Unix socket (uvloop streams)",
     "frames-protocol": "frames on a Unix socket (uvloop Protocol)",
     "zmq": "ZeroMQ REQ/ROUTER over ipc:// (zmq.asyncio, uvloop)",
+    "zmq-blocking": "ZeroMQ REQ/ROUTER over ipc:// (blocking server loop, no event loop)",
     "grpc": "gRPC unary on a Unix socket (grpc.aio, uvloop)",
 }
 
@@ -155,6 +156,22 @@ async def serve_zmq(path: str) -> None:
         # from a REQ socket: [its identity, b"", method, body]
         *route, method, body = await sock.recv_multipart()
         await sock.send_multipart([*route, handle(method[0], body)])
+
+
+def serve_zmq_blocking(path: str) -> None:
+    """Not a server the daemon could run (its calls live on the event loop): it tells what of the
+    ZeroMQ row is ZeroMQ's own I/O threads and what its asyncio integration adds."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"ipc://{path}")
+    parent = os.getppid()
+    sock.setsockopt(zmq.RCVTIMEO, 500)
+    while os.getppid() == parent:
+        try:
+            *route, method, body = sock.recv_multipart()
+        except zmq.Again:
+            continue
+        sock.send_multipart([*route, handle(method[0], body)])
 
 
 async def serve_frames(path: str) -> None:
@@ -256,6 +273,8 @@ ASYNC_SERVERS: dict[str, Callable[[str], Any]] = {
 def serve(kind: str, path: str) -> None:
     if kind == "raw":
         serve_raw(path)
+    elif kind == "zmq-blocking":
+        serve_zmq_blocking(path)
     else:
         uvloop.run(ASYNC_SERVERS[kind](path))
 
@@ -330,7 +349,8 @@ class FrameClient:
 
 
 CLIENTS: dict[str, Callable[[str], Any]] = {
-    "grpc": GrpcClient, "zmq": ZmqClient, "frames": FrameClient, "frames-protocol": FrameClient, "raw": FrameClient}
+    "grpc": GrpcClient, "zmq": ZmqClient, "zmq-blocking": ZmqClient,
+    "frames": FrameClient, "frames-protocol": FrameClient, "raw": FrameClient}
 
 
 def one_call(kind: str, client: Any, method: int, body: bytes) -> Callable[[], bytes]:
@@ -491,7 +511,7 @@ def measure(a: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]
                 proc = procs.start(t, [sys.executable, "-m", "tools.bench.transports", "serve", t, paths[t]],
                                    log=Path(tmp) / f"{t}.log", cwd=REPO_ROOT, env=python_env())
                 # a ZeroMQ socket accepts only ZeroMQ's handshake; its file is there once it is bound
-                ready = (lambda p=paths[t]: os.path.exists(p)) if t == "zmq" else _connectable(paths[t])
+                ready = (lambda p=paths[t]: os.path.exists(p)) if t.startswith("zmq") else _connectable(paths[t])
                 wait_for(ready, 60, f"{t} server", proc)
             workers = Workers(max(1, a.clients))
             for rep in range(a.runs):
