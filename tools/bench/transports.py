@@ -7,12 +7,15 @@ raw-socket floor (the same bytes each way, no protobuf at either end).
 
 Every server runs in a process of its own and does the same work per call (:func:`handle`: parse
 the request, build the response, serialize it), so a row differs from another by its transport
-only. The gRPC server is set up as the daemon's (``grpc.aio`` under uvloop, the daemon's channel
-options); the ZeroMQ and frame servers are asyncio under uvloop too; the floor's server is a
+only. The gRPC server is set up as the daemon's (``grpc.aio`` under uvloop, the daemon's server
+options); the ZeroMQ and frame servers are asyncio under uvloop too (and ZeroMQ once more in a
+blocking loop, to tell ZeroMQ's own cost from its asyncio integration's); the floor's server is a
 blocking thread per connection answering with canned bytes. Clients are sync, as the SDK is, and
 processes of their own: one alone (sequential), then ``--clients`` at once, each making
-``--calls`` calls after ``--warmup``. Each client checks the first answer to every message byte for
-byte against :func:`handle`'s. The tables give the median over ``--runs`` of each run's figures.
+``--calls`` calls after ``--warmup``. Each client checks that the request it encodes is the one
+it was given and that the first answer to every message is :func:`handle`'s, byte for byte. A
+row with no transport (the encode, the handler and the parse in one process) tells what of each
+row is the messages' own cost. The tables give the median over ``--runs`` of each run's figures.
 """
 
 from __future__ import annotations
@@ -108,6 +111,10 @@ def handle(method: int, body: bytes) -> bytes:
         pb.StatsRequest.FromString(body)
         return _stats().SerializeToString(deterministic=True)
     raise ValueError(f"unknown method {method}")
+
+
+def request_message(method: int, body: bytes) -> Any:
+    return (pb.LookupRequest if method == LOOKUP else pb.StatsRequest).FromString(body)
 
 
 def parse(method: int, body: bytes) -> Any:
@@ -357,8 +364,11 @@ def one_call(kind: str, client: Any, method: int, body: bytes) -> Callable[[], b
     """One call as the SDK makes it: encode the request, send it, parse the answer (the floor
     sends the same bytes and parses nothing)."""
     if kind == "raw":
-        return lambda: client.call(method, body)  # type: ignore[no-any-return]
-    msg = pb.LookupRequest.FromString(body) if method == LOOKUP else pb.StatsRequest()
+        def floor() -> bytes:
+            out: bytes = client.call(method, body)
+            return out
+        return floor
+    msg = request_message(method, body)
 
     def one() -> bytes:
         out: bytes = client.call(method, msg.SerializeToString())
@@ -381,7 +391,7 @@ def client_worker() -> None:
             method, body = request(job["message"])
             expected = handle(method, body)
             one = one_call(kind, client, method, body)
-            exact = one() == expected
+            exact = one() == expected and request_message(method, body).SerializeToString() == body
             for _ in range(job["warmup"]):
                 one()
             print("ready", flush=True)
@@ -550,22 +560,22 @@ def markdown(res: dict[str, Any]) -> str:
     for m, label in res["messages"].items():
         size = res["sizes"][m]
         lines += ["", f"### {label} (request {size['request']:,} B, response {size['response']:,} B)", "",
-                  f"| transport | p50 µs | p90 µs | p99 µs | calls/s | {k} clients p50 µs | {k} clients p99 µs | "
-                  f"{k} clients calls/s | p50 x gRPC | p50 x floor | bit-exact |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| transport | p50 µs | p90 µs | p99 µs | calls/s | {k} clients p50 µs | {k} clients p90 µs | "
+                  f"{k} clients p99 µs | {k} clients calls/s | p50 x gRPC | p50 x floor | bit-exact |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         med = res["median"][m]
         grpc_p50 = med["grpc"]["alone"]["p50_us"] if "grpc" in med else None
         floor_p50 = med["raw"]["alone"]["p50_us"] if "raw" in med else None
         h = res["in_process"][m]
         lines.append(f"| {IN_PROCESS} | {h['p50_us']:.0f} | {h['p90_us']:.0f} | {h['p99_us']:.0f} | "
-                     f"{h['calls_per_s']:,.0f} | — | — | — | — | — | — |")
+                     f"{h['calls_per_s']:,.0f} | — | — | — | — | — | — | — |")
         for t in res["transports"]:
             one, many = med[t]["alone"], med[t]["together"]
             x_grpc = f"{one['p50_us'] / grpc_p50:.2f}" if grpc_p50 else "—"
             x_floor = f"{one['p50_us'] / floor_p50:.2f}" if floor_p50 else "—"
             lines.append(f"| {res['labels'][t]} | {one['p50_us']:.0f} | {one['p90_us']:.0f} | {one['p99_us']:.0f} | "
-                         f"{one['calls_per_s']:,.0f} | {many['p50_us']:.0f} | {many['p99_us']:.0f} | "
-                         f"{many['calls_per_s']:,.0f} | {x_grpc} | {x_floor} | "
+                         f"{one['calls_per_s']:,.0f} | {many['p50_us']:.0f} | {many['p90_us']:.0f} | "
+                         f"{many['p99_us']:.0f} | {many['calls_per_s']:,.0f} | {x_grpc} | {x_floor} | "
                          f"{'yes' if res['exact'][m][t] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
