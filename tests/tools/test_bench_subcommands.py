@@ -160,9 +160,9 @@ def test_burst_saves_past_dram_drops_nothing_and_measures_a_kill(tmp_path: Path)
 
 
 def test_transports_serves_every_message_over_every_transport_bit_exact(tmp_path: Path) -> None:
-    """gRPC, ZeroMQ, both frame servers and the raw floor each answer every message (1 block,
-    2,048 blocks, Stats) alone and with two clients at once, with the handler's bytes exactly;
-    every row has latencies and calls/s; no server, client or socket outlives the run."""
+    """gRPC, both ZeroMQ servers, both frame servers and the raw floor each answer every message
+    (1 block, 2,048 blocks, Stats) alone and with two clients at once, the requests and answers
+    the handler's bytes exactly; every row has latencies and calls/s; no socket outlives the run."""
     from tools.bench import transports
 
     before = set(Path(tempfile.gettempdir()).glob("kvbench-transports-*"))
