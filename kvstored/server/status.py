@@ -9,6 +9,7 @@ with grpcio-status). Anything else escaping a handler is a bug and surfaces as U
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -58,8 +59,17 @@ def rich_status(exc: KVStoreError) -> grpc.Status:
     return status
 
 
+# Who hears of each refusal of the call running in this task (the request guard, which knows the
+# method and the client): every refusal passes through abort, wherever in a handler it is raised.
+refusals: contextvars.ContextVar[Callable[[KVStoreError], None] | None] = contextvars.ContextVar(
+    "kvstored_refusals", default=None)
+
+
 async def abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:
     """End the call with ``exc``'s status (raises, as ``context.abort`` does)."""
+    hear = refusals.get()
+    if hear is not None:
+        hear(exc)
     status = rich_status(exc)
     await context.abort(status.code, status.details, status.trailing_metadata)
 

@@ -1,0 +1,56 @@
+"""Client mistakes: counted every time, logged once per client and kind per interval."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from clock import Clock
+
+from kvstored.server.guard import BadRequests
+
+
+def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvstored.server"]
+
+
+def count(bad: BadRequests, method: str, kind: str) -> float:
+    return bad.counter.labels(method, kind)._value.get()   # type: ignore[no-any-return]
+
+
+def test_one_line_per_client_and_kind_per_interval_the_rest_counted(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    bad = BadRequests(interval_s=60.0, clock=clock)
+    with caplog.at_level(logging.INFO, "kvstored.server"):
+        for _ in range(1000):
+            bad.record("Lookup", "malformed_request", "ipv4:10.0.0.1:5000", "Wire format was corrupt")
+        bad.record("Lookup", "bad_keys", "ipv4:10.0.0.1:5000", "has 3 bytes")
+        bad.record("Seal", "malformed_request", "ipv4:10.0.0.2:6000", "Wire format was corrupt")
+        assert len(lines(caplog)) == 3
+        clock.now += 59.0
+        bad.record("Reserve", "malformed_request", "ipv4:10.0.0.1:5000", "again")
+        assert len(lines(caplog)) == 3
+        clock.now += 1.0
+        bad.record("Reserve", "malformed_request", "ipv4:10.0.0.1:5000", "again")
+    logged = lines(caplog)
+    assert len(logged) == 4
+    assert "1000 more like it" in logged[-1] and "Reserve" in logged[-1]
+    assert not any(r.exc_info for r in caplog.records)
+    assert count(bad, "Lookup", "malformed_request") == 1000
+    assert count(bad, "Reserve", "malformed_request") == 2
+    assert count(bad, "Seal", "malformed_request") == 1
+
+
+def test_a_long_detail_is_cut_and_many_clients_do_not_grow_the_log_or_memory(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    bad = BadRequests(interval_s=60.0, clock=clock, max_clients=10)
+    with caplog.at_level(logging.INFO, "kvstored.server"):
+        bad.record("OpenNamespace", "invalid_argument", "c", "x" * 100_000)
+        for port in range(1000):
+            bad.record("Lookup", "malformed_request", f"ipv4:10.0.0.1:{port}", "corrupt")
+    logged = lines(caplog)
+    assert len(logged[0]) < 400
+    assert len(logged) == 10
+    assert len(bad._windows) == 10
+    assert count(bad, "Lookup", "malformed_request") == 1000
