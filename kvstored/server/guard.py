@@ -71,10 +71,9 @@ class BadRequests:
             if len(self._windows) >= self._max_clients:
                 return   # many clients at once: the counter has them all
         self._windows[key] = _Window(now, 0)
-        if len(detail) > MAX_DETAIL_CHARS:
-            detail = detail[:MAX_DETAIL_CHARS] + "..."
         more = f" ({window.suppressed} more like it not logged)" if window is not None and window.suppressed else ""
-        log.warning("bad request from %s: %s: %s: %s%s", client or "?", method, kind, detail, more)
+        # quoted and cut: the detail may echo what the client sent (newlines, a model name of megabytes)
+        log.warning("bad request from %.80r: %s: %s: %.*r%s", client, method, kind, MAX_DETAIL_CHARS, detail, more)
 
 
 class RequestGuard(grpc.aio.ServerInterceptor):
@@ -100,7 +99,7 @@ class RequestGuard(grpc.aio.ServerInterceptor):
             refusals.set(heard)
 
         def malformed(detail: str) -> InvalidArgument:
-            return InvalidArgument(f"the request is not a {method} request: {detail}", Reason.MALFORMED_REQUEST)
+            return InvalidArgument(f"the request does not parse: {detail}", Reason.MALFORMED_REQUEST)
 
         if not handler.request_streaming:
             def parse_unary(raw: bytes) -> Any:

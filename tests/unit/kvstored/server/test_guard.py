@@ -54,3 +54,11 @@ def test_a_long_detail_is_cut_and_many_clients_do_not_grow_the_log_or_memory(
     assert len(logged) == 10
     assert len(bad._windows) == 10
     assert count(bad, "Lookup", "malformed_request") == 1000
+
+
+def test_what_the_client_sent_cannot_forge_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    bad = BadRequests(clock=Clock())
+    with caplog.at_level(logging.INFO, "kvstored.server"):
+        bad.record("OpenNamespace", "invalid_argument", "c", "unknown model 'x\n2026-01-01 ERROR kvstored: forged'")
+    (line,) = lines(caplog)
+    assert "\n" not in line

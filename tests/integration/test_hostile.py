@@ -1,0 +1,181 @@
+"""Hostile input on every listener: a documented status (or a closed connection), a daemon that
+keeps serving, a log of bounded size without tracebacks, and nothing left behind.
+
+Seeded: the seed is printed (``pytest -s``, or shown with a failure); ``KVSTORED_FUZZ_SEED=N``
+repeats a run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from loopback import free_ports
+
+import kvstored
+from conftest import ROOT, Daemon, start_daemon
+from kvstored.peers import wire
+from tools import fuzz
+
+LOG_BOUND_BYTES = 64 << 10   # a traceback per request would be megabytes
+PER_KIND = 4                 # requests of each kind to each method (one for the huge kind)
+
+
+@pytest.fixture
+def seed() -> int:
+    value = int(os.environ.get("KVSTORED_FUZZ_SEED", time.time_ns() % (1 << 32)))
+    print(f"fuzz seed {value} (KVSTORED_FUZZ_SEED={value} repeats this run)")
+    return value
+
+
+def serving(d: Daemon) -> dict[str, object]:
+    """The daemon's stats, as a well-behaved client sees them (fails if it stopped serving)."""
+    assert d.proc.poll() is None, f"kvstored exited with {d.proc.returncode}:\n{d.log()[-3000:]}"
+    with kvstored.Client(d.socket) as c:
+        return c.stats()
+
+
+def quiet_log(d: Daemon) -> None:
+    log = d.log()
+    assert "Traceback" not in log, log[-5000:]
+    assert len(log) < LOG_BOUND_BYTES, f"{len(log)} bytes of log:\n{log[-3000:]}"
+
+
+def test_every_kvstore_method_answers_hostile_requests_with_a_documented_status(tmp_path: Path, seed: int) -> None:
+    """Random bytes, truncated messages, huge repeated fields, wrong-length hashes and other
+    sessions' ids, on every method of the proto (a new RPC is covered without a change here)."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    d = start_daemon(tmp_path, "--set", "log.level=info", "--set", f"dram.shm_dir={shm}")
+    documented = fuzz.documented_statuses((ROOT / "README.md").read_text())
+    rng = random.Random(seed)
+    owner, victim_ids = fuzz.victim(d.socket)
+    own = kvstored.Client(d.socket)
+    ids = fuzz.Ids(own._session(), victim_ids.namespace, victim_ids.victim_session, victim_ids.victim_leases)
+    requests = fuzz.Requests(rng, ids)
+    report = fuzz.Report(seed)
+    try:
+        with grpc.insecure_channel(f"unix:{d.socket}", options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+            for method in fuzz.methods():
+                for kind in fuzz.KINDS:
+                    for _ in range(1 if kind == "huge" else PER_KIND):
+                        report.add(fuzz.fire(ch, requests.make(method, kind), 10.0), documented)
+                serving(d)
+        assert report.ok, report.text()
+        assert set(report.by_method) == {m.name for m in fuzz.methods()}
+        # the well-behaved client that owned the ids the hostile one sent still works
+        assert owner.stats()["clients"] >= 1
+    finally:
+        own.close()
+        owner.close()
+    stats = serving(d)
+    assert stats["clients"] == 0 and stats["active_leases"] == 0, stats
+    assert d.stop() == 0
+    quiet_log(d)
+    assert list(shm.iterdir()) == [], "shared-memory files left behind"
+    assert not Path(d.socket).exists()
+
+
+def _peer_daemon(tmp_path: Path, *extra: str) -> tuple[Daemon, int]:
+    (port,) = free_ports(1)
+    d = start_daemon(tmp_path, "--set", "log.level=info", "--set", f"peers.listen=127.0.0.1:{port}",
+                     "--set", "peers.node_id=a", "--set", "peers.token=t0ken", *extra)
+    return d, port
+
+
+def _exchange(port: int, data: bytes, linger_s: float = 0.2) -> bytes:
+    """Send ``data`` on a fresh connection and read what comes back until the daemon closes it
+    or ``linger_s`` passes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(data)
+        s.settimeout(linger_s)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+                if len(got) > 1 << 20:
+                    break
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return got
+
+
+def _hello(token: bytes = b"t0ken") -> bytes:
+    return wire.HELLO.pack(wire.MAGIC, wire.VERSION, 0, len(token)) + token
+
+
+def _peer_garbage(rng: random.Random) -> Iterator[bytes]:
+    for _ in range(20):
+        yield rng.randbytes(rng.choice((1, 7, 8, 64, 4096)))
+    yield _hello(b"wrong")
+    yield _hello()[:5]                                                     # a truncated HELLO
+    yield wire.HELLO.pack(b"KVPB", 99, 0xFF, 0)                            # a version from the future
+    for _ in range(20):
+        op = rng.choice((wire.OP_FETCH, wire.OP_PUSH, wire.OP_LOOKUP, wire.OP_NAMESPACE, 0, 255))
+        keys, body = rng.choice(((1, 33), (0xFFFFFFFF, 0), (3, 0xFFFFFFFF), (2, 10), (0, 0)))
+        request = wire.REQUEST.pack(op, rng.randrange(256), 0, keys, rng.getrandbits(64), body)
+        payload = rng.randbytes(rng.choice((0, 5, 64)))
+        cut = rng.randrange(len(request) + len(payload) + 1)
+        yield _hello() + (request + payload)[:cut]                          # whole, or cut anywhere
+    frame = wire.FRAME.pack(wire.BLOCK, 32, 0, 0, 1 << 62, 0)              # a frame claiming 4 EiB
+    yield _hello() + wire.REQUEST.pack(wire.OP_PUSH, 0, 0, 1, 1, 33) + b"\x20" + bytes(32) + frame
+
+
+def test_the_peer_port_survives_garbage_truncated_frames_and_stalled_peers(tmp_path: Path, seed: int) -> None:
+    d, port = _peer_daemon(tmp_path)
+    rng = random.Random(seed)
+    before = serving(d)
+    for data in _peer_garbage(rng):
+        _exchange(port, data)
+    serving(d)
+    # peers that stall mid-frame, and idle ones, hold nothing a well-behaved client needs
+    stalled = []
+    for i in range(50):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall([b"", _hello(), _hello()[:3], _hello() + wire.REQUEST.pack(wire.OP_FETCH, 0, 0, 1, 1, 33)[:9]][i % 4])
+        stalled.append(s)
+    try:
+        assert serving(d)["namespaces"] == before["namespaces"]
+        assert _exchange(port, _hello(), linger_s=1.0)[:4] == wire.MAGIC   # a new peer is still welcomed
+    finally:
+        for s in stalled:
+            s.close()
+    serving(d)
+    assert d.stop() == 0
+    quiet_log(d)
+
+
+def http_error(reply: bytes) -> bool:
+    """A 4xx answer (as HTTP/0.9 when the request line was not HTTP's: no status line), or none."""
+    return reply == b"" or reply.startswith((b"HTTP/1.0 4", b"HTTP/1.1 4")) or b"Error code: 4" in reply
+
+
+def test_the_metrics_port_answers_garbage_with_http_errors(tmp_path: Path, seed: int) -> None:
+    (port,) = free_ports(1)
+    d = start_daemon(tmp_path, "--set", "log.level=info", "--set", f"server.metrics=127.0.0.1:{port}")
+    rng = random.Random(seed)
+    for _ in range(20):
+        reply = _exchange(port, rng.randbytes(rng.choice((1, 16, 1024))) + b"\r\n\r\n")
+        assert http_error(reply), reply[:200]
+    for path in ("/metrics/../../etc/passwd", "/%00", "/" + "x" * 70000, "/metrics?" + "a=b&" * 1000):
+        reply = _exchange(port, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode(), linger_s=1.0)
+        assert http_error(reply) or reply.startswith(b"HTTP/1.0 200"), reply[:200]
+    reply = _exchange(port, b"POST /metrics HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\nabc")
+    assert reply == b"" or reply.startswith(b"HTTP/"), reply[:200]
+    stalled = socket.create_connection(("127.0.0.1", port), timeout=5)
+    stalled.sendall(b"GET /metr")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            assert b"kvstored_uptime_seconds" in resp.read()
+    finally:
+        stalled.close()
+    serving(d)
+    assert d.stop() == 0
+    quiet_log(d)
