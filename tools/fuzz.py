@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -106,7 +107,7 @@ class Requests:
 
     def _inflated(self, msg: Message) -> Message:
         """``msg`` with one of its repeated fields (its own or a sub-message's) made huge."""
-        found: list[tuple[Message, FieldDescriptor]] = []
+        found: list[tuple[Message, Any]] = []   # (the upb FieldDescriptor is not the stubs' class)
 
         def walk(m: Message, depth: int) -> None:
             for f in m.DESCRIPTOR.fields:
@@ -120,7 +121,7 @@ class Requests:
         parent, f = self._rng.choice(found)
         values = getattr(parent, f.name)
         if f.type == FieldDescriptor.TYPE_MESSAGE:
-            sub = GetMessageClass(f.message_type)()
+            sub = GetMessageClass(_sub(f))()
             values.extend([sub] * HUGE_BYTES_ELEMENTS)
         else:
             count = HUGE_BYTES_ELEMENTS if f.type in (FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_STRING) \
@@ -137,7 +138,7 @@ class Requests:
             if f.type == FieldDescriptor.TYPE_MESSAGE:
                 if depth >= MAX_DEPTH:
                     continue
-                sub = self._message(f.message_type, depth + 1, wrong_hash=wrong_hash, foreign=foreign)
+                sub = self._message(_sub(f), depth + 1, wrong_hash=wrong_hash, foreign=foreign)
                 if repeated:
                     getattr(msg, f.name).extend([sub] * self._rng.randint(0, 3))
                 else:
@@ -165,6 +166,7 @@ class Requests:
         if f.type == FieldDescriptor.TYPE_BOOL:
             return rng.random() < 0.5
         if f.type == FieldDescriptor.TYPE_ENUM:
+            assert f.enum_type is not None
             return rng.choice([v.number for v in f.enum_type.values] + [99, -1])
         if f.type in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
             return rng.choice((0.0, -1.0, 1e308, float("nan"), float("inf")))
@@ -181,6 +183,11 @@ class Requests:
             pool += [ids.namespace, *ids.victim_leases, *ids.victim_buffers]
         value = rng.choice(pool)
         return value if -top - 1 <= value <= top else 0
+
+
+def _sub(f: FieldDescriptor) -> Descriptor:
+    assert f.message_type is not None
+    return f.message_type
 
 
 @dataclass(frozen=True, slots=True)
