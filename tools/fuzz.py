@@ -57,7 +57,7 @@ def methods() -> list[MethodDescriptor]:
 
 
 def path(method: MethodDescriptor) -> str:
-    return f"/{SERVICE.full_name}/{method.name}"
+    return f"/{method.containing_service.full_name}/{method.name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,7 +423,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-    print(report.text())
+        print(report.text())
+        if proc is not None:
+            log = (Path(tmp) / "kv.log").read_text(errors="replace")
+            print(f"daemon log: {len(log)} bytes, {log.count('Traceback')} tracebacks, "
+                  f"{log.count('bad request from')} bad-request lines; exit status {proc.returncode}")
     return 0 if report.ok else 1
 
 

@@ -25,12 +25,13 @@ from kvstored.config import Config, ConfigError
 from kvstored.copy import CopyEngine
 from kvstored.peers.errors import PeerConfigError
 from kvstored.peers.node import PeerNode
+from kvstored.rpc_guard import BadRequests, RequestGuard
 from kvstored.server import gc_freeze, logs, sdnotify
-from kvstored.server.guard import BadRequests, RequestGuard
 from kvstored.server.kv_events import KvEvents
 from kvstored.server.metrics import RpcTimer, Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.server.startup import StartupProgress, StartupStopped
+from kvstored.server.status import abort
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
 from kvstored.tiers.ssd import InUse, SSDTier
@@ -210,7 +211,7 @@ async def serve(cfg: Config) -> int:
     # not share the port and answer every other call.
     timer = RpcTimer() if cfg.server.metrics else None
     bad_requests = BadRequests()
-    interceptors: list[grpc.aio.ServerInterceptor] = [RequestGuard(bad_requests)]
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestGuard(bad_requests, abort)]
     if timer is not None:
         interceptors.append(timer)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -9,7 +9,6 @@ with grpcio-status). Anything else escaping a handler is a bug and surfaces as U
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -20,6 +19,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from kvstored.rpc_guard import heard
 from kvstored_client.contract.errors import DOMAIN, KVStoreError
 
 log = logging.getLogger("kvstored.server")
@@ -59,17 +59,9 @@ def rich_status(exc: KVStoreError) -> grpc.Status:
     return status
 
 
-# Who hears of each refusal of the call running in this task (the request guard, which knows the
-# method and the client): every refusal passes through abort, wherever in a handler it is raised.
-refusals: contextvars.ContextVar[Callable[[KVStoreError], None] | None] = contextvars.ContextVar(
-    "kvstored_refusals", default=None)
-
-
 async def abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:
     """End the call with ``exc``'s status (raises, as ``context.abort`` does)."""
-    hear = refusals.get()
-    if hear is not None:
-        hear(exc)
+    heard(exc)   # counted (and maybe logged) as the client's mistake by the request guard
     status = rich_status(exc)
     await context.abort(status.code, status.details, status.trailing_metadata)
 

@@ -7,6 +7,7 @@ repeats a run.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
@@ -17,11 +18,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import zmq
+from google.protobuf.descriptor import MethodDescriptor
 from loopback import free_ports
 
 import kvstored
 from conftest import ROOT, Daemon, start_daemon
 from kvstored.peers import wire
+from router_proc import RouterProc, events_args, source
 from tools import fuzz
 
 LOG_BOUND_BYTES = 64 << 10   # a traceback per request would be megabytes
@@ -179,3 +183,81 @@ def test_the_metrics_port_answers_garbage_with_http_errors(tmp_path: Path, seed:
     serving(d)
     assert d.stop() == 0
     quiet_log(d)
+
+
+def _router_methods() -> list[MethodDescriptor]:
+    from kvstored.router.proto import indexer_pb2, router_pb2
+    return [m for module in (router_pb2, indexer_pb2) for service in module.DESCRIPTOR.services_by_name.values()
+            for m in service.methods]
+
+
+def _http(port: int, method: str, path: str, body: bytes) -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    return _exchange(port, head.encode() + body, linger_s=2.0)
+
+
+def _json_garbage(rng: random.Random) -> bytes:
+    values: list[object] = [None, True, -1, 2**70, 1e308, "", "x" * 1000, [], {}, [1] * 10000, {"a": [[[[]]]]},
+                            "deadbeef", ["zz"], [2**64]]
+    fields = ["namespace", "token_ids", "block_hashes", "tokens", "candidates", "cache_salt", "lora_name",
+              "node", "queued_prefill_s", "prefills", "model", "cached_tokens", "seconds", "bogus"]
+    obj = {rng.choice(fields): rng.choice(values) for _ in range(rng.randint(0, 5))}
+    if rng.random() < 0.3:
+        obj["prefills"] = [{f: rng.choice(values) for f in ("model", "tokens", "cached_tokens", "seconds")}]
+    raw = json.dumps(obj).encode()
+    return raw[:rng.randrange(len(raw) + 1)] if rng.random() < 0.3 else raw
+
+
+def test_the_event_replay_socket_and_the_routers_apis_survive_hostile_input(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    (grpc_port,) = free_ports(1)
+    d = start_daemon(tmp_path / "a", *events_args(tmp_path, "a"), "--set", "log.level=info")
+    router = RouterProc(tmp_path, [source(tmp_path, "a")], "--set", f"router.grpc=127.0.0.1:{grpc_port}",
+                        "--set", "log.level=info")
+    try:
+        # the replay socket: random frames from a ZMQ peer, and bytes that are not ZMTP at all
+        ctx = zmq.Context()
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"ipc://{tmp_path}/a.replay")
+        try:
+            for _ in range(50):
+                dealer.send_multipart([rng.randbytes(rng.choice((0, 1, 8, 9, 100))) for _ in range(rng.randint(1, 4))])
+            replay = str(tmp_path / "a.replay")
+            for _ in range(20):
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                    raw.connect(replay)
+                    raw.sendall(rng.randbytes(rng.choice((1, 10, 64, 4096))))
+            replies = 0
+            while dealer.poll(2000):   # each request is answered (a replay's end at least), none kills it
+                dealer.recv_multipart()
+                replies += 1
+            assert replies >= 1
+        finally:
+            dealer.close(0)
+            ctx.term()
+        # the router's gRPC services: every method from the descriptors, hostile bodies
+        report = fuzz.Report(seed)
+        requests = fuzz.Requests(rng, fuzz.Ids())
+        allowed = frozenset({"OK", "INVALID_ARGUMENT", "UNAVAILABLE"})
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            for method in _router_methods():
+                for kind in fuzz.KINDS:
+                    for _ in range(1 if kind == "huge" else 5):
+                        report.add(fuzz.fire(ch, requests.make(method, kind), 10.0), {method.name: allowed})
+        assert report.ok, report.text()
+        # the router's HTTP API: JSON that is not what it expects, bodies cut short, garbage
+        for _ in range(60):
+            path = rng.choice(("/v1/route", "/v1/report", "/v1/nodes", "/healthz", "/nope", "/v1/route?x=" + "y" * 100))
+            reply = _http(router.port, rng.choice(("POST", "GET", "PUT")), path, _json_garbage(rng))
+            assert http_error(reply) or reply.startswith(b"HTTP/1.1 200"), reply[:300]
+        for data in (rng.randbytes(5000), b"POST /v1/route HTTP/1.1\r\nContent-Length: 10\r\n\r\n{",
+                     b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 200 + b"\r\n",
+                     b"GET /" + b"a" * 100000 + b" HTTP/1.1\r\n\r\n"):
+            assert http_error(_exchange(router.port, data, linger_s=1.0))
+        assert router.get("/healthz") is not None and router.proc.poll() is None
+    finally:
+        router.stop()
+        d.stop()
+    for log in (router.log(), d.log()):
+        assert "Traceback" not in log, log[-5000:]
+        assert len(log) < LOG_BOUND_BYTES, log[-3000:]

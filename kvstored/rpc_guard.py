@@ -1,14 +1,19 @@
-"""Hostile input on the gRPC listener, handled once for every method.
+"""Hostile input on a gRPC listener (the daemon's, the router's), handled once for every method.
 
 A request whose bytes are not the method's message ends INVALID_ARGUMENT (reason
 MALFORMED_REQUEST), not grpc's UNKNOWN "Unexpected DecodeError" with a traceback in the log. A
 client's mistakes (every INVALID_ARGUMENT) cost the log one line per client and kind per interval;
 all of them are counted in ``kvstored_bad_requests_total{method,kind}``. A traceback is left for
-what is not the client's doing: an exception a handler did not expect is the daemon's bug.
+what is not the client's doing: an exception a handler did not expect is the process's bug.
+
+How a refusal ends the call is the server's (``end``): the daemon's carries its reason in the
+rich status (kvstored/server/status.py), the router's is a plain status; either tells
+:func:`heard` first, so that the refusal is counted wherever in a handler it was raised.
 """
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import logging
 import time
@@ -20,10 +25,28 @@ import grpc
 from google.protobuf.message import DecodeError
 from prometheus_client import Counter
 
-from kvstored.server.status import abort, refusals
 from kvstored_client.contract.errors import InvalidArgument, KVStoreError, Reason
 
-log = logging.getLogger("kvstored.server")
+log = logging.getLogger(__name__)
+End = Callable[[grpc.aio.ServicerContext, KVStoreError], Awaitable[None]]
+
+# Who hears of each refusal of the call running in this task: set by the guard, which knows the
+# method and the client, when the call starts (each call runs in a task of its own).
+_refusals: contextvars.ContextVar[Callable[[KVStoreError], None] | None] = contextvars.ContextVar(
+    "kvstored_refusals", default=None)
+
+
+def heard(exc: KVStoreError) -> None:
+    """Tell the call's guard that the call is refused with ``exc`` (does nothing outside a call)."""
+    hear = _refusals.get()
+    if hear is not None:
+        hear(exc)
+
+
+async def plain_abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:
+    """End the call with ``exc``'s status code and message, no details (a service without reasons)."""
+    heard(exc)
+    await context.abort(exc.code or grpc.StatusCode.UNKNOWN, str(exc))
 
 LOG_INTERVAL_S = 60.0
 MAX_DETAIL_CHARS = 200    # a refusal's message may echo the request: the log line stays short
@@ -79,8 +102,9 @@ class BadRequests:
 class RequestGuard(grpc.aio.ServerInterceptor):
     """Wraps every method's request parser and handler: see the module's docstring."""
 
-    def __init__(self, bad_requests: BadRequests) -> None:
+    def __init__(self, bad_requests: BadRequests, end: End = plain_abort) -> None:
         self.bad_requests = bad_requests
+        self._end = end
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
@@ -90,13 +114,13 @@ class RequestGuard(grpc.aio.ServerInterceptor):
         method = handler_call_details.method.rpartition("/")[2]
         parse = handler.request_deserializer
         bad = self.bad_requests
+        end = self._end
 
         def hear(context: grpc.aio.ServicerContext) -> None:
-            def heard(exc: KVStoreError) -> None:
+            def count(exc: KVStoreError) -> None:
                 if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
                     bad.record(method, str(exc.reason).lower(), context.peer(), str(exc))
-            # each call runs in a task of its own, with its own copy of the context
-            refusals.set(heard)
+            _refusals.set(count)
 
         def malformed(detail: str) -> InvalidArgument:
             return InvalidArgument(f"the request does not parse: {detail}", Reason.MALFORMED_REQUEST)
@@ -112,9 +136,9 @@ class RequestGuard(grpc.aio.ServerInterceptor):
                 return malformed(request.detail) if isinstance(request, Malformed) else None
 
             if handler.unary_unary is not None:
-                return grpc.unary_unary_rpc_method_handler(_guarded(handler.unary_unary, hear, refuse),
+                return grpc.unary_unary_rpc_method_handler(_guarded(handler.unary_unary, hear, refuse, end),
                                                            parse_unary, handler.response_serializer)
-            return grpc.unary_stream_rpc_method_handler(_guarded(handler.unary_stream, hear, refuse),
+            return grpc.unary_stream_rpc_method_handler(_guarded(handler.unary_stream, hear, refuse, end),
                                                         parse_unary, handler.response_serializer)
 
         # A streamed request is parsed as the handler reads it: a failure is raised in the
@@ -126,37 +150,37 @@ class RequestGuard(grpc.aio.ServerInterceptor):
                 raise malformed(str(exc)) from None
 
         if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(_guarded(handler.stream_unary, hear, None),
+            return grpc.stream_unary_rpc_method_handler(_guarded(handler.stream_unary, hear, None, end),
                                                         parse_streamed, handler.response_serializer)
-        return grpc.stream_stream_rpc_method_handler(_guarded(handler.stream_stream, hear, None),
+        return grpc.stream_stream_rpc_method_handler(_guarded(handler.stream_stream, hear, None, end),
                                                      parse_streamed, handler.response_serializer)
 
 
 def _guarded(behaviour: Callable[..., Any], hear: Callable[[grpc.aio.ServicerContext], None],
-               refuse: Callable[[Any], KVStoreError | None] | None) -> Callable[..., Any]:
+             refuse: Callable[[Any], KVStoreError | None] | None, end: End) -> Callable[..., Any]:
     """``behaviour`` (a coroutine or async generator function of (request, context)) with the
     call's refusals heard, a refused request (``refuse``) ended before it runs, and a refusal
-    raised out of it (a streamed request that did not parse) ended as its status."""
+    raised out of it (a streamed request that did not parse) ended by ``end``."""
     if inspect.isasyncgenfunction(behaviour):
         async def generator(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             hear(context)
             refused = refuse(request) if refuse is not None else None
             if refused is not None:
-                await abort(context, refused)
+                await end(context, refused)
             try:
                 async for message in behaviour(request, context):
                     yield message
             except KVStoreError as exc:
-                await abort(context, exc)
+                await end(context, exc)
         return generator
 
     async def coroutine(request: Any, context: grpc.aio.ServicerContext) -> Any:
         hear(context)
         refused = refuse(request) if refuse is not None else None
         if refused is not None:
-            await abort(context, refused)
+            await end(context, refused)
         try:
             return await behaviour(request, context)
         except KVStoreError as exc:
-            await abort(context, exc)
+            await end(context, exc)
     return coroutine

@@ -7,11 +7,11 @@ import logging
 import pytest
 from clock import Clock
 
-from kvstored.server.guard import BadRequests
+from kvstored.rpc_guard import BadRequests
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "kvstored.server"]
+    return [r.getMessage() for r in caplog.records if r.name == "kvstored.rpc_guard"]
 
 
 def count(bad: BadRequests, method: str, kind: str) -> float:
@@ -21,7 +21,7 @@ def count(bad: BadRequests, method: str, kind: str) -> float:
 def test_one_line_per_client_and_kind_per_interval_the_rest_counted(caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     bad = BadRequests(interval_s=60.0, clock=clock)
-    with caplog.at_level(logging.INFO, "kvstored.server"):
+    with caplog.at_level(logging.INFO, "kvstored.rpc_guard"):
         for _ in range(1000):
             bad.record("Lookup", "malformed_request", "ipv4:10.0.0.1:5000", "Wire format was corrupt")
         bad.record("Lookup", "bad_keys", "ipv4:10.0.0.1:5000", "has 3 bytes")
@@ -45,7 +45,7 @@ def test_a_long_detail_is_cut_and_many_clients_do_not_grow_the_log_or_memory(
         caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     bad = BadRequests(interval_s=60.0, clock=clock, max_clients=10)
-    with caplog.at_level(logging.INFO, "kvstored.server"):
+    with caplog.at_level(logging.INFO, "kvstored.rpc_guard"):
         bad.record("OpenNamespace", "invalid_argument", "c", "x" * 100_000)
         for port in range(1000):
             bad.record("Lookup", "malformed_request", f"ipv4:10.0.0.1:{port}", "corrupt")
@@ -58,7 +58,7 @@ def test_a_long_detail_is_cut_and_many_clients_do_not_grow_the_log_or_memory(
 
 def test_what_the_client_sent_cannot_forge_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
     bad = BadRequests(clock=Clock())
-    with caplog.at_level(logging.INFO, "kvstored.server"):
+    with caplog.at_level(logging.INFO, "kvstored.rpc_guard"):
         bad.record("OpenNamespace", "invalid_argument", "c", "unknown model 'x\n2026-01-01 ERROR kvstored: forged'")
     (line,) = lines(caplog)
     assert "\n" not in line
