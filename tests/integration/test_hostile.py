@@ -7,6 +7,7 @@ repeats a run.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -15,8 +16,10 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import zmq
 from google.protobuf.descriptor import MethodDescriptor
@@ -25,6 +28,8 @@ from loopback import free_ports
 import kvstored
 from conftest import ROOT, Daemon, start_daemon
 from kvstored.peers import wire
+from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 from router_proc import RouterProc, events_args, source
 from tools import fuzz
 
@@ -39,7 +44,7 @@ def seed() -> int:
     return value
 
 
-def serving(d: Daemon) -> dict[str, object]:
+def serving(d: Daemon) -> dict[str, Any]:
     """The daemon's stats, as a well-behaved client sees them (fails if it stopped serving)."""
     assert d.proc.poll() is None, f"kvstored exited with {d.proc.returncode}:\n{d.log()[-3000:]}"
     with kvstored.Client(d.socket) as c:
@@ -141,7 +146,7 @@ def test_the_peer_port_survives_garbage_truncated_frames_and_stalled_peers(tmp_p
     serving(d)
     # peers that stall mid-frame, and idle ones, hold nothing a well-behaved client needs
     stalled = []
-    for i in range(50):
+    for i in range(200):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         s.sendall([b"", _hello(), _hello()[:3], _hello() + wire.REQUEST.pack(wire.OP_FETCH, 0, 0, 1, 1, 33)[:9]][i % 4])
         stalled.append(s)
@@ -261,3 +266,60 @@ def test_the_event_replay_socket_and_the_routers_apis_survive_hostile_input(tmp_
     for log in (router.log(), d.log()):
         assert "Traceback" not in log, log[-5000:]
         assert len(log) < LOG_BOUND_BYTES, log[-3000:]
+
+
+def test_abandoned_sessions_double_release_and_seal_oversized_messages_and_many_namespaces(tmp_path: Path) -> None:
+    """The cases a first user tried by hand, kept: each refused with its status, nothing left held."""
+    d = start_daemon(tmp_path, "--set", "log.level=info")
+    with kvstored.Client(d.socket) as c:
+        c.save(list(range(64)), np.ones((4, 512), np.uint8))
+        ns, session, stub = c._ns(None)[0], c._session(), c._stub
+        keys = pb.BlockKeys(token_ids=list(range(64)))
+        lease = stub.Lookup(pb.LookupRequest(namespace_id=ns, keys=keys, lease=True, session_id=session)).lease_id
+        with kvstored.Client(d.socket) as other:   # another session cannot release it
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Release(pb.ReleaseRequest(session_id=other._session(), lease_id=lease), timeout=10)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        stub.Release(pb.ReleaseRequest(session_id=session, lease_id=lease), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:   # released twice
+            stub.Release(pb.ReleaseRequest(session_id=session, lease_id=lease), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        fresh = pb.BlockKeys(token_ids=list(range(1000, 1064)))
+        reservation = stub.Reserve(pb.ReserveRequest(session_id=session, namespace_id=ns, keys=fresh,
+                                                     block_bytes=512), timeout=10).reservation_id
+        stub.Seal(pb.SealRequest(session_id=session, reservation_id=reservation), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:   # sealed twice
+            stub.Seal(pb.SealRequest(session_id=session, reservation_id=reservation), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with grpc.insecure_channel(f"unix:{d.socket}", options=[("grpc.max_send_message_length", 128 << 20)]) as ch:
+        with pytest.raises(grpc.RpcError) as info:   # over the daemon's 64 MiB
+            ch.unary_unary("/kvstored.v1.KVStore/Lookup")(bytes(65 << 20), timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    before = serving(d)
+
+    async def abandon(n: int) -> int:
+        async with grpc.aio.insecure_channel(f"unix:{d.socket}") as ch:
+            stub = pb_grpc.KVStoreStub(ch)
+            calls = []
+            for i in range(n):
+                call = stub.Session()
+                await call.write(pb.SessionRequest(client_name=f"abandoned-{i}", pid=1))
+                await call.read()
+                calls.append(call)
+            open_now = (await stub.Stats(pb.StatsRequest(), timeout=10)).clients
+            for call in calls:   # gone without a word, as a killed engine goes
+                call.cancel()
+            for i in range(2000):   # the namespaces a client may open, each with its own model
+                spec = pb.NamespaceSpec(model=f"m{i}", block_size=16)
+                await stub.OpenNamespace(pb.OpenNamespaceRequest(spec=spec), timeout=10)
+            return open_now
+
+    assert asyncio.run(abandon(500)) == before["clients"] + 500
+    deadline = time.monotonic() + 20
+    while (now := serving(d))["clients"] != before["clients"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert now["clients"] == before["clients"] and now["active_leases"] == 0
+    assert now["namespaces"] == before["namespaces"] + 2000
+    assert d.stop() == 0
+    log = d.log()
+    assert "Traceback" not in log
