@@ -119,7 +119,7 @@ class RequestGuard(grpc.aio.ServerInterceptor):
         def hear(context: grpc.aio.ServicerContext) -> None:
             def count(exc: KVStoreError) -> None:
                 if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-                    bad.record(method, str(exc.reason).lower(), context.peer(), str(exc))
+                    bad.record(method, str(exc.reason).lower(), _client(context.peer()), str(exc))
             _refusals.set(count)
 
         def malformed(detail: str) -> InvalidArgument:
@@ -154,6 +154,13 @@ class RequestGuard(grpc.aio.ServerInterceptor):
                                                         parse_streamed, handler.response_serializer)
         return grpc.stream_stream_rpc_method_handler(_guarded(handler.stream_stream, hear, None, end),
                                                      parse_streamed, handler.response_serializer)
+
+
+def _client(peer: str) -> str:
+    """gRPC's peer without its port ("ipv4:10.0.0.1:5555" -> "ipv4:10.0.0.1"): one client however
+    many connections it opens; a Unix socket's peer as it is."""
+    kind, _, rest = peer.partition(":")
+    return f"{kind}:{rest.rpartition(':')[0]}" if kind in ("ipv4", "ipv6") and ":" in rest else peer
 
 
 def _guarded(behaviour: Callable[..., Any], hear: Callable[[grpc.aio.ServicerContext], None],

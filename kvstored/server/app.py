@@ -299,7 +299,7 @@ async def serve(cfg: Config) -> int:
         if cfg.peers.listen or cfg.peers.static or cfg.peers.etcd:
             starting.step("joining the cluster")
             try:
-                peers = PeerNode(cfg, store)
+                peers = PeerNode(cfg, store, bad_requests=bad_requests)
                 await peers.start()
             except (ConfigError, PeerConfigError, MembershipError, OSError, ValueError) as exc:
                 starting.check()   # asked to stop while joining: a stop, not a failed start

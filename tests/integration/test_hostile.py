@@ -123,7 +123,8 @@ def _hello(token: bytes = b"t0ken") -> bytes:
 def _peer_garbage(rng: random.Random) -> Iterator[bytes]:
     for _ in range(20):
         yield rng.randbytes(rng.choice((1, 7, 8, 64, 4096)))
-    yield _hello(b"wrong")
+    for _ in range(20):
+        yield _hello(b"wrong")
     yield _hello()[:5]                                                     # a truncated HELLO
     yield wire.HELLO.pack(b"KVPB", 99, 0xFF, 0)                            # a version from the future
     for _ in range(20):
@@ -159,6 +160,7 @@ def test_the_peer_port_survives_garbage_truncated_frames_and_stalled_peers(tmp_p
     serving(d)
     assert d.stop() == 0
     quiet_log(d)
+    assert d.log().count("wrong_token") == 1   # twenty tries, one line a minute
 
 
 def http_error(reply: bytes) -> bool:

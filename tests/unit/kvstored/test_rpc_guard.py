@@ -7,7 +7,7 @@ import logging
 import pytest
 from clock import Clock
 
-from kvstored.rpc_guard import BadRequests
+from kvstored.rpc_guard import BadRequests, _client
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -62,3 +62,9 @@ def test_what_the_client_sent_cannot_forge_a_log_line(caplog: pytest.LogCaptureF
         bad.record("OpenNamespace", "invalid_argument", "c", "unknown model 'x\n2026-01-01 ERROR kvstored: forged'")
     (line,) = lines(caplog)
     assert "\n" not in line
+
+
+def test_a_client_is_its_address_not_its_connection() -> None:
+    assert _client("ipv4:10.0.0.1:5555") == _client("ipv4:10.0.0.1:6666") == "ipv4:10.0.0.1"
+    assert _client("ipv6:[::1]:5555") == "ipv6:[::1]"
+    assert _client("unix:/run/kvstored.sock") == "unix:/run/kvstored.sock"
