@@ -18,6 +18,7 @@ from loopback import free_ports
 import kvstored
 from conftest import start_daemon
 from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.errors import from_rpc_error
 
 
@@ -419,8 +420,16 @@ def test_a_request_that_does_not_parse_is_invalid_argument_counted_and_logged_on
                 list(session(iter([b"\x0a\x05ab"]), timeout=10))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert wire_reason(info.value) == ("MALFORMED_REQUEST", "kvstored")
+            # refusals raised in a handler, and in a stream's work, are counted as well
+            stub = pb_grpc.KVStoreStub(channel)
+            with pytest.raises(grpc.RpcError):
+                stub.Evict(pb.EvictRequest(tier=99), timeout=10)
+            with pytest.raises(grpc.RpcError):
+                list(stub.LoadBlocksStream(pb.LoadBlocksRequest(packed_block_ids=b"abc"), timeout=10))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             scraped = resp.read().decode()
+        assert 'kvstored_bad_requests_total{kind="invalid_argument",method="Evict"} 1.0' in scraped
+        assert 'kvstored_bad_requests_total{kind="invalid_argument",method="LoadBlocksStream"} 1.0' in scraped
         assert 'kvstored_bad_requests_total{kind="malformed_request",method="Lookup"} 20.0' in scraped
         assert 'kvstored_bad_requests_total{kind="malformed_request",method="Session"} 1.0' in scraped
         c = kvstored.Client(d.socket)
@@ -432,4 +441,4 @@ def test_a_request_that_does_not_parse_is_invalid_argument_counted_and_logged_on
         d.stop()
     log = d.log()
     assert "Traceback" not in log and "DecodeError" not in log
-    assert log.count("bad request from") == 1
+    assert log.count("bad request from") == 2   # one per kind: malformed_request, invalid_argument
