@@ -28,6 +28,9 @@ from prometheus_client import Counter
 from kvstored_client.contract.errors import InvalidArgument, KVStoreError, Reason
 
 log = logging.getLogger(__name__)
+LOG_INTERVAL_S = 60.0
+MAX_DETAIL_CHARS = 200    # a refusal's message may echo the request: the log line stays short
+MAX_CLIENTS = 1024        # (client, kind) windows kept; past it, refusals of new ones are counted only
 End = Callable[[grpc.aio.ServicerContext, KVStoreError], Awaitable[None]]
 
 # Who hears of each refusal of the call running in this task: set by the guard, which knows the
@@ -47,10 +50,6 @@ async def plain_abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> N
     """End the call with ``exc``'s status code and message, no details (a service without reasons)."""
     heard(exc)
     await context.abort(exc.code or grpc.StatusCode.UNKNOWN, str(exc))
-
-LOG_INTERVAL_S = 60.0
-MAX_DETAIL_CHARS = 200    # a refusal's message may echo the request: the log line stays short
-MAX_CLIENTS = 1024        # (client, kind) windows kept; past it, refusals of new ones are counted only
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +99,8 @@ class BadRequests:
 
 
 class RequestGuard(grpc.aio.ServerInterceptor):
-    """Wraps every method's request parser and handler: see the module's docstring."""
+    """Wraps every method's request parser and handler (all of them async): see the module's
+    docstring."""
 
     def __init__(self, bad_requests: BadRequests, end: End = plain_abort) -> None:
         self.bad_requests = bad_requests

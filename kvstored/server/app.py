@@ -211,6 +211,7 @@ async def serve(cfg: Config) -> int:
     # not share the port and answer every other call.
     timer = RpcTimer() if cfg.server.metrics else None
     bad_requests = BadRequests()
+    # the guard outermost: a request that does not parse is refused before any other sees it
     interceptors: list[grpc.aio.ServerInterceptor] = [RequestGuard(bad_requests, abort)]
     if timer is not None:
         interceptors.append(timer)
