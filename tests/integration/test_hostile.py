@@ -14,7 +14,7 @@ import random
 import socket
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +26,14 @@ from google.protobuf.descriptor import MethodDescriptor
 from loopback import free_ports
 
 import kvstored
-from conftest import ROOT, Daemon, start_daemon
+from conftest import ROOT, Daemon
 from kvstored.peers import wire
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 from router_proc import RouterProc, events_args, source
 from tools import fuzz
 
+Factory = Callable[..., Daemon]   # conftest's daemon_factory: daemons stopped at the test's end, whatever happens
 LOG_BOUND_BYTES = 64 << 10   # a traceback per request would be megabytes
 PER_KIND = 4                 # requests of each kind to each method (one for the huge kind)
 
@@ -57,12 +58,13 @@ def quiet_log(d: Daemon) -> None:
     assert len(log) < LOG_BOUND_BYTES, f"{len(log)} bytes of log:\n{log[-3000:]}"
 
 
-def test_every_kvstore_method_answers_hostile_requests_with_a_documented_status(tmp_path: Path, seed: int) -> None:
+def test_every_kvstore_method_answers_hostile_requests_with_a_documented_status(
+        tmp_path: Path, seed: int, daemon_factory: Factory) -> None:
     """Random bytes, truncated messages, huge repeated fields, wrong-length hashes and other
     sessions' ids, on every method of the proto (a new RPC is covered without a change here)."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    d = start_daemon(tmp_path, "--set", "log.level=info", "--set", f"dram.shm_dir={shm}")
+    d = daemon_factory("--set", "log.level=info", "--set", f"dram.shm_dir={shm}")
     documented = fuzz.documented_statuses((ROOT / "README.md").read_text())
     rng = random.Random(seed)
     owner, victim_ids = fuzz.victim(d.socket)
@@ -92,9 +94,9 @@ def test_every_kvstore_method_answers_hostile_requests_with_a_documented_status(
     assert not Path(d.socket).exists()
 
 
-def _peer_daemon(tmp_path: Path, *extra: str) -> tuple[Daemon, int]:
+def _peer_daemon(daemon_factory: Factory, *extra: str) -> tuple[Daemon, int]:
     (port,) = free_ports(1)
-    d = start_daemon(tmp_path, "--set", "log.level=info", "--set", f"peers.listen=127.0.0.1:{port}",
+    d = daemon_factory("--set", "log.level=info", "--set", f"peers.listen=127.0.0.1:{port}",
                      "--set", "peers.node_id=a", "--set", "peers.token=t0ken", *extra)
     return d, port
 
@@ -138,8 +140,8 @@ def _peer_garbage(rng: random.Random) -> Iterator[bytes]:
     yield _hello() + wire.REQUEST.pack(wire.OP_PUSH, 0, 0, 1, 1, 33) + b"\x20" + bytes(32) + frame
 
 
-def test_the_peer_port_survives_garbage_truncated_frames_and_stalled_peers(tmp_path: Path, seed: int) -> None:
-    d, port = _peer_daemon(tmp_path)
+def test_the_peer_port_survives_garbage_truncated_frames_and_stalled_peers(seed: int, daemon_factory: Factory) -> None:
+    d, port = _peer_daemon(daemon_factory)
     rng = random.Random(seed)
     before = serving(d)
     for data in _peer_garbage(rng):
@@ -168,9 +170,9 @@ def http_error(reply: bytes) -> bool:
     return reply == b"" or reply.startswith((b"HTTP/1.0 4", b"HTTP/1.1 4")) or b"Error code: 4" in reply
 
 
-def test_the_metrics_port_answers_garbage_with_http_errors(tmp_path: Path, seed: int) -> None:
+def test_the_metrics_port_answers_garbage_with_http_errors(seed: int, daemon_factory: Factory) -> None:
     (port,) = free_ports(1)
-    d = start_daemon(tmp_path, "--set", "log.level=info", "--set", f"server.metrics=127.0.0.1:{port}")
+    d = daemon_factory("--set", "log.level=info", "--set", f"server.metrics=127.0.0.1:{port}")
     rng = random.Random(seed)
     for _ in range(20):
         reply = _exchange(port, rng.randbytes(rng.choice((1, 16, 1024))) + b"\r\n\r\n")
@@ -215,10 +217,11 @@ def _json_garbage(rng: random.Random) -> bytes:
     return raw[:rng.randrange(len(raw) + 1)] if rng.random() < 0.3 else raw
 
 
-def test_the_event_replay_socket_and_the_routers_apis_survive_hostile_input(tmp_path: Path, seed: int) -> None:
+def test_the_event_replay_socket_and_the_routers_apis_survive_hostile_input(
+        tmp_path: Path, seed: int, daemon_factory: Factory) -> None:
     rng = random.Random(seed)
     (grpc_port,) = free_ports(1)
-    d = start_daemon(tmp_path / "a", *events_args(tmp_path, "a"), "--set", "log.level=info")
+    d = daemon_factory(*events_args(tmp_path, "a"), "--set", "log.level=info")
     router = RouterProc(tmp_path, [source(tmp_path, "a")], "--set", f"router.grpc=127.0.0.1:{grpc_port}",
                         "--set", "log.level=info")
     try:
@@ -271,9 +274,10 @@ def test_the_event_replay_socket_and_the_routers_apis_survive_hostile_input(tmp_
         assert len(log) < LOG_BOUND_BYTES, log[-3000:]
 
 
-def test_abandoned_sessions_double_release_and_seal_oversized_messages_and_many_namespaces(tmp_path: Path) -> None:
+def test_abandoned_sessions_double_release_and_seal_oversized_messages_and_many_namespaces(
+        daemon_factory: Factory) -> None:
     """The cases a first user tried by hand, kept: each refused with its status, nothing left held."""
-    d = start_daemon(tmp_path, "--set", "log.level=info")
+    d = daemon_factory("--set", "log.level=info")
     with kvstored.Client(d.socket) as c:
         c.save(list(range(64)), np.ones((4, 512), np.uint8))
         ns, session, stub = c._ns(None)[0], c._session(), c._stub
