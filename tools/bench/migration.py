@@ -73,7 +73,7 @@ class Pair:
         self.engine = kvstored.shm.empty((blocks, block_bytes), "uint8")
         self.engine.numpy()[:] = np.random.default_rng(5).integers(0, 255, size=(blocks, block_bytes),
                                                                     dtype=np.uint8)
-        self.buffers = a.register_buffers([self.engine.numpy()], 0,
+        self.buffers = self.a.register_buffers([self.engine.numpy()], 0,
                                           namespace=Namespace(model="bench-migration", block_bytes=block_bytes))
         self.ns = self.buffers.namespace
 
