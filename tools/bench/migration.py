@@ -110,9 +110,10 @@ class Pair:
             time.sleep(POLL_S)
 
 
-def calibrate(pair: Pair, blocks: int, block_bytes: int) -> Link:
-    """The peer link from two pulls (``blocks // 8`` and ``blocks`` blocks, medians of three):
-    the slope is the rate, the rest the fixed cost."""
+def calibrate(pair: Pair, blocks: int, block_bytes: int, chunk: int) -> Link:
+    """The peer link from two pulls (``blocks // 8`` and ``blocks`` blocks, medians of three) of
+    chains saved as the runs save theirs (``chunk`` blocks a call, unpaced): the slope is the
+    rate, the rest the fixed cost."""
     sizes = (max(1, blocks // 8), blocks)
     took: dict[int, float] = {}
     for n in sizes:
@@ -120,7 +121,7 @@ def calibrate(pair: Pair, blocks: int, block_bytes: int) -> Link:
         for i in range(4):
             pair.reset()
             chain = _chain(n, 7_000 + 10 * n + i)
-            pair.prefill(chain, n, [0.0], push=False)
+            pair.prefill(chain, chunk, [0.0] * len(chunk_ends(n, chunk)), push=False)
             t0 = time.perf_counter()
             pair.pull(chain)
             if i:   # the first one warms up
@@ -147,7 +148,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             local_daemon(*common, "--set", f"peers.listen=127.0.0.1:{pb}", "--set", "peers.node_id=b") as b:
         pair = Pair(a, b, largest, bb)
         try:
-            link = calibrate(pair, min(largest, 2048), bb)
+            link = calibrate(pair, min(largest, 2048), bb, args.chunk)
             out["link"] = {"latency_s": link.latency_s, "bytes_per_s": link.bytes_per_s}
             print(f"peer link: {link.bytes_per_s / 1e9:.2f} GB/s, {link.latency_s * 1e3:.2f} ms a transfer",
                   file=sys.stderr)
