@@ -472,6 +472,7 @@ def test_readme_block_hashes_signature_is_the_sdks() -> None:
 
 
 # -- the README's commands wherever a newcomer clones -----------------------------------------
+@pytest.mark.timeout(1800)   # a fresh venv and the dev extra's install (torch), then the marked tests
 def test_the_test_command_passes_in_a_checkout_only_its_owner_may_enter(tmp_path: Path) -> None:
     """A clone in root's home or a ``mktemp -d`` folder (0700) failed the one test that runs a
     client as another user (``No module named 'kvstored'``: that user could not enter the
