@@ -1,0 +1,38 @@
+"""Runs of blocks a copy moves at once (kvstored_client.contract.runs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstored_client.contract.runs import Run, runs
+
+
+def test_adjacent_slots_of_consecutive_blocks_are_one_run() -> None:
+    assert runs([0, 64, 128], 64, [5, 6, 7]) == [Run(0, 5, 0, 3)]
+    assert runs([128, 192], 64) == [Run(0, 0, 128, 2)]   # rows 0, 1 of the caller's array
+
+
+def test_a_run_breaks_where_either_side_stops_being_contiguous() -> None:
+    assert runs([0, 64, 128, 192], 64, [1, 2, 9, 10]) == [Run(0, 1, 0, 2), Run(2, 9, 128, 2)]
+    assert runs([0, 64, 320, 384], 64, [1, 2, 3, 4]) == [Run(0, 1, 0, 2), Run(2, 3, 320, 2)]
+    assert runs([64, 0], 64, [0, 1]) == [Run(0, 0, 64, 1), Run(1, 1, 0, 1)]   # slots descending
+    assert runs([0, 64], 64, [1, 0]) == [Run(0, 1, 0, 1), Run(1, 0, 64, 1)]   # ids descending
+
+
+def test_a_single_block_no_blocks_and_no_step() -> None:
+    assert runs([4096], 64, [3]) == [Run(0, 3, 4096, 1)]
+    assert runs([], 64, []) == []
+    assert runs([0, 64], 0, [0, 1]) == [Run(0, 0, 0, 1), Run(1, 1, 64, 1)]
+
+
+def test_numbers_come_back_as_python_ints_that_do_not_wrap() -> None:
+    ids = np.array([2**32 - 2, 2**32 - 1], dtype=np.uint32)
+    (run,) = runs([2**40, 2**40 + 64], 64, ids)
+    assert run == Run(0, 2**32 - 2, 2**40, 2)
+    assert type(run.block_id) is int and type(run.offset) is int and type(run.start) is int
+
+
+def test_ids_and_offsets_of_different_lengths_are_refused() -> None:
+    with pytest.raises(ValueError, match="2 block ids for 3 offsets"):
+        runs([0, 64, 128], 64, [0, 1])
