@@ -10,8 +10,11 @@ the tiers' business.
 from __future__ import annotations
 
 import enum
+import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 from typing import cast
 
 # Block.flags bits (one small int instead of several fields: there may be millions of blocks)
@@ -23,6 +26,8 @@ PROMOTING = 16  # being read up from the SSD tier into its DRAM slot
 SSD_DECLINED = 32   # the SSD tier's policy refused it (full of blocks worth more): it may leave DRAM uncopied
 WRITE_FAILED = 64   # its last write to the SSD tier failed: it may leave DRAM uncopied
 NO_SLOT = -1    # Block.offset when the block has no DRAM slot
+
+_cached = functools.partial(operator.is_not, None)   # a look-up that found a block, tested in C
 
 
 class Tier(enum.IntEnum):
@@ -120,7 +125,14 @@ class PrefixIndex:
         """:meth:`match`, setting the flag bits ``mark`` on every block found, and whether all of
         them are settled in DRAM: a lookup learns all it needs per block in one pass (a 32k-token
         prompt is 2,048 blocks, and each pass over them costs ~0.1 ms)."""
-        found = list(map(self._blocks.get, keys))   # the dict look-ups in C
+        get = self._blocks.get
+        # The dict look-ups in C. When the last key is cached so is every key before it (a key
+        # hashes its whole prefix, and only leaves leave), and all are looked up in one go; else
+        # they stop at the first miss, not to look up a long uncached suffix.
+        if keys and get(keys[-1]) is None:
+            found: list[Block | None] = list(takewhile(_cached, map(get, keys)))
+        else:
+            found = list(map(get, keys))
         settled = True
         n = len(found)
         for i, block in enumerate(found):
