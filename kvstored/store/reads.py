@@ -105,7 +105,7 @@ class Reads:
             lost = not leasing.live(held) or leasing.doomed(held.lease_id)
             if hits and not lost:
                 lease_id = held.lease_id
-                if any(t is not Tier.DRAM for t in tiers):
+                if not found.settled and any(t is not Tier.DRAM for t in tiers):
                     # the reply says the reader has ``ttl`` from now: the reads took some of it
                     leasing.renew(held, ttl)
             else:
