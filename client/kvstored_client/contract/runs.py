@@ -46,3 +46,12 @@ def runs(offsets: Sequence[int] | npt.NDArray[np.integer], step: int,
     bounds = [0, *cut.tolist(), n]
     first_ids, first_offs = ids[bounds[:-1]].tolist(), offs[bounds[:-1]].tolist()
     return [Run(a, b, o, z - a) for a, z, b, o in zip(bounds[:-1], bounds[1:], first_ids, first_offs)]
+
+
+def smallest_step(offsets: npt.NDArray[np.int64], width: int) -> int:
+    """The smallest distance of at least ``width`` from one offset to the next (0 when none is):
+    for slots given by the daemon, that of slots side by side, which a caller that does not know
+    the arena's slot size can cut :func:`runs` with."""
+    gaps = np.diff(offsets)
+    gaps = gaps[gaps >= width]
+    return int(gaps.min()) if gaps.size else 0

@@ -1,10 +1,11 @@
-"""Runs of blocks a copy moves at once (kvstored_client.contract.runs)."""
+"""Runs of blocks a copy moves at once (kvstored_client.contract.runs), and the SDK's arena copies by runs."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from kvstored_client.client import copy_rows
 from kvstored_client.contract.runs import Run, runs
 
 
@@ -36,3 +37,40 @@ def test_numbers_come_back_as_python_ints_that_do_not_wrap() -> None:
 def test_ids_and_offsets_of_different_lengths_are_refused() -> None:
     with pytest.raises(ValueError, match="2 block ids for 3 offsets"):
         runs([0, 64, 128], 64, [0, 1])
+
+
+# slots of 100-byte rows 128 apart (a 64-byte-aligned slot), in a 16-slot arena
+SLOTS_BY_CASE = {
+    "side by side": [0, 1, 2, 3],
+    "broken mid-run": [4, 5, 9, 10, 11],
+    "nothing adjacent": [7, 2, 12],
+    "a single slot at the arena's end": [15],
+    "a run ending at the arena's end": [13, 14, 15],
+    "descending": [3, 2, 1],
+    "two apart, then side by side": [0, 2, 4, 5],
+}
+
+
+@pytest.mark.parametrize("to_arena", [True, False], ids=["save", "load"])
+@pytest.mark.parametrize("case", list(SLOTS_BY_CASE))
+def test_copy_rows_moves_exactly_each_rows_bytes(case: str, to_arena: bool) -> None:
+    rng = np.random.default_rng(30)
+    arena = rng.integers(0, 256, 16 * 128, dtype=np.uint8)
+    offsets = [s * 128 for s in SLOTS_BY_CASE[case]]
+    rows = rng.integers(0, 256, (len(offsets) + 2, 100), dtype=np.uint8)   # more rows than slots
+    want_arena, want_rows = arena.copy(), rows.copy()
+    for i, offset in enumerate(offsets):   # the per-row copy it replaces
+        if to_arena:
+            want_arena[offset: offset + 100] = rows[i]
+        else:
+            want_rows[i] = arena[offset: offset + 100]
+    copy_rows(arena, offsets, rows, to_arena)
+    assert np.array_equal(arena, want_arena) and np.array_equal(rows, want_rows)
+
+
+@pytest.mark.parametrize("offset", [-128, 15 * 128 + 29], ids=["before", "past the end"])
+def test_copy_rows_refuses_a_slot_outside_the_arena(offset: int) -> None:
+    arena = np.zeros(16 * 128, np.uint8)
+    with pytest.raises(ValueError, match="outside its 2048-byte arena"):
+        copy_rows(arena, [0, offset], np.ones((2, 100), np.uint8), to_arena=True)
+    assert not arena.any()
