@@ -18,7 +18,7 @@ from typing import Any
 
 from kvstored.addresses import is_loopback
 from kvstored.policy.registry import DEFAULT_POLICY, POLICIES
-from kvstored_client.contract.paths import default_socket_path
+from kvstored_client.contract.paths import default_socket_path, socket_path_problem
 
 SYSTEM_CONFIG = Path("/etc/kvstored/kvstored.toml")
 
@@ -294,6 +294,7 @@ def validate(cfg: Config) -> None:
         (cfg.server.shutdown_grace_s >= 0, "server.shutdown_grace_s: must not be negative"),
         (cfg.server.gc_freeze_interval_s >= 0, "server.gc_freeze_interval_s: must not be negative (0: off)"),
         (cfg.dram.shm_dir.strip() != "", "dram.shm_dir: must name a directory (e.g. /dev/shm)"),
+        (not socket_path_problem(cfg.socket_path), f"server.socket: {socket_path_problem(cfg.socket_path)}"),
         (0 <= cfg.server.socket_mode <= 0o777, "server.socket_mode: must be a file mode like '0660'"),
         (cfg.server.socket_mode & 0o600 == 0o600,
          "server.socket_mode: the owner (the daemon's user) needs read and write, e.g. '0660'"),

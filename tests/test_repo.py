@@ -331,6 +331,28 @@ def test_readme_names_every_sdk_error() -> None:
     assert [name for name in errors if not re.search(rf"`(kvstored\.)?{name}`", README)] == []
 
 
+def test_readme_statuses_by_call_name_every_rpc_and_only_statuses_the_daemon_can_send() -> None:
+    """The table of statuses by call has a row for every RPC of the proto's KVStore service (and no
+    other), and names only statuses an error class travels as or gRPC gives by itself, and only
+    reasons the contract has."""
+    import grpc
+
+    from kvstored_client.contract import errors
+    from kvstored_client.contract.proto import kvstored_pb2 as pb
+    from tools import fuzz
+
+    table = fuzz.documented_statuses(README)
+    assert set(table) == {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.KVStoreError)]
+    sendable = {c.code.name for c in classes if c.code is not None} | {"OK"}
+    # gRPC's own: no daemon or a stopping one, the client's deadline, a message over the limit
+    sendable |= {"UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "CANCELLED"}
+    assert set().union(*table.values()) <= sendable
+    section = README.split("### Statuses by call", 1)[1].split("\n#", 1)[0]
+    named = set(re.findall(r"`([A-Z_]+)`", section)) - {c.name for c in grpc.StatusCode}
+    assert named and named <= {r.value for r in errors.Reason}
+
+
 def test_readme_daemon_flags_match_the_daemon(capsys: pytest.CaptureFixture[str]) -> None:
     """The flags "Running the daemon" names are the daemon's, and it names all of them."""
     from kvstored.server import app
@@ -450,6 +472,7 @@ def test_readme_block_hashes_signature_is_the_sdks() -> None:
 
 
 # -- the README's commands wherever a newcomer clones -----------------------------------------
+@pytest.mark.timeout(1800)   # a fresh venv and the dev extra's install (torch), then the marked tests
 def test_the_test_command_passes_in_a_checkout_only_its_owner_may_enter(tmp_path: Path) -> None:
     """A clone in root's home or a ``mktemp -d`` folder (0700) failed the one test that runs a
     client as another user (``No module named 'kvstored'``: that user could not enter the

@@ -6,7 +6,9 @@ small Llama (16 layers, 8 KV heads, head dim 64, fp16: 512 KiB per 16-token bloc
 3. a multi-turn conversation prefilling only the new turn; 4. the engine-buffer path
 (register_buffers + save_blocks/load_blocks) with a vLLM-style paged layout; 5. prefill and decode on
 two more daemons started here (peers on loopback): the prefill node pushes each chunk as it is saved,
-then a decode node that has nothing streams a prompt from its peer block by block; 6. the SSD tier:
+then a decode node that has nothing streams a prompt from its peer block by block, then the
+handover ledger: a paced prefill whose prompt the decode node pulls after it, or gets pushed
+chunk by chunk while it runs, each next to the ledger's prediction; 6. the SSD tier:
 DRAM written to SSD and emptied, a prompt loaded from SSD without a prefetch, another prefetched
 ahead of its load. With ``--after-restart`` (demo.sh runs it once the daemon has been stopped and
 started again on the same state): 7. prompts saved before the restart are found on SSD and served.
@@ -30,10 +32,13 @@ import numpy as np
 
 import kvstored
 from kvstored import Namespace
+from kvstored.policy.cost import ModelShape
+from kvstored.policy.migration import Link, chunk_ends, kv_ready_pipelined, kv_ready_whole, prefill_schedule
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 ROW_SHAPE = (LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM)  # one block: every layer's K and V
 NS = Namespace(model="demo-llama-1b", kv_dtype="float16", block_size=BLOCK)
+PREFILL_FLOPS = 1e14   # the handover's paced prefill: an inference GPU at a modest share of its peak
 
 
 def prefill(tokens: np.ndarray) -> np.ndarray:
@@ -243,6 +248,39 @@ def disaggregated() -> None:
             f"{len(other_kv)} blocks to stream, in order; {len(arrived)} arrived ({out.blocks} by the outcome)"
         print(f"{'5b. decode node streams from peer':<36} lookup(peers=True) {hit.per_tier}, per peer "
               f"{hit.per_peer}; first block after {first * 1e3:.1f} ms, all {out.blocks} after {last * 1e3:.1f} ms")
+        rate = (len(other_kv) - 1) * other_kv[0].nbytes / max(last - first, 1e-6)
+        handover(prefill_node, decode_node, Link(max(0.0, first - other_kv[0].nbytes / rate), rate))
+
+
+def handover(prefill_node: kvstored.Client, decode_node: kvstored.Client, link: Link) -> None:
+    """5c: the seed's migration ledger made into numbers. A prompt's prefill paced at what this
+    model costs at PREFILL_FLOPS, 16 blocks a chunk; the decode node pulls it after the prefill, or
+    gets each chunk pushed as it is done; each measured next to the ledger (the link from 5b)."""
+    shape = ModelShape(params=1.2e9, layers=LAYERS, d_model=2048, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    took: dict[bool, float] = {}
+    for push in (False, True):
+        prompt = np.concatenate([words(17 + push, 1024), words(19 + push, 1000)])
+        kv = prefill(prompt)
+        n = len(kv)
+        schedule = prefill_schedule(shape, n, BLOCK, 16, PREFILL_FLOPS)
+        start = time.perf_counter()
+        for at, end in zip(schedule, chunk_ends(n, 16)):
+            time.sleep(max(0.0, start + at - time.perf_counter()))
+            prefill_node.save(prompt[: end * BLOCK], kv[:end], namespace=NS, push_to="decode" if push else "")
+        if push:
+            deadline = time.monotonic() + 30
+            while decode_node.lookup(prompt, namespace=NS).blocks < n and time.monotonic() < deadline:
+                time.sleep(0.001)
+        else:
+            assert decode_node.pull(prompt, namespace=NS).complete
+        took[push] = time.perf_counter() - start
+        got = decode_node.load(prompt, namespace=NS, dtype=np.float16).data.reshape(-1, *ROW_SHAPE)
+        assert np.array_equal(got, kv), "the decode node's KV differs from the prefill node's"
+    whole = kv_ready_whole(schedule, n, kv[0].nbytes, link)
+    piped = kv_ready_pipelined(schedule, n, 16, kv[0].nbytes, link)
+    print(f"{'5c. handover, prefill paced':<36} {n} blocks, prefill {schedule[-1] * 1e3:.0f} ms at "
+          f"{PREFILL_FLOPS:.0e} FLOP/s; KV on the decode node: pulled after the prefill {took[False] * 1e3:.0f} ms "
+          f"(ledger {whole * 1e3:.0f}), pushed chunk by chunk {took[True] * 1e3:.0f} ms (ledger {piped * 1e3:.0f})")
 
 
 def check_load(client: kvstored.Client, prompt: np.ndarray, label: str) -> tuple[float, float]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvstored_client.contract.errors import DaemonNotRunning, DeadlineExceeded, InvalidArgument, KVStoreError, Reason
 from kvstored_client.contract.namespace import Namespace
-from kvstored_client.contract.paths import discover_socket_path
+from kvstored_client.contract.paths import discover_socket_path, socket_path_problem
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.contract.wire import namespace_from_pb, namespace_to_pb
@@ -48,6 +48,8 @@ class Connection:
         self._timeout = timeout_s
         self._client_name = client_name
         target = _target(self.socket)
+        if target.startswith("unix:") and (problem := socket_path_problem(target.removeprefix("unix:"))):
+            raise InvalidArgument(problem)
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -49,6 +49,7 @@ _BY_REASON: dict[str, type[KVStoreError]] = {
     Reason.INVALID_ARGUMENT: InvalidArgument,
     Reason.BAD_KEYS: InvalidArgument,
     Reason.TOO_MANY_BLOCKS: InvalidArgument,
+    Reason.MALFORMED_REQUEST: InvalidArgument,
     Reason.NOT_FOUND: NotFound,
     Reason.UNKNOWN_NAMESPACE: NotFound,
     Reason.UNKNOWN_LEASE: NotFound,

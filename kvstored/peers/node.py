@@ -30,6 +30,7 @@ from kvstored.peers.errors import PeerAuthError, PeerError, PeerRefused
 from kvstored.peers.exchange import PeerExchange
 from kvstored.peers.server import BlockServer
 from kvstored.peers.wire import MAX_TOKEN_BYTES, Limits
+from kvstored.rpc_guard import BadRequests
 from kvstored.store import BlockStore, CachedPrefix, KeyRequest
 from kvstored_client.contract.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound
 
@@ -123,8 +124,10 @@ class _Peer:
 class PeerNode:
     """The cluster side of one daemon. ``start`` before use, ``close`` at shutdown."""
 
-    def __init__(self, config: Config, store: BlockStore, *, membership: Membership | None = None) -> None:
+    def __init__(self, config: Config, store: BlockStore, *, membership: Membership | None = None,
+                 bad_requests: BadRequests | None = None) -> None:
         self._cfg = config.peers
+        self._bad_requests = bad_requests
         self._page_bytes = config.dram.page_bytes
         self._store = store
         self.exchange = PeerExchange(store)
@@ -158,7 +161,8 @@ class PeerNode:
                                        limits=Limits(transfer_timeout_s=self._cfg.deadline_s,
                                                      # no larger block can be stored here: a frame
                                                      # claiming more is refused before any byte of it
-                                                     max_block_bytes=self._page_bytes))
+                                                     max_block_bytes=self._page_bytes),
+                                       bad_requests=self._bad_requests)
             await self._server.start()
             bound_host, bound_port = self._server.address
             self.listen = f"{bound_host}:{bound_port}"

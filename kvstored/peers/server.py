@@ -47,6 +47,7 @@ from kvstored.peers.wire import (
     decode_keys,
     encode_frame,
 )
+from kvstored.rpc_guard import BadRequests
 
 log = logging.getLogger("kvstored.peers")
 
@@ -112,7 +113,7 @@ class BlockServer:
                  store_block: StoreBlock | None = None,
                  land_block: LandBlock | None = None, count_blocks: CountBlocks | None = None,
                  open_namespace: OpenNamespace | None = None, why_refused: WhyRefused | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, bad_requests: BadRequests | None = None) -> None:
         self._host = host
         self._port = port
         self._auth = auth
@@ -125,6 +126,7 @@ class BlockServer:
         self._open_namespace = open_namespace
         self._why_refused = why_refused
         self._limits = limits or Limits()
+        self._bad = bad_requests if bad_requests is not None else BadRequests()
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._streams: set[Stream] = set()
@@ -293,7 +295,8 @@ class BlockServer:
             if not token:
                 return await self._refuse(stream, WELCOME_AUTH_REQUIRED, "this peer requires a shared token")
             if not hmac.compare_digest(token, self._auth.token.encode()):
-                log.warning("peer from %s presented a wrong token", _peername(stream))
+                # a line per connection would let anyone who reaches the port fill the log
+                self._bad.record("peer_hello", "wrong_token", _peer_host(stream), "presented a wrong token")
                 return await self._refuse(stream, WELCOME_AUTH_REJECTED, "shared token rejected")
         stream.bound = bool(flags & HELLO_BIND)
         stream.write(WELCOME.pack(MAGIC, BOUND if stream.bound else VERSION, WELCOME_OK, 0))
@@ -457,6 +460,12 @@ class BlockServer:
         stream.write(encode_frame(kind, b"", stored, len(raw)) + raw)
         with contextlib.suppress(Closed):
             await stream.drain()
+
+
+def _peer_host(stream: Stream) -> str:
+    """The peer's address without its port: one client however many connections it opens."""
+    name = stream.transport.get_extra_info("peername") if stream.transport is not None else None
+    return str(name[0]) if isinstance(name, tuple) and name else "?"
 
 
 def _peername(stream: Stream) -> str:

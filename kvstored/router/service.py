@@ -34,6 +34,7 @@ from kvstored.router.load import LoadBoard
 from kvstored.router.reports import NodeReports
 from kvstored.router.router import Defaults, RouteError, Router
 from kvstored.router.subscriber import Source, Subscriber
+from kvstored.rpc_guard import BadRequests, RequestGuard
 from kvstored_client.contract.namespace import Namespace
 
 log = logging.getLogger("kvstored.router")
@@ -86,7 +87,8 @@ class RouterService:
         host, _, port = self._cfg.router.listen.rpartition(":")
         self.port = await self.http.start(host.strip("[]"), int(port))
         if self._cfg.router.grpc:
-            self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self._grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                         interceptors=[RequestGuard(BadRequests())])
             add_servicers(self._grpc, self.router, self.report)
             self.grpc_port = self._grpc.add_insecure_port(self._cfg.router.grpc)
             if not self.grpc_port:

@@ -25,11 +25,13 @@ from kvstored.config import Config, ConfigError
 from kvstored.copy import CopyEngine
 from kvstored.peers.errors import PeerConfigError
 from kvstored.peers.node import PeerNode
+from kvstored.rpc_guard import BadRequests, RequestGuard
 from kvstored.server import gc_freeze, logs, sdnotify
 from kvstored.server.kv_events import KvEvents
 from kvstored.server.metrics import RpcTimer, Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer
 from kvstored.server.startup import StartupProgress, StartupStopped
+from kvstored.server.status import abort
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
 from kvstored.tiers.ssd import InUse, SSDTier
@@ -208,10 +210,15 @@ async def serve(cfg: Config) -> int:
     # No SO_REUSEPORT (gRPC's default): a second daemon on the same TCP port must fail to start,
     # not share the port and answer every other call.
     timer = RpcTimer() if cfg.server.metrics else None
+    bad_requests = BadRequests()
+    # the guard outermost: a request that does not parse is refused before any other sees it
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestGuard(bad_requests, abort)]
+    if timer is not None:
+        interceptors.append(timer)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)],
-                             interceptors=[timer] if timer is not None else None)
+                             interceptors=interceptors)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     arena: Arena | None = None
     ssd: SSDTier | None = None
@@ -293,7 +300,7 @@ async def serve(cfg: Config) -> int:
         if cfg.peers.listen or cfg.peers.static or cfg.peers.etcd:
             starting.step("joining the cluster")
             try:
-                peers = PeerNode(cfg, store)
+                peers = PeerNode(cfg, store, bad_requests=bad_requests)
                 await peers.start()
             except (ConfigError, PeerConfigError, MembershipError, OSError, ValueError) as exc:
                 starting.check()   # asked to stop while joining: a stop, not a failed start
@@ -306,7 +313,8 @@ async def serve(cfg: Config) -> int:
         if cfg.server.metrics:
             snapshot = functools.partial(_metrics_snapshot, store, peers, events)
             try:
-                metrics_server = serve_metrics(cfg.server.metrics, asyncio.get_running_loop(), snapshot, timer)
+                metrics_server = serve_metrics(cfg.server.metrics, asyncio.get_running_loop(), snapshot, timer,
+                                               [bad_requests.counter])
             except (OSError, ValueError) as exc:
                 raise StartupError(f"cannot serve server.metrics on {cfg.server.metrics}: {exc}") from None
             port = metrics_server.server_address[1]

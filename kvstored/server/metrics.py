@@ -68,7 +68,7 @@ _STORE_METRICS: list[tuple[_Kind, str, str, str]] = [
     (_G, "index_blocks", "Blocks in the prefix index.", "index_blocks"),
 ]
 # exposed with labels, by StoreCollector.collect itself
-LABELLED_METRICS = ("kvstored_dropped_blocks_total", "kvstored_room_wait_seconds")
+LABELLED_METRICS = ("kvstored_dropped_blocks_total", "kvstored_room_wait_seconds", "kvstored_bad_requests_total")
 _PEER_METRICS: list[tuple[_Kind, str, str, str]] = [
     (_C, "peer_pushed_blocks", "Blocks pushed to peers.", "peer_pushed_blocks"),
     (_C, "peer_failures", "Failed exchanges with peers.", "peer_failures"),
@@ -182,16 +182,19 @@ class RpcTimer(grpc.aio.ServerInterceptor):
 
 
 def serve_metrics(address: str, loop: asyncio.AbstractEventLoop, snapshot: Callable[[], Snapshot],
-                  timer: RpcTimer | None = None) -> WSGIServer:
+                  timer: RpcTimer | None = None, counters: Iterable[Collector] = ()) -> WSGIServer:
     """Serve ``/metrics`` on ``address`` ("host:port"; port 0 picks one: see ``server_address``)
-    from a thread of its own, with ``timer``'s histogram; stop it with ``shutdown()`` then
-    ``server_close()``. Raises OSError when the address cannot be bound."""
+    from a thread of its own, with ``timer``'s histogram and ``counters`` (kept off the loop's
+    snapshot: they count on their own); stop it with ``shutdown()`` then ``server_close()``.
+    Raises OSError when the address cannot be bound."""
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(loop, snapshot))
     if timer is not None:
         registry.register(timer.histogram)
+    for counter in counters:
+        registry.register(counter)
 
     # The family the address resolves to, as prometheus-client's own server chose it: a host name
     # may resolve to IPv6 only (a name without a ':' is not necessarily IPv4).

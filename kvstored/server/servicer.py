@@ -164,7 +164,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if first is grpc.aio.EOF:
             return
         session = self._store.open_session(first.client_name, first.pid)
-        log.info("session %s opened by %s (pid %d)", session.session_id[:8], first.client_name, first.pid)
+        # (the name is the client's to choose: quoted and cut, it can neither forge a line nor fill the log)
+        log.info("session %s opened by %.80r (pid %d)", session.session_id[:8], first.client_name, first.pid)
         closing = asyncio.ensure_future(self._shutting_down.wait())
         reader: asyncio.Future[object] | None = None
         try:

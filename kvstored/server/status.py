@@ -19,6 +19,7 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from kvstored.rpc_guard import heard
 from kvstored_client.contract.errors import DOMAIN, KVStoreError
 
 log = logging.getLogger("kvstored.server")
@@ -60,6 +61,7 @@ def rich_status(exc: KVStoreError) -> grpc.Status:
 
 async def abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:
     """End the call with ``exc``'s status (raises, as ``context.abort`` does)."""
+    heard(exc)   # counted (and maybe logged) as the client's mistake by the request guard
     status = rich_status(exc)
     await context.abort(status.code, status.details, status.trailing_metadata)
 

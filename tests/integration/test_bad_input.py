@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -11,9 +13,13 @@ import numpy as np
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from loopback import free_ports
 
 import kvstored
+from conftest import start_daemon
 from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
+from kvstored_client.errors import from_rpc_error
 
 
 class Raw:
@@ -388,3 +394,51 @@ def test_each_refusal_carries_its_reason_on_the_wire(daemon_factory) -> None:  #
         assert info.value.reason == "UNKNOWN_MODEL"
     finally:
         raw.client.close()
+
+
+def test_a_request_that_does_not_parse_is_invalid_argument_counted_and_logged_once(tmp_path: Path) -> None:
+    """Bytes that are not the method's message: INVALID_ARGUMENT with reason MALFORMED_REQUEST on
+    any method, unary or streamed, raised by the SDK as InvalidArgument; one log line, no
+    traceback, every one counted in kvstored_bad_requests_total."""
+    (port,) = free_ports(1)
+    d = start_daemon(tmp_path, "--set", f"server.metrics=127.0.0.1:{port}")
+    try:
+        with grpc.insecure_channel(f"unix:{d.socket}") as channel:
+            def same(b: bytes) -> bytes:
+                return b
+            lookup = channel.unary_unary("/kvstored.v1.KVStore/Lookup", request_serializer=same,
+                                         response_deserializer=same)
+            session = channel.stream_stream("/kvstored.v1.KVStore/Session", request_serializer=same,
+                                            response_deserializer=same)
+            for _ in range(20):
+                with pytest.raises(grpc.RpcError) as info:
+                    lookup(b"\xff\xff\xff", timeout=10)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert wire_reason(info.value) == ("MALFORMED_REQUEST", "kvstored")
+                assert isinstance(from_rpc_error(info.value), kvstored.InvalidArgument)
+            with pytest.raises(grpc.RpcError) as info:
+                list(session(iter([b"\x0a\x05ab"]), timeout=10))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert wire_reason(info.value) == ("MALFORMED_REQUEST", "kvstored")
+            # refusals raised in a handler, and in a stream's work, are counted as well
+            stub = pb_grpc.KVStoreStub(channel)
+            with pytest.raises(grpc.RpcError):
+                stub.Evict(pb.EvictRequest(tier=99), timeout=10)
+            with pytest.raises(grpc.RpcError):
+                list(stub.LoadBlocksStream(pb.LoadBlocksRequest(packed_block_ids=b"abc"), timeout=10))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            scraped = resp.read().decode()
+        assert 'kvstored_bad_requests_total{kind="invalid_argument",method="Evict"} 1.0' in scraped
+        assert 'kvstored_bad_requests_total{kind="invalid_argument",method="LoadBlocksStream"} 1.0' in scraped
+        assert 'kvstored_bad_requests_total{kind="malformed_request",method="Lookup"} 20.0' in scraped
+        assert 'kvstored_bad_requests_total{kind="malformed_request",method="Session"} 1.0' in scraped
+        c = kvstored.Client(d.socket)
+        try:
+            assert c.stats()["clients"] == 0   # the refused session left nothing open
+        finally:
+            c.close()
+    finally:
+        d.stop()
+    log = d.log()
+    assert "Traceback" not in log and "DecodeError" not in log
+    assert log.count("bad request from") == 2   # one per kind: malformed_request, invalid_argument

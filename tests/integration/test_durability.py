@@ -93,8 +93,12 @@ def test_a_kill_during_saves_at_full_speed_loses_only_the_durability_window(tmp_
     saved: list[tuple[int, float]] = []   # (prompt, when its save returned)
     try:
         assert saver.stdout is not None
+        # the saves run for a while past the window from the first one that returned (the saver's
+        # start-up, importing numpy and kvstored, can take seconds on a loaded machine)
         began = time.monotonic()
-        while time.monotonic() - began < 6.0:
+        while time.monotonic() - began < 60.0:
+            if saved and time.monotonic() - saved[0][1] >= WINDOW_S + 2.0 + 4.0:
+                break
             line = saver.stdout.readline()
             if not line:
                 break
@@ -106,7 +110,7 @@ def test_a_kill_during_saves_at_full_speed_loses_only_the_durability_window(tmp_
     finally:
         saver.kill()
         saver.wait(10)
-    assert len(saved) >= 10, f"only {len(saved)} saves in 6 s"
+    assert len(saved) >= 10, f"only {len(saved)} saves"
     # the window, and the write of the last round in flight when it closed (generous on CI's disks)
     due = [i for i, when in saved if killed - when > WINDOW_S + 2.0]
     assert due, "no save is old enough to be due on SSD"

@@ -28,6 +28,7 @@ OPTIONS = {
     "cluster": ["--runs", "--block-bytes", "--run-bytes", "--ttfb-block-bytes", "--no-mooncake",
                 "--skip-throughput", "--skip-ttfb", "--out"],
     "tiering": ["--tokens", "--runs", "--out"],
+    "migration": ["--tokens", "--runs", "--model", "--flops", "--block-bytes", "--chunk", "--decode-ms", "--out"],
     "gpu": [],
     "burst": ["--dram-mib", "--ssd-mib", "--block-kib", "--blocks", "--seconds", "--clients", "--admission", "--dir"],
 }
@@ -152,6 +153,22 @@ def test_tiering_serves_a_prompt_from_each_tier_and_prints_the_break_even(tmp_pa
     assert len(rows["64"]) == 4 and set(rows["llama-3-8b"]) <= {"never"} | {str(i) for i in range(1 << 20)}
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["median"]) == {"fresh", "dram", "ssd", "peer"}
+
+
+def test_migration_hands_a_prompt_to_the_decode_node_both_ways(tmp_path: Path) -> None:
+    """Both ways to the decode node run end to end (B holds every block, or the run fails), each
+    row has a measured TTFT and the model's, and the prefill's cost grows with the prompt."""
+    out = bench("migration", "--tokens", "256,512", "--runs", "1", "--chunk", "4", "--block-bytes", "16KiB",
+                "--out", str(tmp_path), timeout=600).stdout
+    rows = table_rows(out)
+    assert {"256", "512"} <= set(rows), out
+    for tokens in ("256", "512"):
+        for cell in rows[tokens][1:3]:   # whole, pipelined: "measured (model)"
+            measured, model = cell.replace("(", "").replace(")", "").split()
+            assert float(measured) > 0 and float(model) > 0, out
+    assert float(rows["512"][0]) > float(rows["256"][0]), out
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert set(results["predicted"]) == {"whole_s", "pipelined_s"} and results["link"]["bytes_per_s"] > 0
 
 
 def test_burst_saves_past_dram_drops_nothing_and_measures_a_kill(tmp_path: Path) -> None:

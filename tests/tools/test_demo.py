@@ -9,12 +9,26 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 import kvstored
 from conftest import start_daemon
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A short directory in place of pytest's (``/tmp/pytest-of-USER/pytest-N/test_name0``): the
+    demo's socket lies three levels under it, and with a user name of eight letters pytest's left
+    too few of a socket path's 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _script(path: Path, text: str) -> None:

@@ -5,7 +5,9 @@
 * ``first-last``: ``python -m tools.bench cluster``'s time to first vs last block per prompt, from
   the ``results.json`` it writes with ``--out``;
 * ``tiering``: ``python -m tools.bench tiering``'s TTFT per tier against recomputing, measured next
-  to the model.
+  to the model;
+* ``migration``: ``python -m tools.bench migration``'s TTFT on the decode node, the whole prefix
+  pulled after the prefill against blocks pushed as they are computed, measured next to the model.
 
 ``python -m tools.bench.chart KIND results.json chart.png`` draws one. The product's venv need not
 have matplotlib (the bench venv has it): :func:`render` runs that command in the first interpreter
@@ -154,8 +156,34 @@ def tiering(results: dict[str, Any], png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
+def migration(results: dict[str, Any], png: str) -> None:
+    """``python -m tools.bench migration``: TTFT per prompt length, whole prefix against pipelined,
+    measured lines next to the model's predicted markers, and the prefill alone."""
+    plt = _pyplot()
+    lengths = [int(t) for t in results["tokens"]]
+    decode_ms = results["decode_s"] * 1e3
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(lengths, [results["prefill_s"][str(n)] * 1e3 for n in lengths], ":", color="grey", label="prefill alone")
+    for key, label, marker in (("whole_s", "whole prefix after the prefill", "s"),
+                               ("pipelined_s", "pipelined (pushed chunk by chunk)", "o")):
+        measured = [statistics.median(results[key][str(n)]) * 1e3 + decode_ms for n in lengths]
+        line = ax.plot(lengths, measured, marker + "-", label=f"{label}, measured")[0]
+        ax.scatter(lengths, [results["predicted"][key][str(n)] * 1e3 + decode_ms for n in lengths],
+                   marker="_", s=400, color=line.get_color(), zorder=3, label=f"{label}, model")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [f"{n // 1024}k" for n in lengths])
+    ax.set_xlabel(f"prompt tokens (16-token blocks of {results['block_bytes'] >> 10} KiB)")
+    ax.set_ylabel("TTFT on the decode node, ms (median)")
+    ax.set_title(f"Prefill/decode migration ({results['model']} prefill at {results['flops_per_s']:.2g} FLOP/s)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 CHARTS: dict[str, Callable[[dict[str, Any], str], None]] = {"putget": putget, "first-last": first_last,
-                                                             "tiering": tiering}
+                                                             "tiering": tiering, "migration": migration}
 
 
 def render(kind: str, results_json: Path, png: Path, log: Path | None = None) -> str | None:

@@ -53,6 +53,7 @@ SUBCOMMANDS = {
     "peers": ("tools.bench.peer_channel", "peer block channel (plain, mutual TLS) vs raw TCP vs Mooncake TCP"),
     "cluster": ("tools.bench.cluster", "two daemons: shipping vs raw TCP / Mooncake; first vs last block"),
     "tiering": ("tools.bench.tiering", "TTFT served from DRAM, SSD, a peer vs recomputed; the tiering break-even"),
+    "migration": ("tools.bench.migration", "prefill/decode: the whole prefix after the prefill vs pipelined, TTFT"),
     "gpu": ("tools.bench.gpu", "GPU copies through the daemon vs plain cudaMemcpyAsync (CUDA hosts)"),
     "burst": ("tools.bench.burst", "saves faster than the disk: saves/s, waits for room, drops, kill -9 losses"),
 }

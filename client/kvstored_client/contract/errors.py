@@ -25,6 +25,7 @@ class Reason(enum.StrEnum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"        # InvalidArgument
     BAD_KEYS = "BAD_KEYS"                        # the chain's keys: malformed hashes or token ids
     TOO_MANY_BLOCKS = "TOO_MANY_BLOCKS"          # more blocks than server.max_batch_blocks: split the call
+    MALFORMED_REQUEST = "MALFORMED_REQUEST"      # the request's bytes are not the method's message
     NOT_FOUND = "NOT_FOUND"                      # NotFound
     UNKNOWN_NAMESPACE = "UNKNOWN_NAMESPACE"      # a namespace id the daemon does not know (a restart): open it again
     UNKNOWN_LEASE = "UNKNOWN_LEASE"              # a lease or reservation id the session does not hold

@@ -7,6 +7,18 @@ import stat
 from pathlib import Path
 
 SYSTEM_SOCKET = "/run/kvstored/kvstored.sock"
+# sun_path holds 108 bytes with its terminating NUL on Linux
+MAX_SOCKET_PATH_BYTES = 107
+
+
+def socket_path_problem(path: str) -> str:
+    """Why no Unix socket can live at ``path`` ("" when one can): its length, which the kernel
+    caps and which a long TMPDIR or user name reaches sooner than one expects."""
+    n = len(os.fsencode(path))
+    if n <= MAX_SOCKET_PATH_BYTES:
+        return ""
+    return (f"the socket path {path} is {n} bytes; a Unix socket's path may have at most {MAX_SOCKET_PATH_BYTES} "
+            "(choose a shorter directory)")
 
 
 def default_socket_path() -> str:

@@ -65,6 +65,7 @@ def test_a_status_without_a_reason_becomes_its_codes_sdk_error(code: grpc.Status
     (grpc.StatusCode.FAILED_PRECONDITION, Reason.UNKNOWN_SESSION, kvstored.FailedPrecondition),
     (grpc.StatusCode.NOT_FOUND, Reason.UNKNOWN_NAMESPACE, kvstored.NotFound),
     (grpc.StatusCode.INVALID_ARGUMENT, Reason.TOO_MANY_BLOCKS, kvstored.InvalidArgument),
+    (grpc.StatusCode.INVALID_ARGUMENT, Reason.MALFORMED_REQUEST, kvstored.InvalidArgument),
     (grpc.StatusCode.UNAVAILABLE, Reason.DAEMON_STOPPING, kvstored.DaemonNotRunning),
     (grpc.StatusCode.CANCELLED, Reason.STREAM_ENDED, Cancelled),
 ])

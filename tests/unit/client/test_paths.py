@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import kvstored
 from kvstored_client.contract import paths
 
 
@@ -58,3 +59,12 @@ def test_a_symlink_planted_at_the_tmp_socket_directory_is_not_trusted(monkeypatc
         assert paths.discover_socket_path() != str(planted / "kvstored.sock")
     finally:
         planted.unlink()
+
+
+def test_a_socket_path_too_long_for_a_unix_socket_is_named_as_such() -> None:
+    """The SDK said "Failed to create channel ... the target uri is not valid" (grpc's words) for a
+    socket path past 107 bytes: now its length and the limit, before any connection is tried."""
+    long = "/tmp/" + "d" * 100 + "/kv.sock"
+    with pytest.raises(kvstored.InvalidArgument) as err:
+        kvstored.Client(long)
+    assert "113 bytes" in str(err.value) and str(paths.MAX_SOCKET_PATH_BYTES) in str(err.value)

@@ -338,6 +338,16 @@ def test_a_socket_mode_that_locks_the_daemon_out_is_refused() -> None:
     assert config.load(None, ["server.socket_mode=0600"]).server.socket_mode == 0o600
 
 
+def test_a_socket_path_longer_than_a_unix_socket_takes_is_refused_with_its_length() -> None:
+    """A long TMPDIR or user name made the socket path pass 107 bytes: the daemon said only
+    "cannot listen on server.socket", grpc's reason somewhere above it in the log."""
+    long = "/tmp/" + "d" * 100 + "/kv.sock"
+    with pytest.raises(ConfigError, match=r"server\.socket: .* is 113 bytes; .* at most 107"):
+        config.load(None, [f"server.socket={long}"])
+    fits = "/tmp/" + "d" * 94 + "/kv.sock"   # 107 bytes
+    assert config.load(None, [f"server.socket={fits}"]).server.socket == fits
+
+
 def test_no_config_reads_no_system_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`kvstored --no-config` (the demo's daemon) runs on the embedded defaults even where the
     system config file exists."""
