@@ -2,8 +2,10 @@
 
 Copies go tensor by tensor (layer by layer), each block of a tensor one 2-D region; after each
 tensor a callback fires, so a load can tell the engine that layer N is in place while layer N+1
-is still copying. The primitive is a strided numpy copy for shared-memory buffers (the CPU twin)
-and ``cudaMemcpy2DAsync`` on the daemon's own stream for device buffers (``kvstored.cuda``).
+is still copying. A batch is cut into runs of blocks consecutive in the engine's buffers and side
+by side in the arena (:mod:`kvstored_client.contract.runs`), each moved by one call of the
+primitive: a strided numpy copy for shared-memory buffers (the CPU twin) and
+``cudaMemcpy2DAsync`` on the daemon's own stream for device buffers (``kvstored.cuda``).
 """
 
 from __future__ import annotations
@@ -15,42 +17,39 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import numpy.typing as npt
 from numpy.lib.stride_tricks import as_strided
 
 from kvstored.buffers import BlockIds, RegisteredBuffers
 from kvstored.tensor_memory import TensorMemory
-from kvstored.tiers.dram import Arena
+from kvstored.tiers.dram import Arena, slot_size
 from kvstored_client.contract.errors import DeadlineExceeded
+from kvstored_client.contract.runs import Run, runs
 
 TensorDone = Callable[[int], None]
 
 
-def _engine_rows(t: TensorMemory, block_id: int) -> np.ndarray:
+def _host_copy(arena: Arena, t: TensorMemory, batch: Sequence[Run], step: int, to_arena: bool) -> None:
+    # One strided copy per run: its blocks' rows in the engine tensor (``block_stride`` apart)
+    # against their slots in the arena (``step`` apart), as one 3-D view on each side.
     assert t.host is not None, "host copy of a device tensor"
     r = t.region
-    start = t.base + block_id * r.block_stride
-    return as_strided(t.host[start:], shape=(r.height, r.width), strides=(r.pitch, 1), writeable=True)
-
-
-def _arena_rows(arena: Arena, t: TensorMemory, offset: int) -> np.ndarray:
-    r = t.region
-    start = offset + t.part_offset
-    return arena.buf[start: start + r.width * r.height].reshape(r.height, r.width)
-
-
-def _host_copy(arena: Arena, t: TensorMemory, block_ids: BlockIds, offsets: Sequence[int],
-               to_arena: bool) -> None:
-    for block_id, offset in zip(block_ids, offsets):
-        engine, slot = _engine_rows(t, block_id), _arena_rows(arena, t, offset)
+    for run in batch:
+        engine = as_strided(t.host[t.base + run.block_id * r.block_stride:], shape=(run.count, r.height, r.width),
+                            strides=(r.block_stride, r.pitch, 1), writeable=True)
+        slot = as_strided(arena.buf[run.offset + t.part_offset:], shape=(run.count, r.height, r.width),
+                          strides=(step, r.width, 1), writeable=True)
         if to_arena:
             np.copyto(slot, engine)
         else:
             np.copyto(engine, slot)
 
 
-def _run(arena: Arena, buffers: RegisteredBuffers, block_ids: BlockIds, offsets: Sequence[int],
+def _run(arena: Arena, buffers: RegisteredBuffers, block_ids: npt.NDArray[np.int64], offsets: Sequence[int],
          to_arena: bool, tensor_done: TensorDone | None, not_after: float | None = None) -> None:
     device = buffers.cuda
+    step = slot_size(buffers.block_bytes)   # a namespace's slots in one arena page lie this far apart
+    batch = runs(offsets, step, block_ids)
     try:
         for index, t in enumerate(buffers.tensors):
             if not_after is not None and time.monotonic() >= not_after:
@@ -58,9 +57,9 @@ def _run(arena: Arena, buffers: RegisteredBuffers, block_ids: BlockIds, offsets:
                                        "copied into the engine's buffers")
             if device is None:
                 t.check_backing(index)
-                _host_copy(arena, t, block_ids, offsets, to_arena)
+                _host_copy(arena, t, batch, step, to_arena)
             else:
-                device.copy(arena, t, block_ids, offsets, to_arena)  # type: ignore[attr-defined]
+                device.copy(arena, t, batch, step, to_arena)  # type: ignore[attr-defined]
             if tensor_done is not None:
                 if device is not None:
                     # The device copies are only queued: a layer is complete once its stream has run
@@ -129,9 +128,8 @@ class CopyEngine:
         buffers.busy += 1
         try:
             fut = asyncio.get_running_loop().run_in_executor(
-                # Python ints: numpy's uint32 times a slot's stride would wrap past 4 GiB
-                self._pool, _run, self._arena, buffers, np.asarray(block_ids, dtype=np.int64).tolist(),
-                list(offsets), to_arena, notify, not_after)
+                self._pool, _run, self._arena, buffers, np.array(block_ids, dtype=np.int64), list(offsets), to_arena,
+                notify, not_after)
             try:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:

@@ -2,8 +2,9 @@
 
 Imported only when a client registers device buffers or the daemon pins its arena; cupy stays an
 optional dependency (extra ``cuda``). Device addresses are plain ints; a block's part of one tensor
-is one ``cudaMemcpy2DAsync`` (rows of ``width`` bytes, ``pitch`` apart) between the device and the
-arena, which is pinned with ``cudaHostRegister`` so the copy runs at full PCIe/NVLink speed.
+(or a run of blocks whose rows follow each other, see :meth:`DeviceMappings.copy`) is one
+``cudaMemcpy2DAsync`` (rows of ``width`` bytes, ``pitch`` apart) between the device and the arena,
+which is pinned with ``cudaHostRegister`` so the copy runs at full PCIe/NVLink speed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without cupy
 
 from kvstored.tensor_memory import TensorMemory
 from kvstored.tiers.dram import Arena
+from kvstored_client.contract.runs import Run
 
 _IPC_LAZY_PEER_ACCESS = 1
 _H2D, _D2H = 1, 2
@@ -86,21 +88,26 @@ class DeviceMappings:
         self._opened.append(key)
         return entry[0]
 
-    def copy(self, arena: Arena, t: TensorMemory, block_ids: Sequence[int], offsets: Sequence[int],
-             to_arena: bool) -> None:
-        """Queue one 2-D copy per block between device memory and arena slots (no wait)."""
+    def copy(self, arena: Arena, t: TensorMemory, batch: Sequence[Run], step: int, to_arena: bool) -> None:
+        """Queue the 2-D copies of ``batch``'s runs between device memory and arena slots (no
+        wait): one per run when its blocks' rows follow each other at one pitch on both sides
+        (blocks stacked in the tensor, slots holding only this tensor's part back to back), else
+        one per block."""
         r = t.region
         host = arena.buf.ctypes.data
+        stacked = r.block_stride == r.height * r.pitch and step == r.height * r.width
         with self._device:
-            for block_id, offset in zip(block_ids, offsets):
-                device = t.base + block_id * r.block_stride
-                slot = host + offset + t.part_offset
-                if to_arena:
-                    runtime.memcpy2DAsync(slot, r.width, device, r.pitch, r.width, r.height, _D2H,
-                                          self._stream.ptr)
-                else:
-                    runtime.memcpy2DAsync(device, r.pitch, slot, r.width, r.width, r.height, _H2D,
-                                          self._stream.ptr)
+            for run in batch:
+                per_copy, copies = (run.count, 1) if stacked else (1, run.count)
+                for i in range(copies):
+                    device = t.base + (run.block_id + i) * r.block_stride
+                    slot = host + run.offset + i * step + t.part_offset
+                    if to_arena:
+                        runtime.memcpy2DAsync(slot, r.width, device, r.pitch, r.width, r.height * per_copy, _D2H,
+                                              self._stream.ptr)
+                    else:
+                        runtime.memcpy2DAsync(device, r.pitch, slot, r.width, r.width, r.height * per_copy, _H2D,
+                                              self._stream.ptr)
 
     def synchronize(self) -> None:
         self._stream.synchronize()

@@ -10,7 +10,12 @@ the tiers' business.
 from __future__ import annotations
 
 import enum
+import functools
+import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import takewhile
+from typing import cast
 
 # Block.flags bits (one small int instead of several fields: there may be millions of blocks)
 SEALED = 1      # bytes complete; visible to lookups
@@ -21,6 +26,8 @@ PROMOTING = 16  # being read up from the SSD tier into its DRAM slot
 SSD_DECLINED = 32   # the SSD tier's policy refused it (full of blocks worth more): it may leave DRAM uncopied
 WRITE_FAILED = 64   # its last write to the SSD tier failed: it may leave DRAM uncopied
 NO_SLOT = -1    # Block.offset when the block has no DRAM slot
+
+_cached = functools.partial(operator.is_not, None)   # a look-up that found a block, tested in C
 
 
 class Tier(enum.IntEnum):
@@ -73,6 +80,15 @@ class Block:
         return self.flags & (SEALED | DEMOTING) == SEALED and self.pins == 0 and self.children == 0
 
 
+@dataclass(frozen=True, slots=True)
+class Match:
+    """The readable blocks of a cached prefix, and whether each is settled in DRAM: in its slot
+    with no promotion in flight (its bytes are there to read now)."""
+
+    blocks: list[Block]
+    settled: bool
+
+
 class PrefixIndex:
     """The blocks of one namespace. Metadata only: it allocates and frees nothing."""
 
@@ -104,6 +120,39 @@ class PrefixIndex:
                 break
             out.append(block)
         return out
+
+    def match_marking(self, keys: Sequence[bytes], mark: int) -> Match:
+        """:meth:`match`, setting the flag bits ``mark`` on every block found, and whether all of
+        them are settled in DRAM: a lookup learns all it needs per block in one pass (a 32k-token
+        prompt is 2,048 blocks, and each pass over them costs ~0.1 ms)."""
+        get = self._blocks.get
+        # The dict look-ups in C. When the last key is cached so is every key before it (a key
+        # hashes its whole prefix, and only leaves leave), and all are looked up in one go; else
+        # they stop at the first miss, not to look up a long uncached suffix.
+        if keys and get(keys[-1]) is None:
+            found: list[Block | None] = list(takewhile(_cached, map(get, keys)))
+        else:
+            found = list(map(get, keys))
+        settled = True
+        n = len(found)
+        for i, block in enumerate(found):
+            if block is None:
+                n = i
+                break
+            flags = block.flags
+            if not flags & SEALED:
+                n = i
+                break
+            if block.offset == NO_SLOT:
+                if not flags & ON_SSD:
+                    n = i
+                    break
+                settled = False
+            elif flags & PROMOTING:
+                settled = False
+            block.flags = flags | mark
+        del found[n:]   # None cut off with the rest
+        return Match(cast(list[Block], found), settled)
 
     def insert(self, key: bytes, parent: Block | None, offset: int) -> Block:
         """Add an unsealed block under ``parent`` (None = root); the key must be new."""

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 from google.protobuf import json_format
+from numpy.lib.stride_tricks import as_strided
 
 from kvstored_client import coerce
 from kvstored_client.buffers import Buffers, Registration, describe_tensors
@@ -36,12 +37,32 @@ from kvstored_client.contract.errors import (
 from kvstored_client.contract.hashing import ChainHasher
 from kvstored_client.contract.namespace import Namespace
 from kvstored_client.contract.proto import kvstored_pb2 as pb
+from kvstored_client.contract.runs import runs, smallest_step
 from kvstored_client.results import LoadResult, LookupResult, SaveResult, StreamOutcome, loaded, per_tier
 from kvstored_client.streams import BlockStream, LoadHandle
 
 # The daemon repeats a migration's or a flush's progress at least every 5 s: a client gives up
 # after three silent intervals (or its timeout_s, when longer).
 PROGRESS_IDLE_MIN_S = 15.0
+
+
+def copy_rows(arena: np.ndarray, offsets: Sequence[int], rows: np.ndarray, to_arena: bool) -> None:
+    """Row ``i`` of ``rows`` to (or from) the arena slot at ``offsets[i]``, one copy per run of
+    slots side by side: a batch of small blocks otherwise paid a Python step per block."""
+    width = rows.shape[1]
+    offs = np.asarray(offsets, dtype=np.int64)   # a reply's repeated field read whole
+    if offs.size and (offs.min() < 0 or offs.max() + width > arena.size):
+        # the strided views below are not bounds-checked: a slot past the arena would be memory
+        # outside it
+        raise ValueError(f"the daemon named arena slots outside its {arena.size}-byte arena")
+    step = smallest_step(offs, width)
+    for run in runs(offs, step):
+        slots = as_strided(arena[run.offset:], shape=(run.count, width), strides=(step, 1), writeable=to_arena)
+        part = rows[run.start: run.start + run.count]
+        if to_arena:
+            np.copyto(slots, part)
+        else:
+            np.copyto(part, slots)
 
 
 class Client(Connection):
@@ -156,14 +177,13 @@ class Client(Connection):
             raise InvalidArgument(f"kv has {rows.shape[0]} rows for {n_blocks} blocks")
         if n_blocks == 0:
             return SaveResult(0, 0, spec.block_size)
-        block_bytes = reserve.block_bytes = rows.shape[1]
+        reserve.block_bytes = rows.shape[1]
         resp = self._call(self._stub.Reserve, reserve)
         if spec.block_bytes == 0:
             self._namespace_ids.pop(namespace or self.namespace, None)  # learn the fixed size
         first = resp.present_blocks
         try:
-            for i, offset in enumerate(resp.offsets):
-                arena[offset: offset + block_bytes] = rows[first + i]
+            copy_rows(arena, resp.offsets, rows[first:], to_arena=True)
         except BaseException:
             # interrupted (KeyboardInterrupt, a bad row): the reservation would keep other writers
             # of this prefix waiting until it expires
@@ -231,8 +251,7 @@ class Client(Connection):
                     raise InvalidArgument(f"a block of {block_bytes} bytes is not a whole number of "
                                           f"{row_type} items")
                 data = rows if row_type is None else rows.view(row_type)
-            for i, offset in enumerate(resp.offsets):
-                rows[i] = arena[offset: offset + block_bytes]
+            copy_rows(arena, resp.offsets, rows, to_arena=False)
         except BaseException:
             self._release_now(session, resp.lease_id)
             raise

