@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import time
@@ -42,21 +41,13 @@ from kvstored.config import parse_size
 from kvstored.policy.cost import DEFAULT_PREFILL_FLOPS_PER_S, shape_for
 from kvstored.policy.migration import Link, chunk_ends, kv_ready_pipelined, kv_ready_whole, prefill_schedule
 from tools.bench.chart import render
+from tools.bench.common import free_port
 from tools.bench.local_daemon import local_daemon
 
 BLOCK_TOKENS = 16
 POLL_S = 0.001
 READY_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 300.0
-
-
-def _ports(n: int) -> list[int]:
-    ports = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    return ports
 
 
 def _chain(blocks: int, seed: int) -> list[bytes]:
@@ -137,7 +128,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     largest = max(args.tokens) // BLOCK_TOKENS
     bb = args.block_bytes
     dram = -(-(largest * bb * 3 // 2 + (128 << 20)) // (32 << 20)) * (32 << 20)
-    pa, pb = _ports(2)
+    pa, pb = free_port(), free_port()
     static = f"a=127.0.0.1:{pa},b=127.0.0.1:{pb}"
     common = ("--dram-capacity", str(dram), "--set", "dram.page_bytes=32MiB", "--set", "ssd.enabled=false",
               "--log-level", "warning", "--set", "peers.token=bench", "--set", f"peers.static={static}")
