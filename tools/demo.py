@@ -10,8 +10,10 @@ then a decode node that has nothing streams a prompt from its peer block by bloc
 handover ledger: a paced prefill whose prompt the decode node pulls after it, or gets pushed
 chunk by chunk while it runs, each next to the ledger's prediction; 6. the SSD tier:
 DRAM written to SSD and emptied, a prompt loaded from SSD without a prefetch, another prefetched
-ahead of its load. With ``--after-restart`` (demo.sh runs it once the daemon has been stopped and
-started again on the same state): 7. prompts saved before the restart are found on SSD and served.
+ahead of its load, and the tiering ledger with those loads' speeds (from which block keeping a
+block in DRAM or on SSD beats recomputing it, and each load against recomputing its prompt).
+With ``--after-restart`` (demo.sh runs it once the daemon has been stopped and started again on
+the same state): 7. prompts saved before the restart are found on SSD and served.
 Every reused block is checked byte for byte against what the engine computed.
 """
 
@@ -32,13 +34,15 @@ import numpy as np
 
 import kvstored
 from kvstored import Namespace
-from kvstored.policy.cost import ModelShape
+from kvstored.policy.cost import ModelShape, TierCosts, break_even, prefix_prefill_flops
 from kvstored.policy.migration import Link, chunk_ends, kv_ready_pipelined, kv_ready_whole, prefill_schedule
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
 ROW_SHAPE = (LAYERS, 2, BLOCK, KV_HEADS, HEAD_DIM)  # one block: every layer's K and V
 NS = Namespace(model="demo-llama-1b", kv_dtype="float16", block_size=BLOCK)
-PREFILL_FLOPS = 1e14   # the handover's paced prefill: an inference GPU at a modest share of its peak
+# the ledgers' model (5c, 6e): this engine's shape at an inference GPU's modest share of its peak
+DEMO_SHAPE = ModelShape(params=1.2e9, layers=LAYERS, d_model=2048, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+PREFILL_FLOPS = 1e14
 
 
 def prefill(tokens: np.ndarray) -> np.ndarray:
@@ -248,21 +252,26 @@ def disaggregated() -> None:
             f"{len(other_kv)} blocks to stream, in order; {len(arrived)} arrived ({out.blocks} by the outcome)"
         print(f"{'5b. decode node streams from peer':<36} lookup(peers=True) {hit.per_tier}, per peer "
               f"{hit.per_peer}; first block after {first * 1e3:.1f} ms, all {out.blocks} after {last * 1e3:.1f} ms")
-        rate = (len(other_kv) - 1) * other_kv[0].nbytes / max(last - first, 1e-6)
-        handover(prefill_node, decode_node, Link(max(0.0, first - other_kv[0].nbytes / rate), rate))
+        handover(prefill_node, decode_node)
 
 
-def handover(prefill_node: kvstored.Client, decode_node: kvstored.Client, link: Link) -> None:
+def handover(prefill_node: kvstored.Client, decode_node: kvstored.Client) -> None:
     """5c: the seed's migration ledger made into numbers. A prompt's prefill paced at what this
     model costs at PREFILL_FLOPS, 16 blocks a chunk; the decode node pulls it after the prefill, or
-    gets each chunk pushed as it is done; each measured next to the ledger (the link from 5b)."""
-    shape = ModelShape(params=1.2e9, layers=LAYERS, d_model=2048, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    gets each chunk pushed as it is done; each measured next to the ledger, whose link speed is
+    that of a pull of another prompt just before."""
+    probe = np.concatenate([words(21, 1024), words(22, 1000)])
+    probe_kv = prefill(probe)
+    prefill_node.save(probe, probe_kv, namespace=NS)
+    t0 = time.perf_counter()
+    assert decode_node.pull(probe, namespace=NS).complete
+    link = Link(0.0, probe_kv.nbytes / (time.perf_counter() - t0))
     took: dict[bool, float] = {}
     for push in (False, True):
         prompt = np.concatenate([words(17 + push, 1024), words(19 + push, 1000)])
         kv = prefill(prompt)
         n = len(kv)
-        schedule = prefill_schedule(shape, n, BLOCK, 16, PREFILL_FLOPS)
+        schedule = prefill_schedule(DEMO_SHAPE, n, BLOCK, 16, PREFILL_FLOPS)
         start = time.perf_counter()
         for at, end in zip(schedule, chunk_ends(n, 16)):
             time.sleep(max(0.0, start + at - time.perf_counter()))
@@ -299,7 +308,8 @@ def ssd_tier(client: kvstored.Client, conversation: np.ndarray, other: np.ndarra
              later: np.ndarray) -> None:
     """Scenario 6: every DRAM block written to SSD and dropped from DRAM; ``conversation`` loaded
     from SSD as it is, ``other`` (whose first ``shared`` tokens it shares) prefetched ahead of its
-    load; ``later`` saved after, in DRAM only (the daemon's stop writes it to SSD)."""
+    load; ``later`` saved after, in DRAM only (the daemon's stop writes it to SSD); then the
+    tiering ledger with the two loads' speeds."""
     print()
     written = client.flush()
     dropped = client.evict(tier="dram")
@@ -308,6 +318,7 @@ def ssd_tier(client: kvstored.Client, conversation: np.ndarray, other: np.ndarra
           f"from DRAM; the conversation is now {hit.per_tier}")
     assert hit.per_tier == {"ssd": hit.blocks} and hit.blocks == whole(conversation) // BLOCK, hit
     mib, dt = check_load(client, conversation, "6b")
+    from_ssd = (len(prefill(conversation)), mib, dt)
     after = client.lookup(conversation, namespace=NS)
     print(f"{'6b. load from SSD, no prefetch':<36} {mib:.1f} MiB in {dt * 1e3:.2f} ms, identical; "
           f"now {after.per_tier}")
@@ -318,11 +329,32 @@ def ssd_tier(client: kvstored.Client, conversation: np.ndarray, other: np.ndarra
     while client.lookup(other, namespace=NS).per_tier.get("ssd") and time.monotonic() < deadline:
         time.sleep(0.005)
     mib, dt = check_load(client, other, "6c")
+    from_dram = (len(prefill(other)), mib, dt)
     print(f"{'6c. prefetch, then load':<36} prefetch of {started.blocks} cached blocks: {started.per_tier} "
           f"(the system prompt came up in 6b); then {mib:.1f} MiB from DRAM in {dt * 1e3:.2f} ms, identical")
     assert started.blocks == whole(other) // BLOCK, started
     assert started.per_tier == {"promoting": started.blocks - shared // BLOCK}, started
     serve(client, later, "6d. a request after the flush")
+    tiering_ledger(from_dram, from_ssd)
+
+
+def tiering_ledger(from_dram: tuple[int, float, float], from_ssd: tuple[int, float, float]) -> None:
+    """6e: the seed's tiering inequality, ``prefill_cost(block) > read_cost(tier) + write_cost``,
+    with the read speeds the loads of 6c (DRAM) and 6b (SSD) had here and this model's prefill at
+    PREFILL_FLOPS: from which block on keeping blocks in each tier pays, and each load against
+    recomputing its prompt."""
+    cost = {}
+    for tier, (_, mib, seconds) in (("dram", from_dram), ("ssd", from_ssd)):
+        rate = mib * 2**20 / seconds
+        cost[tier] = TierCosts(tier, rate, rate)
+    block_bytes = int(np.prod(ROW_SHAPE)) * 2
+    even = {t: break_even(DEMO_SHAPE, BLOCK, block_bytes, PREFILL_FLOPS, c, cost["dram"]) for t, c in cost.items()}
+    loads = "; ".join(f"{blocks} blocks from {tier.upper()} {seconds * 1e3:.0f} ms against recomputing them "
+                      f"{prefix_prefill_flops(DEMO_SHAPE, blocks, BLOCK) / PREFILL_FLOPS * 1e3:.0f} ms"
+                      for tier, (blocks, _, seconds) in (("dram", from_dram), ("ssd", from_ssd)))
+    pays = ", ".join(f"{t.upper()} ({cost[t].read_bytes_per_s / 1e9:.2f} GB/s here) from block "
+                     f"{'never' if even[t] is None else even[t]}" for t in cost)
+    print(f"{'6e. tiering ledger':<36} at {PREFILL_FLOPS:.0e} FLOP/s, keeping a block pays in {pays}; {loads}")
 
 
 def after_restart(client: kvstored.Client, prompts: list[tuple[str, np.ndarray]]) -> None:

@@ -105,6 +105,26 @@ def admit(prefill_s: float, block_bytes: int, slow: TierCosts, fast: TierCosts) 
     return prefill_s > slow.read_seconds(block_bytes) + fast.write_seconds(block_bytes)
 
 
+def break_even(shape: ModelShape, block_tokens: int, block_bytes: int, flops_per_s: float, slow: TierCosts,
+               fast: TierCosts = DRAM_REFERENCE, limit: int = 1 << 20) -> int | None:
+    """The first block index from which keeping blocks in ``slow`` pays (:func:`admit`): a
+    block's prefill grows with its depth (attention over the prefix), reading it back does not.
+    None when no block before ``limit`` pays."""
+    def pays(index: int) -> bool:
+        return admit(prefill_flops(shape, index, block_tokens) / flops_per_s, block_bytes, slow, fast)
+
+    if not pays(limit):
+        return None
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pays(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def ttft_estimate(queue_s: float, missed_prefill_s: float, kv_wait_s: float,
                   first_block_decode_s: float) -> float:
     """Estimated time to first token on one instance:

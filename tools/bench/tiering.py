@@ -35,7 +35,7 @@ import numpy as np
 warnings.filterwarnings("ignore")   # before transformers is imported: its import-time warnings too
 
 from kvstored.policy.cost import ModelShape as CostShape  # noqa: E402
-from kvstored.policy.cost import TierCosts, prefill_flops, prefix_prefill_flops  # noqa: E402
+from kvstored.policy.cost import TierCosts, break_even, prefix_prefill_flops  # noqa: E402
 from kvstored.policy.prefill_fit import PrefillFit  # noqa: E402
 from tools.bench.chart import render  # noqa: E402
 from tools.bench.local_daemon import local_daemon  # noqa: E402
@@ -59,23 +59,6 @@ def tiny_cost_shape() -> CostShape:
 
 def block_bytes() -> int:
     return 2 * SHAPE.layers * SHAPE.kv_heads * (SHAPE.hidden // SHAPE.heads) * 4 * BLOCK   # K and V, fp32
-
-
-def break_even(shape: CostShape, block_tokens: int, nbytes: int, flops_per_s: float, tier: TierCosts,
-               limit: int = 1 << 20) -> int | None:
-    """The first block index whose prefill costs more than reading it from ``tier`` and writing
-    it into DRAM (a GPU's memory in a real engine; DRAM stands in for it here); None past ``limit``."""
-    cost = tier.read_seconds(nbytes) + DRAM.write_seconds(nbytes)
-    lo, hi = 0, limit
-    if prefill_flops(shape, hi, block_tokens) / flops_per_s <= cost:
-        return None
-    while lo < hi:   # prefill cost grows with the index (attention over the prefix)
-        mid = (lo + hi) // 2
-        if prefill_flops(shape, mid, block_tokens) / flops_per_s > cost:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 def measure(lengths: list[int], runs: int) -> dict[str, Any]:
@@ -150,8 +133,8 @@ def predict(measured: dict[str, Any]) -> dict[str, Any]:
     for tier in TIERS:
         pred[tier.name] = {n: t + pred["load_overhead_s"] for n, t in pred[tier.name].items()}
     pred["break_even"] = {
-        "tiny": {t.name: break_even(shape, BLOCK, nbytes, speed.flops_per_s, t) for t in TIERS},
-        "llama-3-8b": {t.name: break_even(CostShape.llama3_8b(), 16, 2 << 20, 4e14, t) for t in TIERS},
+        "tiny": {t.name: break_even(shape, BLOCK, nbytes, speed.flops_per_s, t, DRAM) for t in TIERS},
+        "llama-3-8b": {t.name: break_even(CostShape.llama3_8b(), 16, 2 << 20, 4e14, t, DRAM) for t in TIERS},
     }
     return pred
 

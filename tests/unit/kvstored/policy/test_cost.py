@@ -12,6 +12,7 @@ from kvstored.policy.cost import (
     TierCosts,
     admit,
     admit_block,
+    break_even,
     flops_seconds,
     prefill_flops,
     prefix_prefill_flops,
@@ -111,3 +112,15 @@ def test_ttft_estimate_overlaps_load_and_prefill() -> None:
     assert ttft_estimate(0, 0, 0, 0) == 0
     with pytest.raises(ValueError):
         ttft_estimate(-1, 0, 0, 0)
+
+
+def test_break_even_is_the_first_block_whose_prefill_outweighs_the_read() -> None:
+    """An 8B model at 4e14 FLOP/s with 2 MiB blocks: DRAM pays from the first block, the reference
+    SSD only deep into a prompt (attention makes deeper blocks dearer), a slow enough tier never."""
+    shape, nbytes, rate = ModelShape.llama3_8b(), 2 << 20, 4e14
+    assert break_even(shape, 16, nbytes, rate, DRAM_REFERENCE) == 0
+    ssd = break_even(shape, 16, nbytes, rate, SSD_REFERENCE)
+    assert ssd is not None and ssd > 0
+    assert admit(prefill_flops(shape, ssd, 16) / rate, nbytes, SSD_REFERENCE, DRAM_REFERENCE)
+    assert not admit(prefill_flops(shape, ssd - 1, 16) / rate, nbytes, SSD_REFERENCE, DRAM_REFERENCE)
+    assert break_even(shape, 16, nbytes, rate, TierCosts("tape", 1e3, 1e3), limit=1 << 10) is None
