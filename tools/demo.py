@@ -318,7 +318,7 @@ def ssd_tier(client: kvstored.Client, conversation: np.ndarray, other: np.ndarra
           f"from DRAM; the conversation is now {hit.per_tier}")
     assert hit.per_tier == {"ssd": hit.blocks} and hit.blocks == whole(conversation) // BLOCK, hit
     mib, dt = check_load(client, conversation, "6b")
-    from_ssd = (len(prefill(conversation)), mib, dt)
+    from_ssd = (whole(conversation) // BLOCK, mib, dt)
     after = client.lookup(conversation, namespace=NS)
     print(f"{'6b. load from SSD, no prefetch':<36} {mib:.1f} MiB in {dt * 1e3:.2f} ms, identical; "
           f"now {after.per_tier}")
@@ -329,7 +329,7 @@ def ssd_tier(client: kvstored.Client, conversation: np.ndarray, other: np.ndarra
     while client.lookup(other, namespace=NS).per_tier.get("ssd") and time.monotonic() < deadline:
         time.sleep(0.005)
     mib, dt = check_load(client, other, "6c")
-    from_dram = (len(prefill(other)), mib, dt)
+    from_dram = (whole(other) // BLOCK, mib, dt)
     print(f"{'6c. prefetch, then load':<36} prefetch of {started.blocks} cached blocks: {started.per_tier} "
           f"(the system prompt came up in 6b); then {mib:.1f} MiB from DRAM in {dt * 1e3:.2f} ms, identical")
     assert started.blocks == whole(other) // BLOCK, started
