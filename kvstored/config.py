@@ -38,6 +38,7 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0
     watchdog: bool = True            # send WATCHDOG=1 when systemd asks for it
     gc_freeze_interval_s: float = 60.0   # collect, then freeze long-lived objects (0 = leave the GC as it is)
+    fast_socket: bool = True         # also serve the hot calls in frames on a second Unix socket (the fast path)
 
 
 @dataclass(frozen=True, slots=True)

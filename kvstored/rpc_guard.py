@@ -46,6 +46,16 @@ def heard(exc: KVStoreError) -> None:
         hear(exc)
 
 
+def hear_refusals(bad: BadRequests, method: str, client: str) -> None:
+    """From here on in this task (a call), count each of its refusals that is the client's
+    mistake (INVALID_ARGUMENT) in ``bad`` as ``method``'s, from ``client``: every listener's
+    calls (gRPC's, the fast path's) are counted the same way."""
+    def count(exc: KVStoreError) -> None:
+        if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+            bad.record(method, str(exc.reason).lower(), client, str(exc))
+    _refusals.set(count)
+
+
 async def plain_abort(context: grpc.aio.ServicerContext, exc: KVStoreError) -> None:
     """End the call with ``exc``'s status code and message, no details (a service without reasons)."""
     heard(exc)
@@ -117,13 +127,8 @@ class RequestGuard(grpc.aio.ServerInterceptor):
         end = self._end
 
         def hear(context: grpc.aio.ServicerContext) -> None:
-            def count(exc: KVStoreError) -> None:
-                if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-                    bad.record(method, str(exc.reason).lower(), _client(context.peer()), str(exc))
-            _refusals.set(count)
+            hear_refusals(bad, method, _client(context.peer()))
 
-        def malformed(detail: str) -> InvalidArgument:
-            return InvalidArgument(f"the request does not parse: {detail}", Reason.MALFORMED_REQUEST)
 
         if not handler.request_streaming:
             def parse_unary(raw: bytes) -> Any:
@@ -154,6 +159,11 @@ class RequestGuard(grpc.aio.ServerInterceptor):
                                                         parse_streamed, handler.response_serializer)
         return grpc.stream_stream_rpc_method_handler(_guarded(handler.stream_stream, hear, None, end),
                                                      parse_streamed, handler.response_serializer)
+
+
+def malformed(detail: str) -> InvalidArgument:
+    """The refusal of a request whose bytes are not the method's message."""
+    return InvalidArgument(f"the request does not parse: {detail}", Reason.MALFORMED_REQUEST)
 
 
 def _client(peer: str) -> str:

@@ -27,6 +27,7 @@ from kvstored.peers.errors import PeerConfigError
 from kvstored.peers.node import PeerNode
 from kvstored.rpc_guard import BadRequests, RequestGuard
 from kvstored.server import gc_freeze, logs, sdnotify
+from kvstored.server.fast_path import FastPath
 from kvstored.server.kv_events import KvEvents
 from kvstored.server.metrics import RpcTimer, Snapshot, serve_metrics
 from kvstored.server.servicer import KVStoreServicer
@@ -36,6 +37,7 @@ from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
 from kvstored.tiers.ssd import InUse, SSDTier
 from kvstored_client import __version__
+from kvstored_client.contract.frames import fast_socket_path
 from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstored")
@@ -203,6 +205,9 @@ async def serve(cfg: Config) -> int:
 
     sock_path = Path(cfg.socket_path)
     _prepare_socket(sock_path)
+    fast_path_file = Path(fast_socket_path(str(sock_path))) if cfg.server.fast_socket else None
+    if fast_path_file is not None:
+        _prepare_socket(fast_path_file)   # (a stale one a dead daemon left is taken over)
     health_servicer = health.aio.HealthServicer()
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -226,6 +231,8 @@ async def serve(cfg: Config) -> int:
     peers: PeerNode | None = None
     events: KvEvents | None = None
     metrics_server: WSGIServer | None = None
+    fast: FastPath | None = None
+    fast_id: tuple[int, int, int] | None = None
     socket_bound = False
     tcp_address = ""
     try:
@@ -307,9 +314,19 @@ async def serve(cfg: Config) -> int:
                 raise StartupError(f"cannot join the cluster: {exc}") from None
             log.info("peers: node %s, block channel on %s, membership %s, %d peer(s) known", peers.node_id,
                      peers.listen or "(not listening)", peers.membership_name, len(peers.known_peers))
-        pb_grpc.add_KVStoreServicer_to_server(
-            KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down, peers),
-            server)
+        servicer = KVStoreServicer(store, arena, cfg.leases.ttl_s, cfg.server.max_batch_blocks, shutting_down,
+                                   peers, fast_socket=str(fast_path_file or ""))
+        pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+        if fast_path_file is not None:
+            # before gRPC serves: a Hello never names a socket nobody listens on
+            fast = FastPath(servicer, bad_requests,
+                            (lambda name: timer.histogram.labels(name).observe) if timer is not None else None)
+            try:
+                await fast.start(fast_path_file, cfg.server.socket_mode)
+            except OSError as exc:
+                raise StartupError(f"cannot listen on the fast socket {fast_path_file}: {exc.strerror or exc} "
+                                   "(server.fast_socket = false turns it off)") from None
+            fast_id = _file_id(fast_path_file)
         if cfg.server.metrics:
             snapshot = functools.partial(_metrics_snapshot, store, peers, events)
             try:
@@ -332,6 +349,11 @@ async def serve(cfg: Config) -> int:
         _stop_metrics(metrics_server)
         with contextlib.suppress(Exception):
             await server.stop(None)
+        if fast is not None:
+            fast.close()
+            if fast_path_file is not None and _file_id(fast_path_file) == fast_id:
+                with contextlib.suppress(OSError):
+                    fast_path_file.unlink()
         if peers is not None:
             with contextlib.suppress(Exception):
                 await peers.close()
@@ -388,8 +410,9 @@ async def serve(cfg: Config) -> int:
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     serving = f"{sock_path}" + (f" and {tcp_address}" if tcp_address else "")
     sdnotify.notify(f"READY=1\nSTATUS=serving on {serving}\nMAINPID={os.getpid()}")
-    log.info("kvstored %s serving on unix:%s%s", __version__, sock_path,
-             f" and {tcp_address}" if tcp_address else "")
+    log.info("kvstored %s serving on unix:%s%s%s", __version__, sock_path,
+             f" and {tcp_address}" if tcp_address else "",
+             f" (fast path on {fast_path_file})" if fast is not None else "")
 
     await stop.wait()
     log.info("shutting down: finishing in-flight calls")
@@ -403,11 +426,15 @@ async def serve(cfg: Config) -> int:
     # No new calls from here on; calls with a copy in flight finish under their sessions first
     # (ending a session dooms its busy leases: a SaveBlocks copying at SIGTERM stored nothing).
     stopping = asyncio.ensure_future(server.stop(cfg.server.shutdown_grace_s))
+    if fast is not None:
+        fast.stop_accepting()   # calls still coming on open connections are answered DAEMON_STOPPING
     if not await store.quiesce(cfg.server.shutdown_grace_s):
         log.warning("copies still in flight after %.0f s (server.shutdown_grace_s): ending their sessions",
                     cfg.server.shutdown_grace_s)
     shutting_down.set()  # ends session streams so clients see the shutdown
     await stopping
+    if fast is not None:
+        fast.close()
     for task in tasks:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -452,5 +479,8 @@ async def serve(cfg: Config) -> int:
     if _file_id(sock_path) == sock_id:
         with contextlib.suppress(FileNotFoundError):
             sock_path.unlink()
+    if fast_path_file is not None and _file_id(fast_path_file) == fast_id:
+        with contextlib.suppress(FileNotFoundError):
+            fast_path_file.unlink()
     log.info("stopped")
     return 0

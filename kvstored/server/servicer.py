@@ -7,7 +7,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -51,7 +51,14 @@ def _tiers_pb(tiers: list[Tier]) -> list[pb.Tier]:
     return [_TIER_PB[t] for t in tiers]
 
 
-def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+class CallContext(Protocol):
+    """What the unary handlers ask of their call: gRPC's context, or the fast path's
+    (kvstored/server/fast_path.py), which serves the same handlers."""
+
+    def time_remaining(self) -> float | None: ...
+
+
+def _deadline(context: CallContext) -> float | None:
     """The call's deadline on the event loop's clock (None: it has none). The client's own
     deadline passes a little before this one (the request's way over), or long before it when
     the daemon read the request late (frozen, starved)."""
@@ -59,7 +66,7 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else asyncio.get_running_loop().time() + remaining
 
 
-def _answer_by(context: grpc.aio.ServicerContext) -> float | None:
+def _answer_by(context: CallContext) -> float | None:
     """When (the event loop's time) a call that may wait should stop waiting so that its answer
     reaches the client before its deadline: STREAM_END_MARGIN_S (or a tenth of the time left)
     before it; None without a deadline."""
@@ -141,10 +148,14 @@ async def _with_heartbeat(progress: AsyncGenerator[P, None], message: Callable[[
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
+    """The daemon's gRPC service. The hot unary handlers (kvstored_client.contract.frames.METHODS)
+    are also the fast path's: they ask their context only for the time left."""
+
     def __init__(self, store: BlockStore, arena: Arena, lease_ttl_s: float, max_batch_blocks: int,
                  shutting_down: asyncio.Event, peers: PeerNode | None = None,
-                 streamer: ChainStreamer | None = None) -> None:
+                 streamer: ChainStreamer | None = None, fast_socket: str = "") -> None:
         self._store = store
+        self._fast_socket = fast_socket
         self._streamer = streamer if streamer is not None else ChainStreamer(store)
         self._peers = peers
         self._arena = arena
@@ -157,7 +168,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
         return pb.HelloResponse(version=__version__, arena_path=str(self._arena.path),
                                 arena_bytes=self._arena.capacity, lease_ttl_ms=self._lease_ttl_ms,
-                                max_batch_blocks=self._max_batch, packed_keys=True, end_stream=True)
+                                max_batch_blocks=self._max_batch, packed_keys=True, end_stream=True,
+                                fast_socket=self._fast_socket)
 
     async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
@@ -201,7 +213,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.OpenNamespaceResponse(namespace_id=state.namespace_id, spec=namespace_to_pb(state.spec))
 
     @mapped
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context: CallContext) -> pb.LookupResponse:
         if request.peers and request.lease:
             raise InvalidArgument("a lookup cannot both lease and ask peers; stream the blocks instead")
         holders: dict[str, int] = {}
@@ -217,7 +229,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                                  peer_hits=[pb.PeerHit(node_id=n, blocks=c) for n, c in sorted(holders.items())])
 
     @mapped
-    async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+    async def Reserve(self, request: pb.ReserveRequest, context: CallContext) -> pb.ReserveResponse:
         r = await self._store.reserve_waiting(request.session_id, request.namespace_id, _keys(request.keys),
                                               request.block_bytes, _answer_by(context))
         return pb.ReserveResponse(reservation_id=r.reservation_id, present_blocks=r.present,
@@ -233,7 +245,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return self._peers
 
     @mapped
-    async def Seal(self, request: pb.SealRequest, context: grpc.aio.ServicerContext) -> pb.SealResponse:
+    async def Seal(self, request: pb.SealRequest, context: CallContext) -> pb.SealResponse:
         try:
             peers = self._push_target(request.push_to)
         except KVStoreError:
@@ -251,7 +263,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.SealResponse(sealed_blocks=sealed)
 
     @mapped
-    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+    async def Release(self, request: pb.ReleaseRequest, context: CallContext) -> pb.ReleaseResponse:
         self._store.release(request.session_id, request.lease_id)
         return pb.ReleaseResponse()
 
@@ -271,7 +283,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @mapped
     async def SaveBlocks(self, request: pb.SaveBlocksRequest,
-                         context: grpc.aio.ServicerContext) -> pb.SaveBlocksResponse:
+                         context: CallContext) -> pb.SaveBlocksResponse:
         peers = self._push_target(request.push_to)
         keys = _keys(request.keys)
         if peers is not None:   # the chain is needed twice: token ids are hashed once
@@ -286,7 +298,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @mapped
     async def LoadBlocks(self, request: pb.LoadBlocksRequest,
-                         context: grpc.aio.ServicerContext) -> pb.LoadBlocksResponse:
+                         context: CallContext) -> pb.LoadBlocksResponse:
         tiers = await self._store.load_blocks(request.session_id, request.namespace_id,
                                               request.buffers_id, _keys(request.keys), _block_ids(request),
                                               copy_until=_deadline(context))
@@ -435,7 +447,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             await abort(context, exc)
 
     @mapped
-    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
+    async def Prefetch(self, request: pb.PrefetchRequest, context: CallContext) -> pb.PrefetchResponse:
         hit, promoting = self._store.prefetch(request.namespace_id, _keys(request.keys))
         return pb.PrefetchResponse(hit_blocks=hit, promoting_blocks=promoting)
 
@@ -458,7 +470,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             await abort(context, exc)
 
     @mapped
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+    async def Stats(self, request: pb.StatsRequest, context: CallContext) -> pb.StatsResponse:
         s = self._store.stats()
         return pb.StatsResponse(
             version=__version__, uptime_s=s.uptime_s,

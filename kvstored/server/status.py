@@ -47,15 +47,20 @@ def details(exc: KVStoreError) -> str:
     return text
 
 
-def rich_status(exc: KVStoreError) -> grpc.Status:
-    """``exc`` as the status a call ends with: code, message and reason."""
+def status_message(exc: KVStoreError) -> status_pb2.Status:
+    """``exc`` as a ``google.rpc.Status``: code, message and reason (gRPC sends it in the
+    ``grpc-status-details-bin`` trailer, the fast path as a failed call's answer)."""
     code = exc.code or grpc.StatusCode.UNKNOWN
     # (protobuf refuses a lone surrogate, which an OS error's text may hold; grpc-message the same)
     message = details(exc).encode("utf-8", "replace").decode("utf-8")
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=str(exc.reason), domain=DOMAIN))
-    status: grpc.Status = rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message,
-                                                                  details=[info]))
+    return status_pb2.Status(code=code.value[0], message=message, details=[info])
+
+
+def rich_status(exc: KVStoreError) -> grpc.Status:
+    """``exc`` as the status a call ends with: code, message and reason."""
+    status: grpc.Status = rpc_status.to_status(status_message(exc))
     return status
 
 

@@ -61,7 +61,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "packed_keys", "end_stream")
+    __slots__ = ("version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "packed_keys", "end_stream", "fast_socket")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class HelloResponse(_message.Message):
     MAX_BATCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     END_STREAM_FIELD_NUMBER: _ClassVar[int]
+    FAST_SOCKET_FIELD_NUMBER: _ClassVar[int]
     version: str
     arena_path: str
     arena_bytes: int
@@ -76,7 +77,8 @@ class HelloResponse(_message.Message):
     max_batch_blocks: int
     packed_keys: bool
     end_stream: bool
-    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., packed_keys: _Optional[bool] = ..., end_stream: _Optional[bool] = ...) -> None: ...
+    fast_socket: str
+    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., packed_keys: _Optional[bool] = ..., end_stream: _Optional[bool] = ..., fast_socket: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("client_name", "pid")
