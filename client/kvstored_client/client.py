@@ -76,12 +76,17 @@ class Client(Connection):
     replaces it; ``""`` is no salt), so tenants cannot probe each other's prefixes; calls that pass
     an engine's ``hashes`` take them as they are (the engine hashed with its salt).
     Raises :class:`DaemonNotRunning` when nothing answers on the socket.
+
+    The hot calls (lookup, save and load, save_blocks/load_blocks with ``wait``, prefetch, stats)
+    take the daemon's fast path (plain frames on its second Unix socket) when it offers one and
+    gRPC otherwise, with the same errors and deadlines (``transport`` says which);
+    ``fast_path=False`` (or ``KVSTORED_FAST_PATH=0``) keeps every call on gRPC.
     """
 
     def __init__(self, socket: str | None = None, *, namespace: Namespace | None = None,
                  client_name: str = "kvstored-python", timeout_s: float = 30.0,
-                 cache_salt: str | None = None) -> None:
-        super().__init__(socket, namespace, client_name, timeout_s)
+                 cache_salt: str | None = None, fast_path: bool | None = None) -> None:
+        super().__init__(socket, namespace, client_name, timeout_s, fast_path)
         self._cache_salt = cache_salt
         self._hashers: dict[tuple[int, str, str], ChainHasher] = {}
         self._stream_ids = itertools.count(1)   # next() is atomic under the GIL: threads may share it

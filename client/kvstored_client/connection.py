@@ -17,24 +17,29 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Self, TypeVar
+from typing import Any, Self, TypeVar, cast
 
 import grpc
 import numpy as np
 
 from kvstored_client.contract.errors import DaemonNotRunning, DeadlineExceeded, InvalidArgument, KVStoreError, Reason
+from kvstored_client.contract.frames import METHODS
 from kvstored_client.contract.namespace import Namespace
 from kvstored_client.contract.paths import discover_socket_path, socket_path_problem
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.contract.wire import namespace_from_pb, namespace_to_pb
 from kvstored_client.errors import ClientClosed, from_rpc_error, reason_of
+from kvstored_client.fast_path import FastChannel, Unreachable
 
 MAX_MESSAGE_BYTES = 64 << 20
 # gRPC backs off reconnecting after a failed connect (1 s, growing 1.6x up to 120 s): calls made
 # while the daemon restarts stretched it, and the same client kept failing with DaemonNotRunning for
 # as long again after the daemon was back. The daemon is local: retrying its socket is cheap.
 RECONNECT_BACKOFF_MS = 100
+# A fast socket that cannot be opened is tried again after this long (calls take gRPC meanwhile).
+FAST_RETRY_S = 1.0
+FAST_PATH_ENV = "KVSTORED_FAST_PATH"   # "0": gRPC for every call (tests, debugging)
 MAX_RECONNECT_BACKOFF_MS = 1000
 T = TypeVar("T")
 
@@ -43,7 +48,8 @@ class Connection:
     """The daemon at ``socket`` (the default one when None), answering within ``timeout_s``;
     DaemonNotRunning when nothing answers there. ``namespace``: the one calls use by default."""
 
-    def __init__(self, socket: str | None, namespace: Namespace | None, client_name: str, timeout_s: float) -> None:
+    def __init__(self, socket: str | None, namespace: Namespace | None, client_name: str, timeout_s: float,
+                 fast_path: bool | None = None) -> None:
         self.socket = socket or discover_socket_path()
         self._timeout = timeout_s
         self._client_name = client_name
@@ -99,6 +105,27 @@ class Connection:
         self._releases_lock = threading.Lock()
         self._pending_releases: list[grpc.Future] = []
         self.namespace = namespace or Namespace()
+        # The fast path for the hot calls, when the daemon offers one and is on this host (a
+        # Unix socket); off with fast_path=False or KVSTORED_FAST_PATH=0.
+        if fast_path is None:
+            fast_path = os.environ.get(FAST_PATH_ENV, "1") not in ("0", "false", "no", "off")
+        self._fast: FastChannel | None = None
+        self._fast_retry_at = 0.0
+        self._fast_routes = {id(getattr(self._stub, name)): (name, response)
+                             for name, _, response in METHODS.values()}
+        if fast_path and self._hello.fast_socket and target.startswith("unix:"):
+            self._fast = FastChannel(self._hello.fast_socket)
+            try:
+                self._fast.open()
+            except Unreachable:
+                self._fast_retry_at = time.monotonic() + FAST_RETRY_S
+
+    @property
+    def transport(self) -> str:
+        """How the hot calls travel now: "frames" (the daemon's fast socket) or "grpc"."""
+        if self._fast is None or time.monotonic() < self._fast_retry_at:
+            return "grpc"
+        return "frames"
 
     # -- plumbing -----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -126,11 +153,24 @@ class Connection:
             self._namespace_ids.clear()
         return err
 
+    def _invoke(self, method: Callable[..., T], request: Any) -> T:
+        """``method`` (a stub's) on ``request``: on the fast path when it carries the method and
+        its socket opens, else by gRPC. Raises grpc.RpcError (the fast path's as well)."""
+        fast = self._fast
+        if fast is not None:
+            route = self._fast_routes.get(id(method))
+            if route is not None and time.monotonic() >= self._fast_retry_at:
+                try:
+                    return cast(T, fast.call(route[0], request, route[1], self._timeout))
+                except Unreachable:
+                    self._fast_retry_at = time.monotonic() + FAST_RETRY_S
+        return method(request, timeout=self._timeout)
+
     def _call(self, method: Callable[..., T], request: Any) -> T:
         self._check_open()
         try:
             try:
-                return method(request, timeout=self._timeout)
+                return self._invoke(method, request)
             except grpc.RpcError as exc:
                 ns_id = getattr(request, "namespace_id", 0)
                 known = [ns for ns, entry in list(self._namespace_ids.items()) if entry[0] == ns_id]
@@ -141,7 +181,7 @@ class Connection:
                 # daemon refused the call before doing anything.
                 self._namespace_ids.pop(known[0], None)
                 request.namespace_id = self._ns(known[0])[0]
-                return method(request, timeout=self._timeout)
+                return self._invoke(method, request)
         except grpc.RpcError as exc:
             raise self._error(exc) from None
         except ValueError:   # grpc's "Cannot invoke RPC on closed channel!"
@@ -325,6 +365,9 @@ class Connection:
         raises: a lease that cannot be released (the session or the client is gone) expires."""
         if session_id != self._session_id:
             return   # its session ended: the daemon released the lease with it
+        if self.transport == "frames":   # a round trip costs less than a future here
+            self._release_now(session_id, lease_id)
+            return
         try:
             # The future must stay referenced until it is done: grpc cancels a collected one.
             fut = self._stub.Release.future(pb.ReleaseRequest(session_id=session_id, lease_id=lease_id),
@@ -338,7 +381,7 @@ class Connection:
     def _release_now(self, session_id: str, lease_id: int) -> None:
         """Give a lease back on a failure path; the original error is what the caller sees."""
         try:
-            self._stub.Release(pb.ReleaseRequest(session_id=session_id, lease_id=lease_id), timeout=self._timeout)
+            self._invoke(self._stub.Release, pb.ReleaseRequest(session_id=session_id, lease_id=lease_id))
         except (grpc.RpcError, ValueError):
             pass   # it expires by itself
 
@@ -354,6 +397,8 @@ class Connection:
         done.set()
         if call is not None:
             call.cancel()
+        if self._fast is not None:
+            self._fast.close()
         self._channel.close()
         self._arena = None
         if self._arena_map is not None:
