@@ -104,11 +104,14 @@ def daemon(daemon_factory) -> Daemon:  # type: ignore[no-untyped-def]
     return daemon_factory()  # type: ignore[no-any-return]
 
 
-@pytest.fixture
-def client(daemon: Daemon) -> Iterator[object]:
+@pytest.fixture(params=["frames", "grpc"])
+def client(daemon: Daemon, request: pytest.FixtureRequest) -> Iterator[object]:
+    """A client of ``daemon``, once with its hot calls on the fast path (frames on the daemon's
+    second socket), once all on gRPC: every test using it checks both transports."""
     import kvstored
 
-    c = kvstored.Client(daemon.socket)
+    c = kvstored.Client(daemon.socket, fast_path=request.param == "frames")
+    assert c.transport == request.param
     yield c
     c.close()
 

@@ -1,6 +1,6 @@
 """Hostile requests against a kvstored, on every method of the KVStore service.
 
-    python -m tools.fuzz --requests 10000 [--socket PATH] [--seed N] [--timeout-s 10]
+    python -m tools.fuzz --requests 10000 [--socket PATH] [--seed N] [--timeout-s 10] [--transport frames]
 
 Fires random requests (random bytes, truncated messages, huge repeated fields, wrong-length
 hashes, other sessions' ids) at the daemon on ``--socket``, or at one it starts in a temporary
@@ -10,6 +10,10 @@ by method, statuses the README's table does not document for the method, and the
 before and after. Exit status 1 when there was a crash, a hang or an undocumented status.
 
 The methods are read from the proto's descriptor: a new RPC is fuzzed without a change here.
+With ``--transport frames`` the same requests go to the methods the fast path carries, in its
+frames on the daemon's fast socket, mixed with frames that cannot be requests (too long, a bad
+deadline budget, an unknown method, cut short, random bytes): those must end with
+``UNIMPLEMENTED`` or the connection closed (``CLOSED``), and the daemon must keep serving.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from google.protobuf.message_factory import GetMessageClass
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import kvstored
+from kvstored_client.contract import frames
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,10 +55,18 @@ MAX_DEPTH = 3
 # Statuses gRPC gives any call, whatever the method: named once in the README's table.
 EVERY_CALL = "(every call)"
 STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
+TRANSPORTS = ("grpc", "frames")
+# Frames that cannot be requests, and what they may end with (the connection closed, or
+# UNIMPLEMENTED for a method id the fast path does not carry).
+FRAME = "(a fast-path frame)"   # its row in the README's table
+FRAME_KINDS = ("oversized_frame", "bad_budget", "unknown_method", "cut_frame", "random_bytes")
+FRAME_OUTCOMES = frozenset({"CLOSED", "UNIMPLEMENTED"})
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
-def methods() -> list[MethodDescriptor]:
-    return list(SERVICE.methods)
+def methods(transport: str = "grpc") -> list[MethodDescriptor]:
+    """The methods a ``transport`` carries: gRPC all of the service's, frames the fast path's."""
+    return [m for m in SERVICE.methods if transport == "grpc" or m.name in frames.METHOD_IDS]
 
 
 def path(method: MethodDescriptor) -> str:
@@ -231,6 +244,68 @@ def fire(channel: grpc.Channel, request: Request, timeout_s: float) -> Outcome:
     return Outcome(m.name, request.kind, status, seconds)
 
 
+def _frame_answer(sock: socket.socket) -> str:
+    """The status name of the first answer on ``sock``, or CLOSED when it ends first."""
+    header = sock.recv(frames.ANSWER.size, socket.MSG_WAITALL)
+    if len(header) < frames.ANSWER.size:
+        return "CLOSED"
+    length, _, code = frames.ANSWER.unpack(header)
+    if length and len(sock.recv(length, socket.MSG_WAITALL)) < length:
+        return "CLOSED"
+    return "OK" if code == frames.OK else _CODE_NAMES.get(code, "UNKNOWN")
+
+
+def fire_frames(fast_socket: str, request: Request, timeout_s: float) -> Outcome:
+    """``request`` (a unary method the fast path carries) in a frame on a connection of its own."""
+    start = time.monotonic()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(fast_socket)
+            body = request.bodies[0]
+            sock.sendall(frames.REQUEST.pack(len(body), frames.METHOD_IDS[request.method.name], 1, timeout_s) + body)
+            status = _frame_answer(sock)
+        except TimeoutError:
+            status = "HANG"
+        except OSError:
+            status = "CLOSED"
+    return Outcome(request.method.name, request.kind, status, time.monotonic() - start)
+
+
+def bad_frame(rng: random.Random, kind: str) -> bytes:
+    """Bytes of ``kind`` (one of FRAME_KINDS) that are no well-formed request."""
+    body = rng.randbytes(rng.randrange(0, 64))
+    if kind == "oversized_frame":
+        return frames.REQUEST.pack(frames.MAX_PAYLOAD_BYTES + 1 + rng.randrange(1 << 20), 1, 1, 1.0) + body
+    if kind == "bad_budget":
+        return frames.REQUEST.pack(len(body), 1, 1, rng.choice((float("nan"), float("inf"), -1.0))) + body
+    if kind == "unknown_method":
+        method = rng.choice([i for i in range(256) if i not in frames.METHODS])
+        return frames.REQUEST.pack(len(body), method, 1, 1.0) + body
+    if kind == "cut_frame":
+        return frames.REQUEST.pack(len(body) + 1 + rng.randrange(1000), 1, 1, 1.0) + body
+    return rng.randbytes(rng.randrange(1, 256))
+
+
+def fire_bad_frame(fast_socket: str, data: bytes, kind: str, timeout_s: float) -> Outcome:
+    """Send ``data`` and end the sending side (so a frame cut short ends there): the daemon must
+    answer (UNIMPLEMENTED) or close the connection, not leave it hanging."""
+    start = time.monotonic()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(fast_socket)
+            sock.sendall(data)
+            if kind != "unknown_method":
+                sock.shutdown(socket.SHUT_WR)
+            status = _frame_answer(sock)
+        except TimeoutError:
+            status = "HANG"
+        except OSError:
+            status = "CLOSED"
+    return Outcome(FRAME, kind, status, time.monotonic() - start)
+
+
 def documented_statuses(readme: str) -> dict[str, frozenset[str]]:
     """The README's table of statuses by call: {RPC name: status code names}; a row "as OTHER"
     has OTHER's, and the row ``(every call)`` is joined to every other."""
@@ -330,9 +405,10 @@ def victim(sock: str) -> tuple[kvstored.Client, Ids]:
 
 
 def run(sock: str, n: int, seed: int, timeout_s: float, documented: dict[str, frozenset[str]],
-        between: Callable[[], None] | None = None, every: int = 200) -> Report:
-    """Fire ``n`` hostile requests at the daemon on ``sock``, calling ``between`` (a health
-    check) every ``every`` requests; stops early if the daemon dies."""
+        between: Callable[[], None] | None = None, every: int = 200, transport: str = "grpc") -> Report:
+    """Fire ``n`` hostile requests at the daemon on ``sock`` (by gRPC, or in frames on its fast
+    socket, a fifth of them frames that are no requests), calling ``between`` (a health check)
+    every ``every`` requests; stops early if the daemon dies."""
     report = Report(seed)
     pid = daemon_pid(sock)
     report.rss_before = rss_bytes(pid)
@@ -341,7 +417,11 @@ def run(sock: str, n: int, seed: int, timeout_s: float, documented: dict[str, fr
     own = kvstored.Client(sock)
     ids = Ids(own._session(), ids.namespace, ids.victim_session, ids.victim_leases, ids.victim_buffers)
     requests = Requests(rng, ids)
-    targets = methods()
+    targets = methods(transport)
+    fast_socket = own._hello.fast_socket
+    if transport == "frames" and not fast_socket:
+        raise RuntimeError(f"the daemon on {sock} offers no fast socket (server.fast_socket = false?)")
+    documented = documented | {FRAME: FRAME_OUTCOMES}
     start = time.monotonic()
     try:
         with grpc.insecure_channel(f"unix:{sock}", options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
@@ -349,7 +429,15 @@ def run(sock: str, n: int, seed: int, timeout_s: float, documented: dict[str, fr
                 kind = rng.choice(KINDS)
                 if kind == "huge" and rng.random() < 0.9:   # the costliest to build and to send
                     kind = "random"
-                report.add(fire(ch, requests.make(rng.choice(targets), kind), timeout_s), documented)
+                if transport == "frames" and rng.random() < 0.2:
+                    frame_kind = rng.choice(FRAME_KINDS)
+                    report.add(fire_bad_frame(fast_socket, bad_frame(rng, frame_kind), frame_kind, timeout_s),
+                               documented)
+                elif transport == "frames":
+                    report.add(fire_frames(fast_socket, requests.make(rng.choice(targets), kind), timeout_s),
+                               documented)
+                else:
+                    report.add(fire(ch, requests.make(rng.choice(targets), kind), timeout_s), documented)
                 if (i + 1) % every == 0 or i + 1 == n:
                     if not alive(pid):
                         report.crashed = True
@@ -403,6 +491,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--socket", help="fuzz the daemon on this socket (default: start one)")
     parser.add_argument("--seed", type=int, help="seed of the random requests (default: from the clock)")
     parser.add_argument("--timeout-s", type=float, default=10.0, help="a call unanswered this long is a hang")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="grpc",
+                        help="gRPC (every method), or frames on the daemon's fast socket (the methods it carries)")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else time.time_ns() % (1 << 32)
     print(f"seed {seed}", flush=True)
@@ -414,7 +504,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             proc = _start_daemon(Path(tmp))
             sock = str(Path(tmp) / "kv.sock")
         try:
-            report = run(sock, args.requests, seed, args.timeout_s, documented, stats_check(sock))
+            report = run(sock, args.requests, seed, args.timeout_s, documented, stats_check(sock),
+                         transport=args.transport)
         finally:
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)

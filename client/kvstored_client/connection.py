@@ -310,6 +310,8 @@ class Connection:
                 self._session_id = None
                 self._session_call = None
                 self._namespace_ids.clear()
+                if self._fast is not None:   # its daemon is gone too: the next call connects anew
+                    self._fast.reset()
 
     def _arena_view(self) -> np.ndarray:
         """The current daemon's arena (mapped on first use); DaemonNotRunning when it is gone."""

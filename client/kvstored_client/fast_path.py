@@ -1,15 +1,16 @@
 """The SDK's end of the fast path: the hot unary calls in frames on the daemon's fast socket.
 
-One blocking Unix socket per client, one call at a time on it (a lock: calls from several threads
-take turns). A failed call raises :class:`FrameCallError`, a ``grpc.RpcError`` carrying the
-daemon's status as gRPC would (code, message, ``grpc-status-details-bin``), so the one place that
-maps gRPC failures to SDK errors (``kvstored_client/errors.py``) maps these too. A call whose
-deadline passes, or whose connection breaks, closes the socket (a late answer is never read as
-the next call's); the next call connects again.
+Blocking Unix sockets, one call at a time on each: a single-threaded client uses one, threads
+calling at once one each (no call waits for another's). A failed call raises
+:class:`FrameCallError`, a ``grpc.RpcError`` carrying the daemon's status as gRPC would (code,
+message, ``grpc-status-details-bin``), so the one place that maps gRPC failures to SDK errors
+(``kvstored_client/errors.py``) maps these too. A call whose deadline passes, or whose
+connection breaks, closes its socket (a late answer is never read as another call's).
 """
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -51,19 +52,23 @@ class Unreachable(Exception):
 
 class FastChannel:
     """Calls on the fast socket at ``path``; raises :class:`Unreachable` from :meth:`call` when
-    no connection can be opened (nothing was sent)."""
+    no connection can be opened (nothing was sent).
+
+    A call takes an idle connection, or opens one, and gives it back when answered: calls from
+    several threads run side by side, each within its own deadline (one connection per thread
+    calling at once; one in all for a single-threaded engine)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._next_id = 1
+        self._idle: list[socket.socket] = []
+        self._generation = 0   # a reset's: connections taken before it are not given back
+        self._ids = itertools.count(1)
 
     def open(self) -> None:
         """Connect now (calls connect when they need to); :class:`Unreachable` when it cannot."""
-        with self._lock:
-            if self._sock is None:
-                self._sock = self._connect()
+        sock = self._connect()
+        self._give(sock, self._generation)
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -74,6 +79,13 @@ class FastChannel:
             raise Unreachable(f"{self.path}: {exc.strerror or exc}") from None
         return sock
 
+    def _give(self, sock: socket.socket, generation: int) -> None:
+        with self._lock:
+            if generation == self._generation:
+                self._idle.append(sock)
+                return
+        sock.close()
+
     def call(self, method: str, request: Message, response_type: type[M], timeout_s: float | None) -> M:
         """``method``'s answer to ``request`` within ``timeout_s`` (None: no deadline)."""
         body = request.SerializeToString()
@@ -81,29 +93,47 @@ class FastChannel:
             raise FrameCallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"a request of {len(body)} bytes (at most {frames.MAX_PAYLOAD_BYTES})")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        request_id = next(self._ids)
+        frame = frames.REQUEST.pack(len(body), frames.METHOD_IDS[method], request_id, timeout_s or 0.0) + body
         with self._lock:
-            sock = self._sock
-            if sock is None:
-                sock = self._sock = self._connect()
-            request_id = self._next_id
-            self._next_id += 1
+            sock = self._idle.pop() if self._idle else None
+            generation = self._generation
+        if sock is not None:
             try:
-                sock.settimeout(timeout_s)
-                sock.sendall(frames.REQUEST.pack(len(body), frames.METHOD_IDS[method], request_id,
-                                                 timeout_s or 0.0) + body)
-                length, answered, code = frames.ANSWER.unpack(self._read(sock, frames.ANSWER.size, deadline))
-                payload = self._read(sock, length, deadline) if length else b""
+                if sock.gettimeout() != timeout_s:   # (a syscall or two each time: only when it changes)
+                    sock.settimeout(timeout_s)
+                sock.sendall(frame)
             except TimeoutError:
-                self._drop()
+                sock.close()
                 raise FrameCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-            except OSError as exc:
-                self._drop()
-                raise FrameCallError(grpc.StatusCode.UNAVAILABLE, f"fast socket {self.path}: "
-                                     f"{exc.strerror or exc}") from None
-            if answered != request_id or length > frames.MAX_PAYLOAD_BYTES:
-                self._drop()
-                raise FrameCallError(grpc.StatusCode.INTERNAL, f"fast socket {self.path}: an answer to request "
-                                     f"{answered} of {length} bytes, waiting for {request_id}")
+            except OSError:
+                # the daemon this connection went to is gone (a restart): nothing reached a
+                # daemon, so the call goes again on a new connection (or by gRPC)
+                sock.close()
+                sock = None
+        sent = sock is not None
+        if sock is None:
+            sock = self._connect()   # Unreachable: the caller takes gRPC
+        try:
+            if not sent:
+                if sock.gettimeout() != timeout_s:   # (a syscall or two each time: only when it changes)
+                    sock.settimeout(timeout_s)
+                sock.sendall(frame)
+            length, answered, code = frames.ANSWER.unpack(self._read(sock, frames.ANSWER.size, deadline))
+            payload = self._read(sock, length, deadline) if length else b""
+        except TimeoutError:
+            # closed, not given back: a late answer is never read as another call's
+            sock.close()
+            raise FrameCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except OSError as exc:
+            sock.close()
+            raise FrameCallError(grpc.StatusCode.UNAVAILABLE, f"fast socket {self.path}: "
+                                 f"{exc.strerror or exc}") from None
+        if answered != request_id or length > frames.MAX_PAYLOAD_BYTES:
+            sock.close()
+            raise FrameCallError(grpc.StatusCode.INTERNAL, f"fast socket {self.path}: an answer to request "
+                                 f"{answered} of {length} bytes, waiting for {request_id}")
+        self._give(sock, generation)
         if code == frames.OK:
             return response_type.FromString(payload)
         try:
@@ -130,11 +160,13 @@ class FastChannel:
             parts.append(data)
             got += len(data)
 
-    def _drop(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+    def reset(self) -> None:
+        """Forget the connections (their daemon went away): the next call opens a new one."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._generation += 1
+        for sock in idle:
+            sock.close()
 
     def close(self) -> None:
-        with self._lock:
-            self._drop()
+        self.reset()

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,19 +173,33 @@ def trace(a: argparse.Namespace) -> dict[str, Any]:
 
 
 # -- workload 4: small calls -------------------------------------------------------------------
+LONG_BLOCKS = 2048   # a 32k-token prompt at 16 tokens a block
+
+
 def smallcall(a: argparse.Namespace) -> dict[str, Any]:
+    """Each small call through the SDK over gRPC and over the fast path (two clients of one
+    daemon), the 32k-token lookup by precomputed hashes too, and a bare gRPC unary for scale."""
     import kvstored
     from tools.bench import baregrpc
 
-    c = kvstored.Client(a.socket)
+    fast = kvstored.Client(a.socket)
+    slow = kvstored.Client(a.socket, fast_path=False)
     tokens = np.arange(BLOCK, dtype=np.uint32)
-    c.save(tokens, np.zeros((1, 64), dtype=np.uint8))
+    fast.save(tokens, np.zeros((1, 64), dtype=np.uint8))
     one = kvstored.block_hashes(tokens)
-    calls = {
-        "kvstored lookup(hashes=[1 block])": lambda: c.lookup(hashes=one),
-        "kvstored lookup(16 tokens)": lambda: c.lookup(tokens),
-        "kvstored stats()": c.stats,
-    }
+    long_chain = kvstored.block_hashes(np.arange(BLOCK * LONG_BLOCKS, dtype=np.uint32) + 10**6)
+    fast.save(None, np.zeros((LONG_BLOCKS, 64), dtype=np.uint8), hashes=long_chain)
+    calls: dict[str, Callable[[], object]] = {}
+    for client, how in ((slow, "gRPC"), (fast, "fast path")):
+        if client.transport != {"gRPC": "grpc", "fast path": "frames"}[how]:
+            raise RuntimeError(f"the {how} client travels by {client.transport} (server.fast_socket = false?)")
+        calls |= {
+            f"kvstored lookup(hashes=[1 block]) over {how}": functools.partial(client.lookup, hashes=one),
+            f"kvstored lookup(16 tokens) over {how}": functools.partial(client.lookup, tokens),
+            f"kvstored stats() over {how}": client.stats,
+            f"kvstored lookup(hashes=[{LONG_BLOCKS:,} blocks]) over {how}": functools.partial(
+                client.lookup, hashes=long_chain),
+        }
     out: dict[str, Any] = {}
     try:
         with baregrpc.Server() as server:
@@ -205,7 +221,8 @@ def smallcall(a: argparse.Namespace) -> dict[str, Any]:
             finally:
                 bare.close()
     finally:
-        c.close()
+        fast.close()
+        slow.close()
     return {"calls": out, "calls_per_run": a.calls, "runs": a.runs}
 
 
