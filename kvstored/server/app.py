@@ -410,9 +410,10 @@ async def serve(cfg: Config) -> int:
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     serving = f"{sock_path}" + (f" and {tcp_address}" if tcp_address else "")
     sdnotify.notify(f"READY=1\nSTATUS=serving on {serving}\nMAINPID={os.getpid()}")
-    log.info("kvstored %s serving on unix:%s%s%s", __version__, sock_path,
-             f" and {tcp_address}" if tcp_address else "",
-             f" (fast path on {fast_path_file})" if fast is not None else "")
+    if fast is not None:
+        log.info("fast path (the hot calls in frames) on unix:%s", fast_path_file)
+    log.info("kvstored %s serving on unix:%s%s", __version__, sock_path,
+             f" and {tcp_address}" if tcp_address else "")
 
     await stop.wait()
     log.info("shutting down: finishing in-flight calls")
