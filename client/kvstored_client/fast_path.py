@@ -25,6 +25,7 @@ from kvstored_client.contract import frames
 M = TypeVar("M", bound=Message)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 DETAILS_KEY = "grpc-status-details-bin"
+FIRST_READ = 1 << 16   # an answer's first read: its header and, for most, all of its payload
 
 
 class FrameCallError(grpc.RpcError):
@@ -119,8 +120,14 @@ class FastChannel:
                 if sock.gettimeout() != timeout_s:   # (a syscall or two each time: only when it changes)
                     sock.settimeout(timeout_s)
                 sock.sendall(frame)
-            length, answered, code = frames.ANSWER.unpack(self._read(sock, frames.ANSWER.size, deadline))
-            payload = self._read(sock, length, deadline) if length else b""
+            # header and payload in one read when they came together (a small answer always does)
+            data = sock.recv(FIRST_READ)
+            if len(data) < frames.ANSWER.size:
+                data += self._read(sock, frames.ANSWER.size - len(data), deadline, bool(data))
+            length, answered, code = frames.ANSWER.unpack_from(data)
+            payload = data[frames.ANSWER.size:]
+            if len(payload) < length:
+                payload += self._read(sock, length - len(payload), deadline, True)
         except TimeoutError:
             # closed, not given back: a late answer is never read as another call's
             sock.close()
@@ -129,7 +136,7 @@ class FastChannel:
             sock.close()
             raise FrameCallError(grpc.StatusCode.UNAVAILABLE, f"fast socket {self.path}: "
                                  f"{exc.strerror or exc}") from None
-        if answered != request_id or length > frames.MAX_PAYLOAD_BYTES:
+        if answered != request_id or length > frames.MAX_PAYLOAD_BYTES or len(payload) != length:
             sock.close()
             raise FrameCallError(grpc.StatusCode.INTERNAL, f"fast socket {self.path}: an answer to request "
                                  f"{answered} of {length} bytes, waiting for {request_id}")
@@ -142,23 +149,22 @@ class FastChannel:
             status = status_pb2.Status(code=code, message="(the daemon's status did not parse)")
         raise FrameCallError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, payload)
 
-    def _read(self, sock: socket.socket, n: int, deadline: float | None) -> bytes:
-        """Exactly ``n`` bytes, by ``deadline``; OSError (EOF included) or TimeoutError."""
-        data = sock.recv(n)
-        if len(data) == n:
-            return data
-        parts = [data]
-        got = len(data)
-        while True:
-            if not data:
-                raise ConnectionResetError(0, "the daemon closed the connection")
-            if got == n:
-                return b"".join(parts)
-            if deadline is not None:
+    def _read(self, sock: socket.socket, n: int, deadline: float | None, started: bool) -> bytes:
+        """Exactly ``n`` more bytes, by ``deadline`` (``started``: a read since the call's first
+        has returned data, so the socket's timeout is no longer the time left); OSError (EOF
+        included) or TimeoutError."""
+        parts: list[bytes] = []
+        got = 0
+        while got < n:
+            if started and deadline is not None:
                 sock.settimeout(max(1e-6, deadline - time.monotonic()))
             data = sock.recv(min(n - got, 1 << 20))
+            if not data:
+                raise ConnectionResetError(0, "the daemon closed the connection")
             parts.append(data)
             got += len(data)
+            started = True
+        return b"".join(parts)
 
     def reset(self) -> None:
         """Forget the connections (their daemon went away): the next call opens a new one."""
