@@ -1,4 +1,4 @@
-"""The fast path (the hot calls in frames on the daemon's second socket) against a real daemon:
+"""The fast socket (the hot calls in frames on the daemon's second socket) against a real daemon:
 where its socket is and who may open it, the SDK's fallback to gRPC, typed errors with their
 reasons, deadlines, and hostile frames. The SDK's contract tests run over it too (the shared
 ``client`` fixture runs each of them over both transports)."""
