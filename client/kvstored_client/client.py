@@ -38,7 +38,16 @@ from kvstored_client.contract.hashing import ChainHasher
 from kvstored_client.contract.namespace import Namespace
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 from kvstored_client.contract.runs import runs, smallest_step
-from kvstored_client.results import LoadResult, LookupResult, SaveResult, StreamOutcome, loaded, per_tier
+from kvstored_client.results import (
+    LoadResult,
+    LookupResult,
+    SaveResult,
+    StreamOutcome,
+    loaded,
+    per_tier,
+    reply_offsets,
+    reply_tiers,
+)
 from kvstored_client.streams import BlockStream, LoadHandle
 
 # The daemon repeats a migration's or a flush's progress at least every 5 s: a client gives up
@@ -155,10 +164,10 @@ class Client(Connection):
         With ``peers`` the daemon also asks its peers for the blocks after its own prefix:
         ``per_peer`` says how many each holds, and the best one's run counts as tier "peer"."""
         ns_id, spec = self._ns(namespace)
-        request = pb.LookupRequest(namespace_id=ns_id, peers=peers)
+        request = pb.LookupRequest(namespace_id=ns_id, peers=peers, packed_reply=True)
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
         resp = self._call(self._stub.Lookup, request)
-        return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, per_tier(resp.tiers),
+        return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, per_tier(reply_tiers(resp)),
                             {h.node_id: h.blocks for h in resp.peer_hits})
 
     def save(self, tokens: Any, kv: Any, *, hashes: Sequence[bytes] | None = None,
@@ -219,7 +228,7 @@ class Client(Connection):
         session, arena = self._session_arena()
         assert arena is not None, "an arena comes with the session when asked for"
         ns_id, spec = self._ns(namespace)
-        lookup = pb.LookupRequest(namespace_id=ns_id, lease=True, session_id=session)
+        lookup = pb.LookupRequest(namespace_id=ns_id, lease=True, session_id=session, packed_reply=True)
         self._keys(lookup.keys, spec, tokens, hashes, cache_salt)
         out_rows = None if out is None else coerce.writable_rows(out)
         try:
@@ -256,7 +265,7 @@ class Client(Connection):
                     raise InvalidArgument(f"a block of {block_bytes} bytes is not a whole number of "
                                           f"{row_type} items")
                 data = rows if row_type is None else rows.view(row_type)
-            copy_rows(arena, resp.offsets, rows, to_arena=False)
+            copy_rows(arena, reply_offsets(resp), rows, to_arena=False)
         except BaseException:
             self._release_now(session, resp.lease_id)
             raise

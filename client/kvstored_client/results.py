@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -78,6 +78,17 @@ class LoadResult:
 
 
 SHORT_TIERS = 64   # below this many blocks a plain count beats numpy's set-up (~25 µs)
+
+
+def reply_tiers(resp: pb.LookupResponse) -> Sequence[int]:
+    """A lookup's tiers, one per hit block, packed (LookupRequest.packed_reply) or not (a daemon
+    from before packed replies)."""
+    return cast(Sequence[int], np.frombuffer(resp.packed_tiers, np.uint8) if resp.packed_tiers else resp.tiers)
+
+
+def reply_offsets(resp: pb.LookupResponse) -> Sequence[int]:
+    """A leased lookup's arena offsets, one per hit block, packed or not (see reply_tiers)."""
+    return cast(Sequence[int], np.frombuffer(resp.packed_offsets, "<u8") if resp.packed_offsets else resp.offsets)
 
 
 def per_tier(tiers: Sequence[int]) -> dict[str, int]:

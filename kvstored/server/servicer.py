@@ -58,6 +58,13 @@ class CallContext(Protocol):
     def time_remaining(self) -> float | None: ...
 
 
+def _tiers_packed(tiers: list[Tier]) -> bytes:
+    """``tiers`` as LookupResponse.packed_tiers: one byte per block."""
+    if tiers and tiers.count(tiers[0]) == len(tiers):
+        return bytes((_TIER_PB[tiers[0]],)) * len(tiers)
+    return bytes(_TIER_PB[t] for t in tiers)
+
+
 def _deadline(context: CallContext) -> float | None:
     """The call's deadline on the event loop's clock (None: it has none). The client's own
     deadline passes a little before this one (the request's way over), or long before it when
@@ -223,10 +230,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             r = await self._store.lookup(request.namespace_id, _keys(request.keys), request.lease,
                                          request.session_id)
         best = max(holders.values(), default=0)
-        return pb.LookupResponse(hit_blocks=r.blocks + best, tiers=_tiers_pb(r.tiers + [Tier.PEER] * best),
-                                 offsets=r.offsets, lease_id=r.lease_id, lease_ttl_ms=int(r.lease_ttl_s * 1000),
-                                 block_bytes=r.block_bytes, block_size=r.block_size,
-                                 peer_hits=[pb.PeerHit(node_id=n, blocks=c) for n, c in sorted(holders.items())])
+        reply = pb.LookupResponse(hit_blocks=r.blocks + best, lease_id=r.lease_id,
+                                  lease_ttl_ms=int(r.lease_ttl_s * 1000), block_bytes=r.block_bytes,
+                                  block_size=r.block_size,
+                                  peer_hits=[pb.PeerHit(node_id=n, blocks=c) for n, c in sorted(holders.items())])
+        tiers = r.tiers + [Tier.PEER] * best if best else r.tiers
+        if request.packed_reply:   # a long prefix's fields without a protobuf step per block
+            reply.packed_tiers = _tiers_packed(tiers)
+            if r.offsets:
+                reply.packed_offsets = np.asarray(r.offsets, dtype="<u8").tobytes()
+        else:
+            reply.tiers.extend(_tiers_pb(tiers))
+            reply.offsets.extend(r.offsets)
+        return reply
 
     @mapped
     async def Reserve(self, request: pb.ReserveRequest, context: CallContext) -> pb.ReserveResponse:

@@ -421,3 +421,26 @@ def test_end_stream_is_used_only_with_a_daemon_that_takes_it(client) -> None:  #
                                                else (["StreamBlocks"], False)), (takes, names, stream_id)
     finally:
         engine.close()
+
+
+def test_a_packed_lookup_reply_says_what_the_repeated_fields_say(client) -> None:  # type: ignore[no-untyped-def]
+    """The SDK asks for tiers and offsets packed as bytes (LookupRequest.packed_reply); a client that
+    does not ask (an SDK from before) still gets the repeated fields, the same values."""
+    from kvstored_client.contract.proto import kvstored_pb2 as pb
+
+    tokens = np.arange(16 * 5)
+    kv = rows(5, 512)
+    client.save(tokens, kv)
+    assert client.lookup(tokens).per_tier == {"dram": 5}
+    assert np.array_equal(client.load(tokens).data, kv)
+    session, ns = client._session(), client._ns(None)[0]
+    answers = {}
+    for packed in (False, True):
+        request = pb.LookupRequest(namespace_id=ns, lease=True, session_id=session, packed_reply=packed,
+                                   keys=pb.BlockKeys(token_ids=tokens.tolist()))
+        answers[packed] = client._call(client._stub.Lookup, request)
+        client._call(client._stub.Release, pb.ReleaseRequest(session_id=session, lease_id=answers[packed].lease_id))
+    plain, packed_reply = answers[False], answers[True]
+    assert not plain.packed_tiers and not plain.packed_offsets and not packed_reply.tiers and not packed_reply.offsets
+    assert list(np.frombuffer(packed_reply.packed_tiers, np.uint8)) == list(plain.tiers) == [pb.TIER_DRAM] * 5
+    assert list(np.frombuffer(packed_reply.packed_offsets, "<u8")) == list(plain.offsets)

@@ -119,18 +119,20 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "lease", "session_id", "peers")
+    __slots__ = ("namespace_id", "keys", "lease", "session_id", "peers", "packed_reply")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_REPLY_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: BlockKeys
     lease: bool
     session_id: str
     peers: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., lease: _Optional[bool] = ..., session_id: _Optional[str] = ..., peers: _Optional[bool] = ...) -> None: ...
+    packed_reply: bool
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., lease: _Optional[bool] = ..., session_id: _Optional[str] = ..., peers: _Optional[bool] = ..., packed_reply: _Optional[bool] = ...) -> None: ...
 
 class PeerHit(_message.Message):
     __slots__ = ("node_id", "blocks")
@@ -141,7 +143,7 @@ class PeerHit(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("hit_blocks", "tiers", "offsets", "lease_id", "lease_ttl_ms", "block_bytes", "block_size", "peer_hits")
+    __slots__ = ("hit_blocks", "tiers", "offsets", "lease_id", "lease_ttl_ms", "block_bytes", "block_size", "peer_hits", "packed_tiers", "packed_offsets")
     HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,8 @@ class LookupResponse(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PEER_HITS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TIERS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_OFFSETS_FIELD_NUMBER: _ClassVar[int]
     hit_blocks: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     offsets: _containers.RepeatedScalarFieldContainer[int]
@@ -158,7 +162,9 @@ class LookupResponse(_message.Message):
     block_bytes: int
     block_size: int
     peer_hits: _containers.RepeatedCompositeFieldContainer[PeerHit]
-    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., peer_hits: _Optional[_Iterable[_Union[PeerHit, _Mapping]]] = ...) -> None: ...
+    packed_tiers: bytes
+    packed_offsets: bytes
+    def __init__(self, hit_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., block_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., peer_hits: _Optional[_Iterable[_Union[PeerHit, _Mapping]]] = ..., packed_tiers: _Optional[bytes] = ..., packed_offsets: _Optional[bytes] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("session_id", "namespace_id", "keys", "block_bytes")
