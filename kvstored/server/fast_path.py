@@ -38,6 +38,7 @@ Handler = Callable[[Any, "FrameContext"], Awaitable[Any]]
 Observe = Callable[[float], None]
 _PEERCRED = struct.Struct("3i")   # struct ucred: pid, uid, gid
 UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED.value[0]
+MAX_CALLS_IN_FLIGHT = 64   # a connection's calls running at once (the SDK runs one per connection)
 
 
 class FrameContext:
@@ -96,12 +97,18 @@ class FastPath:
 
 
 class _Connection(asyncio.Protocol):
-    """One client's connection: frames in, a task per request, answers out as they are ready."""
+    """One client's connection: frames in, a task per request, answers out as they are ready.
+
+    Reading pauses while MAX_CALLS_IN_FLIGHT of its calls run or its answers wait to be read (the
+    transport's write buffer is full): a client that sends and never reads holds a bounded share
+    of the daemon's memory, as gRPC's flow control bounds it."""
 
     def __init__(self, fast: FastPath) -> None:
         self._fast = fast
         self._buffer = bytearray()
         self._calls: set[asyncio.Task[None]] = set()
+        self._writing_paused = False
+        self._reading_paused = False
         self._transport: asyncio.Transport | None = None
         self._client = "unix:fast"
         self._loop = asyncio.get_running_loop()
@@ -126,13 +133,44 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+        self._pace()
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        self._pace()
+
+    def _pace(self) -> None:
+        """Pause or resume reading by the calls in flight and the answers not yet read; frames
+        already read are started as soon as reading may resume."""
+        if self._transport is None or self._transport.is_closing():
+            return
+        pause = self._writing_paused or len(self._calls) >= MAX_CALLS_IN_FLIGHT
+        if pause != self._reading_paused:
+            self._reading_paused = pause
+            if pause:
+                self._transport.pause_reading()
+            else:
+                self._transport.resume_reading()
+                self._start_calls()
+
+    def _call_done(self, task: asyncio.Task[None]) -> None:
+        self._calls.discard(task)
+        if self._reading_paused:
+            self._pace()
+
     def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        self._start_calls()
+
+    def _start_calls(self) -> None:
+        """A task for each whole frame read, until reading must pause."""
         if self._transport is None or self._transport.is_closing():
             return
         buf = self._buffer
-        buf += data
         header = frames.REQUEST.size
-        while len(buf) >= header:
+        while len(buf) >= header and not self._reading_paused:
             length, method_id, request_id, budget = frames.REQUEST.unpack_from(buf)
             if length > frames.MAX_PAYLOAD_BYTES or not (math.isfinite(budget) and budget >= 0):
                 detail = (f"a frame of {length} bytes (at most {frames.MAX_PAYLOAD_BYTES})"
@@ -148,7 +186,9 @@ class _Connection(asyncio.Protocol):
             del buf[:end]
             task = self._loop.create_task(self._serve(method_id, request_id, budget, payload))
             self._calls.add(task)
-            task.add_done_callback(self._calls.discard)
+            task.add_done_callback(self._call_done)
+            if len(self._calls) >= MAX_CALLS_IN_FLIGHT:
+                self._pace()
 
     async def _serve(self, method_id: int, request_id: int, budget: float, payload: bytes) -> None:
         entry = self._fast.handlers.get(method_id)

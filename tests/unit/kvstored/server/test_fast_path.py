@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,29 @@ def _count(bad: BadRequests, method: str, kind: str) -> float:
             if sample.name.endswith("_total") and sample.labels == {"method": method, "kind": kind}:
                 return sample.value
     return 0.0
+
+
+def test_a_client_that_sends_many_calls_before_reading_gets_every_answer(tmp_path: Path) -> None:
+    """Reading pauses while a connection's answers wait to be read (and while 64 of its calls run),
+    and resumes as they are read: nothing is lost or stuck on the way."""
+    calls = 20_000   # answers of ~40 bytes: far more than the socket's and the transport's buffers
+
+    async def body(path: str, servicer: Servicer, bad: BadRequests) -> None:
+        def flood() -> list[int]:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(30)
+                sock.connect(path)
+                sender = threading.Thread(target=sock.sendall, args=(b"".join(
+                    request("Stats", pb.StatsRequest(), i + 1) for i in range(calls)),))
+                sender.start()
+                sender.join(1.0)   # blocked once the daemon stops reading: the answers are not read yet
+                ids = []
+                for _ in range(calls):
+                    length, request_id, code = frames.ANSWER.unpack(sock.recv(frames.ANSWER.size, socket.MSG_WAITALL))
+                    sock.recv(length, socket.MSG_WAITALL)
+                    assert code == frames.OK
+                    ids.append(request_id)
+                sender.join(30)
+                return ids
+        assert sorted(await asyncio.to_thread(flood)) == list(range(1, calls + 1))
+    serve(tmp_path, body)
