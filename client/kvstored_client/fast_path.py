@@ -11,6 +11,7 @@ connection breaks, closes its socket (a late answer is never read as another cal
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import threading
 import time
@@ -65,6 +66,7 @@ class FastChannel:
         self._idle: list[socket.socket] = []
         self._generation = 0   # a reset's: connections taken before it are not given back
         self._ids = itertools.count(1)
+        self._pid = os.getpid()
 
     def open(self) -> None:
         """Connect now (calls connect when they need to); :class:`Unreachable` when it cannot."""
@@ -93,6 +95,15 @@ class FastChannel:
         if len(body) > frames.MAX_PAYLOAD_BYTES:
             raise FrameCallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"a request of {len(body)} bytes (at most {frames.MAX_PAYLOAD_BYTES})")
+        if timeout_s is not None and timeout_s <= 0:
+            raise FrameCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        if os.getpid() != self._pid:
+            # a forked child: its parent's connections (and their answers) are not its own; the
+            # lock is new too (another thread of the parent may have held it at the fork)
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            self._idle = []
+            self._generation += 1
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         request_id = next(self._ids)
         frame = frames.REQUEST.pack(len(body), frames.METHOD_IDS[method], request_id, timeout_s or 0.0) + body

@@ -146,3 +146,25 @@ def test_hostile_frames_leave_a_daemon_that_serves_and_a_quiet_log(tmp_path: Pat
         assert c.transport == "frames" and c.stats()["version"]
     log = d.log()
     assert "Traceback" not in log and len(log) < 64 << 10, log[-3000:]
+
+
+def test_a_forked_child_calls_on_connections_of_its_own(daemon_factory: Factory) -> None:
+    """A child forked from a process with a client must not read its parent's answers (nor the
+    parent the child's) on the connection both would otherwise share."""
+    d = daemon_factory()
+    with kvstored.Client(d.socket, timeout_s=5.0) as c:
+        mine, other = np.arange(16), np.arange(16) + 1000
+        c.save(mine, np.ones((1, 64), np.uint8))
+        assert c.lookup(mine).blocks == 1 and c.transport == "frames"
+        pid = os.fork()
+        if pid == 0:   # the child: asks of a prefix nobody saved; never returns into pytest
+            code = 1
+            try:
+                code = 0 if all(c.lookup(other).blocks == 0 for _ in range(200)) else 1
+            finally:
+                os._exit(code)
+        try:
+            parent_ok = all(c.lookup(mine).blocks == 1 for _ in range(200))
+        finally:
+            _, status = os.waitpid(pid, 0)
+        assert parent_ok and os.waitstatus_to_exitcode(status) == 0
