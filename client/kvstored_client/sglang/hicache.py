@@ -54,6 +54,7 @@ class KVStoredHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._client: Client | None = None
         self._next_connect = 0.0
         self._shape: PoolShape | None = None
+        self._page_tokens = 0
         self._page_bytes = 0
 
     # -- SGLang's hooks ---------------------------------------------------------------------------
@@ -66,6 +67,7 @@ class KVStoredHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
             replicated=bool(cfg.is_mla_model))
         page = mem_pool_host.get_dummy_flat_data_page()
+        self._page_tokens = self._shape.page_size
         self._page_bytes = page.numel() * page.element_size()
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
@@ -193,14 +195,14 @@ class KVStoredHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # -- the host pool ----------------------------------------------------------------------------
     def _gather(self, host_indices: torch.Tensor, pages: int) -> np.ndarray:
-        pool, size = self.mem_pool_host, self._shape.page_size if self._shape else 0
+        pool, size = self.mem_pool_host, self._page_tokens
         rows = np.empty((pages, self._page_bytes), np.uint8)
         for i in range(pages):
             rows[i] = _byte_rows(pool.get_data_page(int(host_indices[i * size]), flat=True))[0]
         return rows
 
     def _scatter(self, rows: np.ndarray, host_indices: torch.Tensor) -> None:
-        pool, size = self.mem_pool_host, self._shape.page_size if self._shape else 0
+        pool, size = self.mem_pool_host, self._page_tokens
         for i in range(rows.shape[0]):
             pool.set_from_flat_data_page(int(host_indices[i * size]), torch.from_numpy(rows[i]).view(pool.dtype))
 
