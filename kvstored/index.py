@@ -39,8 +39,8 @@ class Tier(enum.IntEnum):
 class Block:
     """One cached block. Mutable bookkeeping, kept small."""
 
-    __slots__ = ("check", "children", "depth", "flags", "index", "key", "offset",
-                 "parent", "pins")
+    __slots__ = ("check", "children", "depth", "flags", "index", "key", "lane0_n", "lane0_t", "lane1_n",
+                 "lane1_t", "offset", "parent", "pins")
 
     def __init__(self, key: bytes, parent: Block | None, index: PrefixIndex, offset: int, depth: int) -> None:
         self.key = key
@@ -52,6 +52,8 @@ class Block:
         self.offset = offset
         self.depth = depth
         self.check: int | None = None  # xxh3-64 of the bytes once computed (serving it to peers)
+        self.lane0_t = self.lane1_t = 0.0
+        self.lane0_n = self.lane1_n = 0
 
     @property
     def sealed(self) -> bool:

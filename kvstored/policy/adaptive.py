@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 
 from kvstored.index import Block
 from kvstored.policy.credit import DEFAULT_CLASS_WEIGHTS, DEFAULT_TAU_S
-from kvstored.policy.leafheap import LeafHeap, Priority, index_leaf, track_stored
-from kvstored.policy.usage import Use, UseLog
+from kvstored.policy.lanes import Lane
+from kvstored.policy.leafheap import Priority, index_leaf
 
 # Chosen on the generated shapes (tools.workloads, seed 0), checked on other seeds and the
 # conversation trace: BENCHMARKS.md section 3b.
@@ -56,7 +56,8 @@ class AdaptivePolicy:
 
     ``clock`` gives seconds (monotonic); ``ghost_entries`` bounds the remembered departed keys
     (about three times the tier's capacity in blocks); ``can_evict`` is the tier's predicate for
-    "may leave now" (see :mod:`kvstored.policy.leafheap`).
+    "may leave now" (see :mod:`kvstored.policy.leafheap`); ``lane``: where on the blocks its
+    records live (:mod:`kvstored.policy.lanes`; one per tier: DRAM 0, SSD 1).
     """
 
     name = "adaptive"
@@ -65,7 +66,7 @@ class AdaptivePolicy:
                  class_weights: Sequence[float] = DEFAULT_CLASS_WEIGHTS,
                  can_evict: Callable[[Block], bool] = index_leaf, *,
                  max_scale: float = DEFAULT_MAX_SCALE, window: float = DEFAULT_WINDOW,
-                 prior: float = DEFAULT_PRIOR, unit_ratio: float = DEFAULT_UNIT_RATIO) -> None:
+                 prior: float = DEFAULT_PRIOR, unit_ratio: float = DEFAULT_UNIT_RATIO, lane: int = 0) -> None:
         if tau_s <= 0 or not class_weights or min(class_weights) < 1 or ghost_entries < 0:
             raise ValueError("tau_s must be positive, class weights >= 1, ghost_entries not negative")
         if max_scale < 0 or window < 1 or prior <= 0 or unit_ratio <= 1:
@@ -82,8 +83,7 @@ class AdaptivePolicy:
         self._ret = [0.0, 0.0]            # decayed returns of those
         self._built_scale = 0.0           # the scale the heap's priorities were computed at
         self._since_build = 0
-        self._uses = UseLog()
-        self._heap = LeafHeap(can_evict, refresh=self._current)
+        self._heap = Lane(lane, self._priority, can_evict)
         # Two generations of departed keys (hash -> record), each up to ghost_entries: a bounded
         # FIFO of small ints without per-entry links; the older half is dropped whole.
         self._ghost: dict[int, int] = {}
@@ -98,19 +98,14 @@ class AdaptivePolicy:
 
     def reuse_class(self, block: Block) -> int | None:
         """0 = never hit since stored (or since it came back), up to ``len(class_weights) - 1``."""
-        use = self._uses.get(block)
-        return None if use is None else self._class_of(use)
+        reuses = self._heap.reuses(block)
+        return None if reuses is None else min(reuses, self._top)
 
-    def _class_of(self, use: Use) -> int:
-        return min(use.base + use.hits, self._top)
-
-    def _priority(self, use: Use) -> Priority:
-        return (use.last_use + self.scale * self._credit[self._class_of(use)], 0.0)
+    def _priority(self, last_use: float, reuses: int) -> float:
+        return last_use + self.scale * self._credit[min(reuses, self._top)]
 
     def _current(self, block: Block) -> Priority:
-        use = self._uses.get(block)
-        assert use is not None, "a block in the heap has a use record"
-        return self._priority(use)
+        return self._heap.current(block)
 
     # -- the ghost list and learning ---------------------------------------------------------
 
@@ -205,26 +200,24 @@ class AdaptivePolicy:
             bases.append(base)
         self._since_build += len(blocks)
         self._settle()
-        top = self._top
-        track_stored(self._heap, self._uses, blocks, now, bases, self._priority, share=lambda b: min(b, top))
+        self._heap.stored(blocks, now, bases)
 
     def reuses(self, block: Block) -> int | None:
-        return self._uses.reuses(block)
+        return self._heap.reuses(block)
 
     def pending_hits(self, block: Block) -> int:
-        return self._uses.pending_hits(block)
+        return self._heap.pending_hits(block)
 
     def hit(self, blocks: Sequence[Block]) -> None:
-        self._uses.hit(blocks, self._clock())
+        self._heap.hit(blocks, self._clock())
 
     def removed(self, block: Block, moved: bool = False) -> None:
-        use = self._uses.forget(block)
-        if use is not None:
-            cls = self._class_of(use)
+        reuses = self._heap.forget(block)
+        if reuses is not None:
+            cls = min(reuses, self._top)
             self._departed(cls)
             self._ghost_put(block.key, cls | (_MOVED if moved else 0))
             self._since_build += 1
-        self._heap.discard(block)
 
     def victim(self) -> Block | None:
         return self._heap.peek()

@@ -18,9 +18,11 @@ GHOST_PER_BLOCK = 3  # ghost entries per block of capacity, for the policies tha
 
 
 def make_policy(name: str, clock: Callable[[], float], capacity_blocks: int,
-                can_evict: Callable[[Block], bool] = index_leaf) -> BlockPolicy:
+                can_evict: Callable[[Block], bool] = index_leaf, lane: int = 0) -> BlockPolicy:
     """A fresh policy for one tier holding about ``capacity_blocks`` blocks; ``clock`` in seconds;
-    ``can_evict``: may a tracked leaf leave this tier now (default: it may leave the index).
+    ``can_evict``: may a tracked leaf leave this tier now (default: it may leave the index);
+    ``lane``: the tier's lane for the policies that keep their records on the blocks (DRAM 0,
+    SSD 1: a block is tracked by one policy per lane at most).
 
     Raises ValueError naming the known policies for an unknown ``name``.
     """
@@ -33,5 +35,5 @@ def make_policy(name: str, clock: Callable[[], float], capacity_blocks: int,
                             can_evict=can_evict)
     if name == "adaptive":
         return AdaptivePolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
-                              can_evict=can_evict)
+                              can_evict=can_evict, lane=lane)
     raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")
