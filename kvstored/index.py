@@ -28,6 +28,9 @@ WRITE_FAILED = 64   # its last write to the SSD tier failed: it may leave DRAM u
 NO_SLOT = -1    # Block.offset when the block has no DRAM slot
 
 _cached = functools.partial(operator.is_not, None)   # a look-up that found a block, tested in C
+# One int object per depth, shared by every block at it: Python caches only ints up to 256, and a
+# 32k-token prompt's blocks are 2,048 deep (28 B a block otherwise; ~0.5 MB once)
+_DEPTHS = tuple(range(1 << 14))
 
 
 class Tier(enum.IntEnum):
@@ -160,7 +163,8 @@ class PrefixIndex:
         """Add an unsealed block under ``parent`` (None = root); the key must be new."""
         assert key not in self._blocks, "insert of a key already present"
         assert parent is None or self._blocks.get(parent.key) is parent, "parent is not in the index"
-        block = Block(key, parent, self, offset, 0 if parent is None else parent.depth + 1)
+        depth = 0 if parent is None else parent.depth + 1
+        block = Block(key, parent, self, offset, _DEPTHS[depth] if depth < len(_DEPTHS) else depth)
         self._blocks[key] = block
         if parent is not None:
             parent.children += 1
