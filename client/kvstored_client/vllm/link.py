@@ -1,0 +1,111 @@
+"""The connector's line to the daemon: a :class:`Client` made on first use and made again after
+the daemon went away, whose failures become "nothing cached" / "not stored" for the engine.
+
+A daemon that is down, restarting or too slow must never take the engine down: vLLM recomputes
+what kvstored cannot give. Each failure streak is logged once, and its end once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvstored_client.client import Client
+from kvstored_client.contract.errors import KVStoreError
+from kvstored_client.contract.namespace import Namespace
+from kvstored_client.errors import ClientClosed
+
+log = logging.getLogger(__name__)
+
+# After a failed connect, how long calls answer "no daemon" without trying again: a missing socket
+# fails in microseconds, but a daemon that accepts and never answers costs a whole timeout per try.
+RETRY_CONNECT_S = 1.0
+
+
+class DaemonLink:
+    """Lookups, saves and loads by an engine's hashes in ``namespace``; none of them raises a
+    :class:`KVStoreError`. Not thread-safe: one link per thread that calls it."""
+
+    def __init__(self, socket: str, namespace: Namespace, timeout_s: float, name: str) -> None:
+        self.namespace = namespace
+        self._socket = socket or None
+        self._timeout_s = timeout_s
+        self._name = name
+        self._client: Client | None = None
+        self._next_connect = 0.0
+        self._failing = False
+
+    def _connected(self) -> Client | None:
+        if self._client is not None:
+            return self._client
+        if time.monotonic() < self._next_connect:
+            return None
+        try:
+            self._client = Client(self._socket, namespace=self.namespace, client_name=self._name,
+                                  timeout_s=self._timeout_s)
+        except KVStoreError as exc:
+            self._next_connect = time.monotonic() + RETRY_CONNECT_S
+            self._failed("connect", exc)
+            return None
+        return self._client
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        if not self._failing:
+            log.warning("kvstored: %s failed (%s: %s); serving without kvstored until it answers again",
+                        what, type(exc).__name__, exc)
+        self._failing = True
+        if isinstance(exc, ClientClosed):
+            self._client = None
+
+    def _ok(self) -> None:
+        if self._failing:
+            log.warning("kvstored: the daemon answers again")
+        self._failing = False
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of the chain the daemon holds (0 if it cannot say)."""
+        client = self._connected()
+        if client is None or not hashes:
+            return 0
+        try:
+            hit = client.lookup(hashes=hashes).blocks
+        except KVStoreError as exc:
+            self._failed("lookup", exc)
+            return 0
+        self._ok()
+        return hit
+
+    def load(self, hashes: Sequence[bytes]) -> np.ndarray | None:
+        """The rows of the chain's longest cached prefix (one row of bytes per block), or None."""
+        client = self._connected()
+        if client is None or not hashes:
+            return None
+        try:
+            rows = client.load(hashes=hashes).data
+        except KVStoreError as exc:
+            self._failed("load", exc)
+            return None
+        self._ok()
+        return rows  # type: ignore[no-any-return]
+
+    def save(self, hashes: Sequence[bytes], rows: Any, push_to: str = "") -> int:
+        """Store the chain (one row per block); how many leading blocks are now stored (0 on failure)."""
+        client = self._connected()
+        if client is None or not hashes:
+            return 0
+        try:
+            result = client.save(None, rows, hashes=hashes, push_to=push_to)
+        except KVStoreError as exc:
+            self._failed("save", exc)
+            return 0
+        self._ok()
+        return result.present + result.stored
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
