@@ -74,7 +74,8 @@ class Engine:
 
 
 def start_engine(tmp: Path, name: str, steps: list[dict[str, Any]], socket: str,
-                 connector: str = "KVStoredConnector", env: dict[str, str] | None = None) -> Engine:
+                 connector: str = "KVStoredConnector", env: dict[str, str] | None = None,
+                 hash_algo: str = "sha256_cbor") -> Engine:
     steps_path = tmp / f"{name}.json"
     steps_path.write_text(json.dumps(steps))
     module = "kvstored_client.vllm.connector" if connector == "KVStoredConnector" else "vllm_test_connectors"
@@ -82,7 +83,7 @@ def start_engine(tmp: Path, name: str, steps: list[dict[str, Any]], socket: str,
     full_env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "integration"), **(env or {})}
     proc = subprocess.Popen([str(VENV_PYTHON), str(DRIVER), "serve", str(tmp / "model"), str(steps_path),
                              "--extra", json.dumps({"socket": socket}), "--module", module,
-                             "--connector", connector],
+                             "--connector", connector, "--hash-algo", hash_algo],
                             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT, env=full_env)
     return Engine(proc, log)
 
@@ -108,7 +109,8 @@ class Scenario:
 
 
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory holding the tiny model (``model/``), for the engines' files too."""
     if not (VENV_PYTHON.exists() and STAMP.exists()):
         pytest.fail("vLLM's environment is missing: tools/ci/install-vllm.sh did not finish (the test command runs "
                     "it; its output says why). Set KVSTORED_VLLM=skip to leave vLLM out deliberately.")
@@ -116,6 +118,12 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     made = subprocess.run([str(VENV_PYTHON), str(DRIVER), "make-model", str(tmp / "model")], cwd=ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
     assert made.returncode == 0, made.stderr[-4000:]
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def scenario(model_dir: Path) -> Iterator[Scenario]:
+    tmp = model_dir
     args = ("--set", "ssd.admission=always")
     daemons: list[Daemon] = [start_daemon(tmp / "d", *args)]
     socket = daemons[0].socket
@@ -197,3 +205,11 @@ def test_after_a_daemon_restart_the_prefix_comes_from_ssd(scenario: Scenario) ->
 def test_a_daemon_killed_before_the_load_leaves_the_engine_answering_right(scenario: Scenario) -> None:
     assert scenario.killed   # the lookup had found PL's blocks, the daemon died before their load
     assert scenario.d[3]["tokens"] == scenario.a[1]["tokens"]
+
+
+def test_vllms_pickle_based_block_hashes_are_refused_at_start_up(model_dir: Path) -> None:
+    """Its default ``sha256`` hashes differ between processes: no other engine could find the blocks."""
+    engine = start_engine(model_dir, "pickle", [prompt(P1)], str(model_dir / "no-daemon.sock"), hash_algo="sha256")
+    assert list(engine.lines()) == []
+    assert engine.proc.wait(TIMEOUT_S) != 0
+    assert "KVStoredConnector needs prefix_caching_hash_algo='sha256_cbor'" in engine.log.read_text()
