@@ -55,6 +55,7 @@ class Engine:
     proc: subprocess.Popen[str]
     log: Path
     answers: list[dict[str, Any]] = field(default_factory=list)
+    path: str = ""              # the connector's: "zero-copy" or "copying"
 
     def lines(self) -> Iterator[dict[str, Any]]:
         assert self.proc.stdout is not None
@@ -63,6 +64,7 @@ class Engine:
                 item = json.loads(line[len(MARK):])
                 if "tokens" in item:
                     self.answers.append(item)
+                self.path = item.get("path", self.path)
                 yield item
 
     def finish(self) -> list[dict[str, Any]]:
@@ -75,14 +77,15 @@ class Engine:
 
 def start_engine(tmp: Path, name: str, steps: list[dict[str, Any]], socket: str,
                  connector: str = "KVStoredConnector", env: dict[str, str] | None = None,
-                 hash_algo: str = "sha256_cbor") -> Engine:
+                 hash_algo: str = "sha256_cbor", **settings: Any) -> Engine:
+    """``settings``: kv_connector_extra_config beyond the socket."""
     steps_path = tmp / f"{name}.json"
     steps_path.write_text(json.dumps(steps))
     module = "kvstored_client.vllm.connector" if connector == "KVStoredConnector" else "vllm_test_connectors"
     log = tmp / f"{name}.log"
     full_env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "integration"), **(env or {})}
     proc = subprocess.Popen([str(VENV_PYTHON), str(DRIVER), "serve", str(tmp / "model"), str(steps_path),
-                             "--extra", json.dumps({"socket": socket}), "--module", module,
+                             "--extra", json.dumps({"socket": socket, **settings}), "--module", module,
                              "--connector", connector, "--hash-algo", hash_algo],
                             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT, env=full_env)
     return Engine(proc, log)
@@ -99,10 +102,12 @@ def saved_blocks(socket: str) -> int:
 
 @dataclass
 class Scenario:
-    a: list[dict[str, Any]]                 # engine A: P1, PL (stores them)
-    b: list[dict[str, Any]]                 # engine B, fresh: P1, PL, PS
-    zeroed: list[dict[str, Any]]            # engine C: P1, its loaded KV zeroed
-    d: list[dict[str, Any]]                 # engine D: P1, PS (daemon down), P1 (restarted), PL (killed)
+    a: list[dict[str, Any]]                 # engine A, copying path: P1, PL (stores them)
+    b: list[dict[str, Any]]                 # engine B, fresh, zero copy: P1, PL, PS
+    zeroed: list[dict[str, Any]]            # engine C, zero copy, all layers at once: P1, its loaded KV zeroed
+    copied: list[dict[str, Any]]            # engine E, fresh, copying path: P1
+    d: list[dict[str, Any]]                 # engine D, zero copy: P1, PS (daemon down), P1 (restarted), PL (killed)
+    paths: dict[str, str]                   # each engine's path, as its connector says
     saved_after_a: int
     saved_by_b: int
     killed: bool
@@ -127,18 +132,26 @@ def scenario(model_dir: Path) -> Iterator[Scenario]:
     args = ("--set", "ssd.admission=always")
     daemons: list[Daemon] = [start_daemon(tmp / "d", *args)]
     socket = daemons[0].socket
+    engines: dict[str, Engine] = {}
     try:
-        a = start_engine(tmp, "a", [prompt(P1), prompt(PL)], socket).finish()
+        engines["a"] = start_engine(tmp, "a", [prompt(P1), prompt(PL)], socket, zero_copy=False)
+        a = engines["a"].finish()
         saved_after_a = saved_blocks(socket)
-        b = start_engine(tmp, "b", [prompt(P1), prompt(PL), prompt(PS)], socket).finish()
+        # the reset: PS's shared prefix then comes from kvstored, not from B's own cache of P1
+        engines["b"] = start_engine(tmp, "b", [prompt(P1), prompt(PL), {"reset": True}, prompt(PS)], socket)
+        b = engines["b"].finish()
         saved_by_b = saved_blocks(socket) - saved_after_a
-        zeroed = start_engine(tmp, "c", [prompt(P1)], socket, connector="ZeroingConnector").finish()
+        engines["c"] = start_engine(tmp, "c", [prompt(P1)], socket, connector="ZeroingConnector", layerwise=False)
+        zeroed = engines["c"].finish()
+        engines["e"] = start_engine(tmp, "e", [prompt(P1)], socket, zero_copy=False)
+        copied = engines["e"].finish()
 
         daemons[0].stop()   # SIGTERM: what is only in DRAM goes to SSD first
         restarted, armed = tmp / "restarted", tmp / "armed"
-        d = start_engine(tmp, "d", [prompt(P1), prompt(PS), {"wait_for": str(restarted)}, {"reset": True},
-                                    prompt(P1), {"reset": True}, {"wait_for": str(armed)}, prompt(PL)],
-                         socket, connector="KillingConnector", env={"KVSTORED_TEST_KILL": str(armed)})
+        d = engines["d"] = start_engine(
+            tmp, "d", [prompt(P1), prompt(PS), {"wait_for": str(restarted)}, {"reset": True}, prompt(P1),
+                       {"reset": True}, {"wait_for": str(armed)}, prompt(PL)],
+            socket, connector="KillingConnector", env={"KVSTORED_TEST_KILL": str(armed)})
         killed = False
         for item in d.lines():
             if len(d.answers) == 2 and not restarted.exists():
@@ -147,8 +160,13 @@ def scenario(model_dir: Path) -> Iterator[Scenario]:
             elif len(d.answers) == 3 and not armed.exists():
                 armed.write_text(str(daemons[-1].proc.pid))
             killed = killed or bool(item.get("killed"))
-        yield Scenario(a, b, zeroed, d.finish(), saved_after_a, saved_by_b, killed)
+        yield Scenario(a, b, zeroed, copied, d.finish(), {k: e.path for k, e in engines.items()}, saved_after_a,
+                       saved_by_b, killed)
     finally:
+        for engine in engines.values():
+            if engine.proc.poll() is None:
+                engine.proc.kill()
+                engine.proc.wait()
         for daemon in daemons:
             daemon.stop(signal.SIGKILL)
 
@@ -166,15 +184,25 @@ def test_the_vllm_environment_has_none_of_the_daemons_own_dependencies() -> None
     assert out.stdout.split("\n")[:2] == ["[]", "False"]   # and importing the SDK imports no vLLM
 
 
+def test_vllms_kv_cache_is_shared_with_the_daemon_unless_told_otherwise(scenario: Scenario) -> None:
+    assert scenario.paths == {"a": "copying", "b": "zero-copy", "c": "zero-copy", "e": "copying", "d": "zero-copy"}
+
+
 def test_a_fresh_engine_takes_the_prompt_from_kvstored_and_answers_the_same(scenario: Scenario) -> None:
-    first, restored = scenario.a[0], scenario.b[0]
+    first, restored = scenario.a[0], scenario.b[0]   # stored by the copying path, loaded by zero copy
     assert first["cached"] == 0
     assert restored["cached"] >= 0.9 * len(P1)
     assert restored["tokens"] == first["tokens"]
 
 
+def test_the_copying_path_restores_the_prompt_too(scenario: Scenario) -> None:
+    assert scenario.copied[0]["cached"] >= 0.9 * len(P1)
+    assert scenario.copied[0]["tokens"] == scenario.a[0]["tokens"]
+
+
 def test_zeroed_loaded_kv_changes_the_answer(scenario: Scenario) -> None:
-    """The control: the same load with its bytes zeroed gives other tokens, so B used the bytes."""
+    """The control: the same load with its bytes zeroed (each layer once it is in place) gives
+    other tokens, so B used the bytes."""
     assert scenario.zeroed[0]["cached"] >= 0.9 * len(P1)
     assert scenario.zeroed[0]["tokens"] != scenario.a[0]["tokens"]
 

@@ -64,7 +64,10 @@ def serve(directory: str, steps_path: str, extra: dict[str, object], module: str
               enforce_eager=True, max_model_len=2048, max_num_batched_tokens=CHUNK_TOKENS,
               enable_chunked_prefill=True, block_size=BLOCK_SIZE, skip_tokenizer_init=True, seed=0,
               kv_cache_memory_bytes=256 << 20, kv_transfer_config=transfer)
-    report({"ready": True})
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    # the engine runs in this process: the worker's connector is here
+    report({"path": get_kv_transfer_group().path})
     for step in json.loads(Path(steps_path).read_text()):
         if "wait_for" in step:
             while not Path(step["wait_for"]).exists():

@@ -17,13 +17,12 @@ from kvstored_client.vllm.connector import KVStoredConnector
 class ZeroingConnector(KVStoredConnector):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
-        self.tensors = list(kv_caches.values())   # vLLM's CPU layout: blocks first
+        self.tensors = dict(kv_caches)   # vLLM's CPU layout: blocks first
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        super().start_load_kv(forward_context, **kwargs)
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        super().wait_for_layer_load(layer_name)   # this layer is loaded: zero it
         for spec in self._get_connector_metadata().loads:
-            for tensor in self.tensors:
-                tensor[list(spec.block_ids)] = 0
+            self.tensors[layer_name][list(spec.block_ids)] = 0
 
 
 class KillingConnector(KVStoredConnector):

@@ -17,7 +17,11 @@ class ConnectorConfig:
     system one). ``load``/``save``: take prefixes from kvstored / store computed prompt blocks.
     ``model``: the namespace's model name ("" for vLLM's model). ``timeout_s``: the longest one
     call to the daemon may take before the engine gives up on it and recomputes.
-    ``push_to``: a peer node id the daemon pushes every saved chunk to (prefill/decode)."""
+    ``push_to``: a peer node id the daemon pushes every saved chunk to (prefill/decode).
+    ``zero_copy``: allocate vLLM's (CPU) KV cache in shared memory and register it with the daemon,
+    which then copies blocks itself (else the engine copies them through the SDK's arena calls).
+    ``layerwise``: with zero copy, let each attention layer start as soon as its own layer of the
+    cached prefix is in place instead of waiting for all of them."""
 
     socket: str = ""
     load: bool = True
@@ -25,6 +29,8 @@ class ConnectorConfig:
     model: str = ""
     timeout_s: float = 5.0
     push_to: str = ""
+    zero_copy: bool = True
+    layerwise: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

@@ -20,12 +20,14 @@ stored (each chunk of a chunked prefill). Blocks that could not be loaded are re
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -33,6 +35,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.core.kv_cache_utils import get_none_hash_seed
 
+from kvstored_client import shm
+from kvstored_client.contract.errors import KVStoreError
+from kvstored_client.contract.layout import TensorLayout, layout_signature
 from kvstored_client.contract.namespace import Namespace
 from kvstored_client.vllm.config import ConnectorConfig
 from kvstored_client.vllm.link import DaemonLink
@@ -71,17 +76,45 @@ def namespace_of(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig
 
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    layout = (f"vllm:{current_platform.device_type}:{type(spec).__name__}:"
-              f"{len(groups[0].layer_names)}x{spec.page_size_bytes}")
+    # A block's payload: each layer's bytes of the block, layer after layer, as the SDK lays out
+    # buffers registered one row of bytes per block: the copying path's rows are the same bytes.
+    row = TensorLayout((1, spec.page_size_bytes), (spec.page_size_bytes, 1), "int8", 0)
+    layout = layout_signature([row] * len(groups[0].layer_names))
+    # the bytes' order within a layer's block is the attention backend's: the platform and spec say which
+    kv_dtype = f"{model.dtype}/{cache.cache_dtype} vllm-{current_platform.device_type} {type(spec).__name__}"
     return Namespace(model=config.model or str(model.model), revision=str(model.revision or ""),
-                     kv_dtype=f"{cache.cache_dtype}:{model.dtype}", block_size=spec.block_size, layout=layout,
+                     kv_dtype=kv_dtype, block_size=spec.block_size, layout=layout,
                      tp_rank=parallel.rank % max(parallel.tensor_parallel_size, 1),
                      tp_size=parallel.tensor_parallel_size, hash_algo=HASH_ALGO, hash_seed=get_none_hash_seed())
 
 
+class _SharedKVAllocation(TorchFunctionMode):  # type: ignore[misc]
+    """While vLLM allocates its KV cache (``get_mem_pool_context``): the one zero-filled int8 CPU
+    buffer it asks for comes from a shared-memory file the daemon can map. Anything else, or a
+    buffer the shared-memory directory has no room for (logged), is allocated as usual."""
+
+    def __init__(self, keep: Callable[[shm.SharedTensor], None]) -> None:
+        super().__init__()
+        self._keep = keep
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.zeros and len(args) == 1 and isinstance(args[0], int) and kwargs.get("dtype") is torch.int8 \
+                and torch.device(kwargs.get("device", "cpu")).type == "cpu" and set(kwargs) <= {"dtype", "device"}:
+            try:
+                shared = shm.empty((args[0],), "int8")
+            except (OSError, ValueError) as exc:
+                log.warning("kvstored: vLLM's KV cache stays private (%s); blocks are copied by the engine", exc)
+            else:
+                self._keep(shared)
+                return shared.torch()
+        return func(*args, **kwargs)
+
+
 class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM's external prefix cache in kvstored (the copying path: blocks are copied between
-    vLLM's paged buffers and the daemon's arena)."""
+    """vLLM's external prefix cache in kvstored: zero copy where vLLM's KV cache could be
+    allocated in shared memory (the daemon copies blocks in and out of it), else blocks are
+    copied between vLLM's paged buffers and the daemon's arena by the engine."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -103,6 +136,9 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layers: list[torch.Tensor] = []     # per layer: a view with the block dimension first
         self._widths: list[int] = []              # per layer: bytes of one block
         self._load_errors: set[int] = set()
+        self._shared: shm.SharedTensor | None = None
+        self._layer_index: dict[str, int] = {}
+        self._loading: list[tuple[LoadSpec, Any]] = []   # zero-copy loads in flight, with their handles
         log.info("kvstored connector: namespace %s, load=%s save=%s", self.namespace, self.config.load,
                  self.config.save)
 
@@ -179,6 +215,7 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Remember each layer's paged tensor with its block dimension first (vLLM's CPU layout
         has it first already; its GPU layout puts K/V before it)."""
         self._layers, self._widths = [], []
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         for name, tensor in kv_caches.items():
             dim = 0 if tensor.shape[0] == self._num_blocks else 1
             if tensor.shape[dim] != self._num_blocks:
@@ -187,6 +224,31 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
             view = tensor.movedim(dim, 0)
             self._layers.append(view)
             self._widths.append(view[0].numel() * view.element_size())
+        row = self.namespace.layout.split("+")
+        if len(row) != len(self._widths) or any(r != f"int8[{w}]" for r, w in zip(row, self._widths)):
+            raise ValueError(f"KVStoredConnector: vLLM's layers hold blocks of {self._widths} bytes; expected {row}")
+        if self._shared is not None:
+            start, end = self._shared.base_address, self._shared.base_address + self._shared.nbytes
+            rows = [layer.reshape(self._num_blocks, -1).view(torch.int8) for layer in self._layers]
+            if all(start <= r.data_ptr() < end and r.data_ptr() + r.numel() <= end for r in rows):
+                self._link.share(rows)
+            else:
+                log.warning("kvstored: vLLM's KV tensors are not in the shared buffer; blocks are copied by the engine")
+        log.info("kvstored connector: the %s path", self.path)
+
+    @property
+    def path(self) -> str:
+        """How blocks move on this worker: "zero-copy" (the daemon copies into vLLM's shared
+        KV cache) or "copying" (the engine copies through the daemon's arena)."""
+        return "zero-copy" if self._link.shares else "copying"
+
+    def get_mem_pool_context(self) -> Any:
+        if not self.config.zero_copy or self.role != KVConnectorRole.WORKER:
+            return None
+        return _SharedKVAllocation(self._keep_shared)
+
+    def _keep_shared(self, shared: shm.SharedTensor) -> None:
+        self._shared = shared
 
     def _gather(self, block_ids: tuple[int, ...]) -> np.ndarray:
         """One row per block: its bytes of every layer, layer after layer."""
@@ -206,6 +268,16 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         for spec in meta.loads:
+            if self._link.shares and spec.first == 0:
+                # zero copy: the daemon copies into vLLM's blocks. (A load after a local hit takes
+                # the copying path: the local blocks, maybe in use by running requests, are not
+                # written again.)
+                handle = self._link.load_blocks(spec.block_ids, spec.hashes)
+                if handle is None:
+                    self._load_errors.update(spec.block_ids)
+                else:
+                    self._loading.append((spec, handle))
+                continue
             rows = self._link.load(spec.hashes)
             got = 0 if rows is None else min(rows.shape[0], len(spec.hashes))
             if rows is not None and rows.shape[1] != sum(self._widths):
@@ -217,17 +289,47 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # what the lookup promised but the load did not bring (evicted since, or the daemon
             # gone): vLLM recomputes these blocks
             self._load_errors.update(spec.block_ids[max(got - spec.first, 0):])
+        if not self.config.layerwise:
+            self._finish_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return   # the copying path loads every layer before the forward pass
+        """Zero copy, layer-wise: wait until this layer of every load is in place (the copying
+        path loaded every layer before the forward pass)."""
+        index = self._layer_index.get(layer_name)
+        if index is None:   # a layer vLLM did not register: wait for every layer
+            self._finish_loads()
+            return
+        for spec, handle in self._loading:
+            try:
+                handle.wait_layer(index)
+            except KVStoreError as exc:
+                # the layer computes on what arrived; the step's result for this request is
+                # thrown away and recomputed, as its blocks are reported as failed
+                self._link.failed("load_blocks", exc)
+                self._load_errors.update(spec.block_ids)
+
+    def _finish_loads(self) -> None:
+        """Wait for the zero-copy loads; blocks they did not bring are reported as failed."""
+        loading, self._loading = self._loading, []
+        for spec, handle in loading:
+            try:
+                loaded = handle.wait().blocks
+            except KVStoreError as exc:
+                self._link.failed("load_blocks", exc)
+                loaded = 0
+            self._load_errors.update(spec.block_ids[loaded:])
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return   # stored after the forward pass, all layers of a block in one row
 
     def wait_for_save(self) -> None:
+        self._finish_loads()   # before vLLM asks for the step's load errors
         meta = self._get_connector_metadata()
         for spec in meta.saves:
-            self._link.save(spec.hashes, self._gather(spec.block_ids), self.config.push_to)
+            if self._link.shares:
+                self._link.save_blocks(spec.block_ids, spec.hashes, self.config.push_to)
+            else:
+                self._link.save(spec.hashes, self._gather(spec.block_ids), self.config.push_to)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -236,3 +338,4 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         self._lookup_thread.shutdown(wait=False, cancel_futures=True)
         self._link.close()
+        # the shared KV buffer goes when vLLM's tensors do (they keep it alive)

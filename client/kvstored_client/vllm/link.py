@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstored_client.buffers import Buffers
 from kvstored_client.client import Client
 from kvstored_client.contract.errors import KVStoreError
 from kvstored_client.contract.namespace import Namespace
@@ -36,6 +37,8 @@ class DaemonLink:
         self._timeout_s = timeout_s
         self._name = name
         self._client: Client | None = None
+        self._tensors: list[Any] = []
+        self._buffers: Buffers | None = None
         self._next_connect = 0.0
         self._failing = False
 
@@ -60,6 +63,7 @@ class DaemonLink:
         self._failing = True
         if isinstance(exc, ClientClosed):
             self._client = None
+            self._buffers = None
 
     def _ok(self) -> None:
         if self._failing:
@@ -105,7 +109,63 @@ class DaemonLink:
         self._ok()
         return result.present + result.stored
 
+    def share(self, tensors: Sequence[Any]) -> None:
+        """The engine's KV tensors in shared memory, one per layer with one row of bytes per block:
+        registered with the daemon on first use (and by the SDK again after a daemon restart)."""
+        self._tensors = list(tensors)
+        self._buffers = None
+
+    @property
+    def shares(self) -> bool:
+        return bool(self._tensors)
+
+    def _registered(self) -> tuple[Client, Buffers] | None:
+        client = self._connected()
+        if client is None or not self._tensors:
+            return None
+        if self._buffers is None:
+            try:
+                self._buffers = client.register_buffers(self._tensors, 0, namespace=self.namespace)
+            except KVStoreError as exc:
+                self._failed("register_buffers", exc)
+                return None
+        return client, self._buffers
+
+    def load_blocks(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> Any:
+        """Start the daemon's copy of the chain's cached prefix into engine blocks ``block_ids``
+        (one per hash); a :class:`LoadHandle`, or None if the daemon cannot be asked."""
+        registered = self._registered()
+        if registered is None:
+            return None
+        client, buffers = registered
+        try:
+            handle = client.load_blocks(buffers, block_ids, hashes=hashes, wait=False)
+        except KVStoreError as exc:
+            self._failed("load_blocks", exc)
+            return None
+        self._ok()
+        return handle
+
+    def save_blocks(self, block_ids: Sequence[int], hashes: Sequence[bytes], push_to: str = "") -> int:
+        """The daemon stores engine blocks ``block_ids`` as the chain (what it has it skips)."""
+        registered = self._registered()
+        if registered is None:
+            return 0
+        client, buffers = registered
+        try:
+            result = client.save_blocks(buffers, block_ids, hashes=hashes, push_to=push_to)
+        except KVStoreError as exc:
+            self._failed("save_blocks", exc)
+            return 0
+        self._ok()
+        return result.present + result.stored
+
+    def failed(self, what: str, exc: Exception) -> None:
+        """A failure of a call the link started (a load handle's wait), logged like its own."""
+        self._failed(what, exc)
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+            self._buffers = None
