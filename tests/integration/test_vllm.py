@@ -17,12 +17,14 @@ import os
 import random
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+from loopback import free_ports
 
 import kvstored
 from conftest import ROOT, Daemon, start_daemon
@@ -241,3 +243,24 @@ def test_vllms_pickle_based_block_hashes_are_refused_at_start_up(model_dir: Path
     assert list(engine.lines()) == []
     assert engine.proc.wait(TIMEOUT_S) != 0
     assert "KVStoredConnector needs prefix_caching_hash_algo='sha256_cbor'" in engine.log.read_text()
+
+
+def test_prefill_on_one_node_pushes_the_prompt_to_the_decode_nodes_daemon(
+        scenario: Scenario, model_dir: Path, daemon_factory: Any) -> None:
+    """Prefill/decode on two daemons as peers: the prefill engine's connector has the daemon push
+    each stored chunk to the decode node (``push_to``); the decode engine finds the prompt in its
+    own daemon and answers as a single node does."""
+    ports = free_ports(2)
+    static = ",".join(f"{n}=127.0.0.1:{p}" for n, p in zip(("prefill", "decode"), ports))
+    nodes = {name: daemon_factory("--set", f"peers.listen=127.0.0.1:{port}", "--set", f"peers.node_id={name}",
+                                  "--set", f"peers.static={static}", "--set", "peers.token=t0ken")
+             for name, port in zip(("prefill", "decode"), ports)}
+    start_engine(model_dir, "prefill", [prompt(P1)], nodes["prefill"].socket, push_to="decode").finish()
+    with kvstored.Client(nodes["decode"].socket) as client:
+        deadline = time.monotonic() + 60   # the pushes run in the background: wait for them to land
+        while client.stats()["peer_received_blocks"] < whole_blocks(P1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats()["peer_received_blocks"] == whole_blocks(P1)
+    decoded = start_engine(model_dir, "decode", [prompt(P1)], nodes["decode"].socket).finish()
+    assert decoded[0]["cached"] >= 0.9 * len(P1)
+    assert decoded[0]["tokens"] == scenario.a[0]["tokens"]
