@@ -252,13 +252,13 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _gather(self, block_ids: tuple[int, ...]) -> np.ndarray:
         """One row per block: its bytes of every layer, layer after layer."""
-        index = torch.as_tensor(block_ids, dtype=torch.long)
+        index = torch.as_tensor(block_ids, dtype=torch.long, device=self._layers[0].device)
         parts = [layer.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8) for layer in self._layers]
-        return torch.cat(parts, dim=1).numpy()
+        return torch.cat(parts, dim=1).cpu().numpy()
 
     def _scatter(self, rows: np.ndarray, block_ids: tuple[int, ...]) -> None:
-        index = torch.as_tensor(block_ids, dtype=torch.long)
-        data = torch.from_numpy(np.ascontiguousarray(rows))
+        index = torch.as_tensor(block_ids, dtype=torch.long, device=self._layers[0].device)
+        data = torch.from_numpy(np.ascontiguousarray(rows)).to(self._layers[0].device)
         offset = 0
         for layer, width in zip(self._layers, self._widths):
             part = data[:, offset:offset + width].contiguous().view(layer.dtype)
