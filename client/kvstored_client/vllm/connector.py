@@ -20,6 +20,7 @@ stored (each chunk of a chunked prefill). Blocks that could not be loaded are re
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
 
 from kvstored_client import shm
 from kvstored_client.contract.errors import KVStoreError
@@ -85,7 +86,16 @@ def namespace_of(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig
     return Namespace(model=config.model or str(model.model), revision=str(model.revision or ""),
                      kv_dtype=kv_dtype, block_size=spec.block_size, layout=layout,
                      tp_rank=parallel.rank % max(parallel.tensor_parallel_size, 1),
-                     tp_size=parallel.tensor_parallel_size, hash_algo=HASH_ALGO, hash_seed=get_none_hash_seed())
+                     tp_size=parallel.tensor_parallel_size, hash_algo=HASH_ALGO,
+                     hash_seed=none_hash_seed())
+
+
+def none_hash_seed() -> str:
+    """The seed of vLLM's first block's parent hash, as vLLM resolves it for a cryptographic hash:
+    ``PYTHONHASHSEED`` if set, else a fixed default. Resolved here rather than asked of vLLM, whose
+    answer depends on whether this process has hashed anything yet (the scheduler's and the
+    worker's namespaces must be equal)."""
+    return os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)
 
 
 class _SharedKVAllocation(TorchFunctionMode):  # type: ignore[misc]
