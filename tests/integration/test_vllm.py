@@ -244,16 +244,18 @@ def test_vllms_pickle_based_block_hashes_are_refused_at_start_up(model_dir: Path
     assert "KVStoredConnector needs prefix_caching_hash_algo='sha256_cbor'" in engine.log.read_text()
 
 
-def test_prefill_on_one_node_pushes_the_prompt_to_the_decode_nodes_daemon(
+def test_prefill_and_decode_on_peer_daemons_by_push_and_by_pull(
         scenario: Scenario, model_dir: Path, daemon_factory: Any) -> None:
-    """Prefill/decode on two daemons as peers: the prefill engine's connector has the daemon push
-    each stored chunk to the decode node (``push_to``); the decode engine finds the prompt in its
-    own daemon and answers as a single node does."""
-    ports = free_ports(2)
-    static = ",".join(f"{n}=127.0.0.1:{p}" for n, p in zip(("prefill", "decode"), ports))
+    """Prefill/decode on daemons that are peers: the prefill engine's connector has its daemon
+    push each stored chunk to the decode node (``push_to``), and the decode engine finds the
+    prompt in its own daemon; an engine on a third node (``peers``) finds it on its peers and
+    fetches it. Both answer as a single node does."""
+    names = ("prefill", "decode", "third")
+    ports = free_ports(len(names))
+    static = ",".join(f"{n}=127.0.0.1:{p}" for n, p in zip(names, ports))
     nodes = {name: daemon_factory("--set", f"peers.listen=127.0.0.1:{port}", "--set", f"peers.node_id={name}",
                                   "--set", f"peers.static={static}", "--set", "peers.token=t0ken")
-             for name, port in zip(("prefill", "decode"), ports)}
+             for name, port in zip(names, ports)}
     start_engine(model_dir, "prefill", [prompt(P1)], nodes["prefill"].socket, push_to="decode").finish()
     with kvstored.Client(nodes["decode"].socket) as client:
         deadline = time.monotonic() + 60   # the pushes run in the background: wait for them to land
@@ -263,3 +265,9 @@ def test_prefill_on_one_node_pushes_the_prompt_to_the_decode_nodes_daemon(
     decoded = start_engine(model_dir, "decode", [prompt(P1)], nodes["decode"].socket).finish()
     assert decoded[0]["cached"] >= 0.9 * len(P1)
     assert decoded[0]["tokens"] == scenario.a[0]["tokens"]
+
+    pulled = start_engine(model_dir, "third", [prompt(P1)], nodes["third"].socket, peers=True).finish()
+    assert pulled[0]["cached"] >= 0.9 * len(P1)
+    assert pulled[0]["tokens"] == scenario.a[0]["tokens"]
+    with kvstored.Client(nodes["third"].socket) as client:
+        assert client.stats()["peer_fetched_blocks"] == (len(P1) - 1) // BLOCK   # what vLLM asked for

@@ -21,7 +21,9 @@ class ConnectorConfig:
     ``zero_copy``: allocate vLLM's (CPU) KV cache in shared memory and register it with the daemon,
     which then copies blocks itself (else the engine copies them through the SDK's arena calls).
     ``layerwise``: with zero copy, let each attention layer start as soon as its own layer of the
-    cached prefix is in place instead of waiting for all of them."""
+    cached prefix is in place instead of waiting for all of them.
+    ``peers``: also find and fetch blocks that peer daemons hold (a decode engine taking the
+    prompt a prefill engine stored on another node); fetched blocks stay on this node."""
 
     socket: str = ""
     load: bool = True
@@ -31,6 +33,7 @@ class ConnectorConfig:
     push_to: str = ""
     zero_copy: bool = True
     layerwise: bool = True
+    peers: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:

@@ -134,7 +134,8 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.block_size = self.namespace.block_size
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._link = DaemonLink(self.config.socket, self.namespace, self.config.timeout_s,
-                                f"vllm-{'scheduler' if role == KVConnectorRole.SCHEDULER else 'worker'}")
+                                f"vllm-{'scheduler' if role == KVConnectorRole.SCHEDULER else 'worker'}",
+                                self.config.peers)
         # scheduler side
         self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstored-lookup")
         self._lookups: dict[str, Future[int]] = {}

@@ -29,10 +29,12 @@ RETRY_CONNECT_S = 1.0
 
 class DaemonLink:
     """Lookups, saves and loads by an engine's hashes in ``namespace``; none of them raises a
-    :class:`KVStoreError`. Not thread-safe: one link per thread that calls it."""
+    :class:`KVStoreError`. With ``peers`` lookups count blocks peer daemons hold and loads fetch
+    them first. Not thread-safe: one link per thread that calls it."""
 
-    def __init__(self, socket: str, namespace: Namespace, timeout_s: float, name: str) -> None:
+    def __init__(self, socket: str, namespace: Namespace, timeout_s: float, name: str, peers: bool = False) -> None:
         self.namespace = namespace
+        self._peers = peers
         self._socket = socket or None
         self._timeout_s = timeout_s
         self._name = name
@@ -76,12 +78,22 @@ class DaemonLink:
         if client is None or not hashes:
             return 0
         try:
-            hit = client.lookup(hashes=hashes).blocks
+            hit = client.lookup(hashes=hashes, peers=self._peers).blocks
         except KVStoreError as exc:
             self._failed("lookup", exc)
             return 0
         self._ok()
         return hit
+
+    def _pull(self, client: Client, hashes: Sequence[bytes], namespace: Namespace) -> None:
+        """With ``peers``: bring what peers hold of the chain to this node first. A pull that
+        fails (no peers configured, a peer gone) leaves the load to what is local."""
+        if not self._peers:
+            return
+        try:
+            client.pull(hashes=hashes, namespace=namespace)
+        except KVStoreError as exc:
+            self._failed("pull from peers", exc)
 
     def load(self, hashes: Sequence[bytes]) -> np.ndarray | None:
         """The rows of the chain's longest cached prefix (one row of bytes per block), or None."""
@@ -89,6 +101,7 @@ class DaemonLink:
         if client is None or not hashes:
             return None
         try:
+            self._pull(client, hashes, self.namespace)
             rows = client.load(hashes=hashes).data
         except KVStoreError as exc:
             self._failed("load", exc)
@@ -139,6 +152,7 @@ class DaemonLink:
             return None
         client, buffers = registered
         try:
+            self._pull(client, hashes, buffers.namespace)
             handle = client.load_blocks(buffers, block_ids, hashes=hashes, wait=False)
         except KVStoreError as exc:
             self._failed("load_blocks", exc)
