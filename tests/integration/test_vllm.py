@@ -2,7 +2,7 @@
 daemon: a fresh engine takes a prompt another engine stored and answers the same; the loaded bytes
 are what it used; every chunk of a long prefill is stored; a partial hit prefills only the rest; a
 daemon that is down, restarted (the prefix then comes from SSD) or killed under a load never takes
-the engine down.
+the engine down; engines on peer daemons take a prompt pushed to them or fetch it.
 
 Each vLLM process costs ~15-30 s, so one scenario runs once for the module (four engines in
 sequence, each serving several prompts) and each test checks one thing it showed. The vLLM

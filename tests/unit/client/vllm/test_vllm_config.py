@@ -14,6 +14,7 @@ from kvstored_client.vllm.config import ConnectorConfig
 def test_defaults_load_and_save_on_the_default_socket() -> None:
     config = ConnectorConfig.from_extra(None)
     assert (config.socket, config.load, config.save, config.push_to) == ("", True, True, "")
+    assert (config.zero_copy, config.layerwise, config.peers) == (True, True, False)
 
 
 def test_values_are_taken() -> None:
