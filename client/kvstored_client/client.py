@@ -158,13 +158,15 @@ class Client(Connection):
 
     def save(self, tokens: Any, kv: Any, *, hashes: Sequence[bytes] | None = None,
              namespace: Namespace | None = None, cache_salt: str | None = None,
-             push_to: str = "") -> SaveResult:
+             push_to: str = "", start: int = 0) -> SaveResult:
         """Store a prompt's KV: ``kv`` has one row per whole block (numpy array or CPU tensor).
 
         Blocks already cached are skipped; when the DRAM tier cannot make room, a shorter prefix
         is stored (``stored`` says how much). One reserve and one seal call per batch. With
         ``push_to`` (a peer node id) the daemon also pushes the chain to that node in the
-        background, in order, skipping what it holds.
+        background, in order, skipping what it holds. With ``start``, ``kv`` holds the rows of
+        blocks ``start`` on: the first ``start`` blocks must be cached already, and if they are
+        not, nothing is stored (``stored`` is 0, ``present`` says how many were).
         """
         # first: a new session after a restart renews the namespace ids; and the arena goes with it
         session, arena = self._session_arena()
@@ -173,17 +175,22 @@ class Client(Connection):
         reserve = pb.ReserveRequest(session_id=session, namespace_id=ns_id)
         n_blocks = self._keys(reserve.keys, spec, tokens, hashes, cache_salt)
         rows = coerce.rows(kv)
-        if rows.shape[0] < n_blocks:
-            raise InvalidArgument(f"kv has {rows.shape[0]} rows for {n_blocks} blocks")
-        if n_blocks == 0:
+        start = coerce.block_start(start)
+        if rows.shape[0] < n_blocks - start:
+            raise InvalidArgument(f"kv has {rows.shape[0]} rows for {n_blocks - start} blocks")
+        if n_blocks <= start:
             return SaveResult(0, 0, spec.block_size)
         reserve.block_bytes = rows.shape[1]
         resp = self._call(self._stub.Reserve, reserve)
         if spec.block_bytes == 0:
             self._namespace_ids.pop(namespace or self.namespace, None)  # learn the fixed size
         first = resp.present_blocks
+        if first < start:
+            # rows for the missing leading blocks are not ours to give: store none of the chain
+            self._release_now(session, resp.reservation_id)
+            return SaveResult(first, 0, spec.block_size)
         try:
-            copy_rows(arena, resp.offsets, rows[first:], to_arena=True)
+            copy_rows(arena, resp.offsets, rows[first - start:], to_arena=True)
         except BaseException:
             # interrupted (KeyboardInterrupt, a bad row): the reservation would keep other writers
             # of this prefix waiting until it expires
@@ -202,18 +209,21 @@ class Client(Connection):
 
     def load(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None, out: Any = None,
              dtype: Any = None, namespace: Namespace | None = None,
-             cache_salt: str | None = None) -> LoadResult:
+             cache_salt: str | None = None, start: int = 0) -> LoadResult:
         """Read the KV of the longest cached prefix, one row per block.
 
         With ``out`` (an array or tensor with a row per block, e.g. reused between calls) rows
-        are copied into it and ``data`` is a view of its first ``blocks`` rows; otherwise a new
-        uint8 array (or ``dtype``) is returned. Raises LeaseExpired if the read outlived its lease;
-        bad ``out``/``dtype`` raise InvalidArgument (nothing stays leased).
+        are copied into it and ``data`` is a view of its first rows; otherwise a new uint8 array
+        (or ``dtype``) is returned. With ``start`` (blocks the caller holds already) only the rows
+        of blocks ``start`` on are read; ``blocks`` still counts the whole cached prefix. Raises
+        LeaseExpired if the read outlived its lease; bad ``out``/``dtype`` raise InvalidArgument
+        (nothing stays leased).
         """
         # first: a new session after a restart renews the namespace ids; and the arena goes with it
         session, arena = self._session_arena()
         assert arena is not None, "an arena comes with the session when asked for"
         ns_id, spec = self._ns(namespace)
+        start = coerce.block_start(start)
         lookup = pb.LookupRequest(namespace_id=ns_id, lease=True, session_id=session)
         self._keys(lookup.keys, spec, tokens, hashes, cache_salt)
         out_rows = None if out is None else coerce.writable_rows(out)
@@ -231,27 +241,31 @@ class Client(Connection):
         started = time.monotonic()
         resp = self._call(self._stub.Lookup, lookup)
         hit = resp.hit_blocks
-        if not hit:   # rows as wide as the namespace's blocks (0 while its size is unknown)
+        wanted = max(hit - start, 0)
+        if not wanted:   # rows as wide as the namespace's blocks (0 while its size is unknown)
+            if hit:
+                self._release_later(session, resp.lease_id)
             if out is not None:
-                return LoadResult(0, 0, out[:0])
+                return LoadResult(hit * spec.block_size, hit, out[:0])
             empty = np.empty((0, resp.block_bytes), np.uint8)
-            return LoadResult(0, 0, empty if row_type is None or resp.block_bytes % row_type.itemsize
+            return LoadResult(hit * spec.block_size, hit,
+                              empty if row_type is None or resp.block_bytes % row_type.itemsize
                               else empty.view(row_type))
         block_bytes = resp.block_bytes
         try:
             if out_rows is not None:
                 rows = out_rows
-                if rows.shape[0] < hit or rows.shape[1] != block_bytes:
+                if rows.shape[0] < wanted or rows.shape[1] != block_bytes:
                     raise InvalidArgument(f"out has rows of {rows.shape[1]} bytes x {rows.shape[0]}; "
-                                          f"need {hit} rows of {block_bytes} bytes")
-                data = out[:hit]
+                                          f"need {wanted} rows of {block_bytes} bytes")
+                data = out[:wanted]
             else:
-                rows = np.empty((hit, block_bytes), dtype=np.uint8)
+                rows = np.empty((wanted, block_bytes), dtype=np.uint8)
                 if row_type is not None and block_bytes % row_type.itemsize:
                     raise InvalidArgument(f"a block of {block_bytes} bytes is not a whole number of "
                                           f"{row_type} items")
                 data = rows if row_type is None else rows.view(row_type)
-            copy_rows(arena, resp.offsets, rows, to_arena=False)
+            copy_rows(arena, resp.offsets[start:hit], rows[:wanted], to_arena=False)
         except BaseException:
             self._release_now(session, resp.lease_id)
             raise

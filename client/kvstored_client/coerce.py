@@ -60,6 +60,13 @@ def writable_rows(out: Any) -> np.ndarray:
     return arr
 
 
+def block_start(start: Any) -> int:
+    """``start`` (the leading blocks of a chain the caller holds already) as a count of blocks."""
+    if isinstance(start, bool) or not isinstance(start, int | np.integer) or start < 0:
+        raise InvalidArgument(f"start must be a whole number of blocks >= 0, got {start!r}")
+    return int(start)
+
+
 def block_id_sequence(block_ids: Any) -> Any:
     """``block_ids`` as :func:`set_block_ids` (and ``len``) take them: a torch tensor as numpy, any
     other iterable of ids as a list (an iterator would be used up before a bad id could be

@@ -421,3 +421,33 @@ def test_end_stream_is_used_only_with_a_daemon_that_takes_it(client) -> None:  #
                                                else (["StreamBlocks"], False)), (takes, names, stream_id)
     finally:
         engine.close()
+
+
+def test_save_and_load_from_a_block_on(client) -> None:  # type: ignore[no-untyped-def]
+    """An engine that holds a chain's first blocks gives and takes only the rest (``start``)."""
+    chain = kvstored.block_hashes(list(range(16 * 8)), block_size=16)
+    kv = rows(8, seed=3)
+    assert client.save(None, kv[:5], hashes=chain[:5]).stored == 5
+    tail = client.save(None, kv[5:], hashes=chain, start=5)
+    assert (tail.present, tail.stored) == (5, 3)
+    got = client.load(hashes=chain, start=6)
+    assert got.blocks == 8 and np.array_equal(got.data, kv[6:])
+    out = np.zeros((4, 1024), np.uint8)
+    got = client.load(hashes=chain, start=5, out=out)
+    assert got.blocks == 8 and np.array_equal(out[:3], kv[5:]) and not out[3].any()
+    past = client.load(hashes=chain[:4], start=6)
+    assert past.blocks == 4 and past.data.shape == (0, 1024)
+
+
+def test_a_tail_whose_leading_blocks_are_not_cached_is_not_stored(client) -> None:  # type: ignore[no-untyped-def]
+    chain = kvstored.block_hashes(list(range(500, 500 + 16 * 6)), block_size=16)
+    client.save(None, rows(2, seed=4), hashes=chain[:2])
+    refused = client.save(None, rows(2, seed=5), hashes=chain[:6], start=4)
+    assert (refused.present, refused.stored) == (2, 0)
+    assert client.lookup(hashes=chain).blocks == 2      # no block stored behind rows nobody gave
+    with pytest.raises(kvstored.InvalidArgument):
+        client.save(None, rows(2), hashes=chain, start=-1)
+    with pytest.raises(kvstored.InvalidArgument):
+        client.load(hashes=chain, start=1.5)  # type: ignore[arg-type]
+    with pytest.raises(kvstored.InvalidArgument):
+        client.save(None, rows(1), hashes=chain[:6], start=2)   # 4 blocks from start, 1 row
