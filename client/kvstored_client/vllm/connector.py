@@ -289,14 +289,15 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 else:
                     self._loading.append((spec, handle))
                 continue
-            rows = self._link.load(spec.hashes)
-            got = 0 if rows is None else min(rows.shape[0], len(spec.hashes))
-            if rows is not None and rows.shape[1] != sum(self._widths):
-                log.warning("kvstored: blocks of %d bytes, vLLM's are %d; not loading", rows.shape[1],
+            # the rows of the blocks vLLM lacks only: those before spec.first it has already
+            loaded = self._link.load(spec.hashes, start=spec.first)
+            got = 0 if loaded is None else min(loaded[0], len(spec.hashes))
+            if loaded is not None and got > spec.first and loaded[1].shape[1] != sum(self._widths):
+                log.warning("kvstored: blocks of %d bytes, vLLM's are %d; not loading", loaded[1].shape[1],
                             sum(self._widths))
                 got = 0
-            if got > spec.first:
-                self._scatter(rows[spec.first:got], spec.block_ids[:got - spec.first])  # type: ignore[index]
+            if loaded is not None and got > spec.first:
+                self._scatter(loaded[1][:got - spec.first], spec.block_ids[:got - spec.first])
             # what the lookup promised but the load did not bring (evicted since, or the daemon
             # gone): vLLM recomputes these blocks
             self._load_errors.update(spec.block_ids[max(got - spec.first, 0):])
@@ -340,7 +341,10 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self._link.shares:
                 self._link.save_blocks(spec.block_ids, spec.hashes, self.config.push_to)
             else:
-                self._link.save(spec.hashes, self._gather(spec.block_ids), self.config.push_to)
+                # the rows of the newly computed blocks only; if the daemon lost the earlier ones
+                # meanwhile it stores none (a miss later, never a chain with a hole)
+                self._link.save(spec.hashes, self._gather(spec.block_ids[spec.first:]), self.config.push_to,
+                                start=spec.first)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

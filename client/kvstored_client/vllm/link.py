@@ -95,27 +95,30 @@ class DaemonLink:
         except KVStoreError as exc:
             self._failed("pull from peers", exc)
 
-    def load(self, hashes: Sequence[bytes]) -> np.ndarray | None:
-        """The rows of the chain's longest cached prefix (one row of bytes per block), or None."""
+    def load(self, hashes: Sequence[bytes], start: int = 0) -> tuple[int, np.ndarray] | None:
+        """How many leading blocks of the chain are cached, and the rows (one row of bytes per
+        block) of those from block ``start`` on; None if the daemon cannot say."""
         client = self._connected()
         if client is None or not hashes:
             return None
         try:
             self._pull(client, hashes, self.namespace)
-            rows = client.load(hashes=hashes).data
+            result = client.load(hashes=hashes, start=start)
         except KVStoreError as exc:
             self._failed("load", exc)
             return None
         self._ok()
-        return rows  # type: ignore[no-any-return]
+        return result.blocks, result.data
 
-    def save(self, hashes: Sequence[bytes], rows: Any, push_to: str = "") -> int:
-        """Store the chain (one row per block); how many leading blocks are now stored (0 on failure)."""
+    def save(self, hashes: Sequence[bytes], rows: Any, push_to: str = "", start: int = 0) -> int:
+        """Store the chain, given the rows of blocks ``start`` on (one per block; the blocks before
+        must be stored already, else nothing is); how many leading blocks are now stored (0 on
+        failure)."""
         client = self._connected()
         if client is None or not hashes:
             return 0
         try:
-            result = client.save(None, rows, hashes=hashes, push_to=push_to)
+            result = client.save(None, rows, hashes=hashes, push_to=push_to, start=start)
         except KVStoreError as exc:
             self._failed("save", exc)
             return 0
