@@ -28,6 +28,9 @@ WRITE_FAILED = 64   # its last write to the SSD tier failed: it may leave DRAM u
 NO_SLOT = -1    # Block.offset when the block has no DRAM slot
 
 _cached = functools.partial(operator.is_not, None)   # a look-up that found a block, tested in C
+# One int object per depth, shared by every block at it: Python caches only ints up to 256, and a
+# 32k-token prompt's blocks are 2,048 deep (28 B a block otherwise; ~0.5 MB once)
+_DEPTHS = tuple(range(1 << 14))
 
 
 class Tier(enum.IntEnum):
@@ -39,8 +42,8 @@ class Tier(enum.IntEnum):
 class Block:
     """One cached block. Mutable bookkeeping, kept small."""
 
-    __slots__ = ("check", "children", "depth", "flags", "index", "key", "offset",
-                 "parent", "pins")
+    __slots__ = ("check", "children", "depth", "flags", "index", "key", "lane0_n", "lane0_t", "lane1_n",
+                 "lane1_t", "offset", "parent", "pins")
 
     def __init__(self, key: bytes, parent: Block | None, index: PrefixIndex, offset: int, depth: int) -> None:
         self.key = key
@@ -52,6 +55,8 @@ class Block:
         self.offset = offset
         self.depth = depth
         self.check: int | None = None  # xxh3-64 of the bytes once computed (serving it to peers)
+        self.lane0_t = self.lane1_t = 0.0
+        self.lane0_n = self.lane1_n = 0
 
     @property
     def sealed(self) -> bool:
@@ -158,7 +163,8 @@ class PrefixIndex:
         """Add an unsealed block under ``parent`` (None = root); the key must be new."""
         assert key not in self._blocks, "insert of a key already present"
         assert parent is None or self._blocks.get(parent.key) is parent, "parent is not in the index"
-        block = Block(key, parent, self, offset, 0 if parent is None else parent.depth + 1)
+        depth = 0 if parent is None else parent.depth + 1
+        block = Block(key, parent, self, offset, _DEPTHS[depth] if depth < len(_DEPTHS) else depth)
         self._blocks[key] = block
         if parent is not None:
             parent.children += 1

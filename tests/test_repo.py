@@ -301,7 +301,9 @@ def test_readme_metric_names_exist() -> None:
                                     + metrics._EVENT_METRICS):
         exposed.add(f"kvstored_{name}" + ("_total" if kind is CounterMetricFamily else ""))
     named = set()
-    for span in re.findall(r"`(kvstored_(?!client\.)[^`]*)`", README):   # (not a module path of the SDK)
+    for span in re.findall(r"`(kvstored_[^`]*)`", README):
+        if "." in span:   # a module path (kvstored_client.sglang...), not a metric
+            continue
         named.update(_expand(re.sub(r"\{\w+\}$", "", span)))   # a trailing {label} is not part of the name
     assert len(named) > 10, named
     assert named - exposed == set()
@@ -342,9 +344,6 @@ def test_readme_statuses_by_call_name_every_rpc_and_only_statuses_the_daemon_can
     from tools import fuzz
 
     table = fuzz.documented_statuses(README)
-    # and a row for the fast path's frames that are no request (the rows of the calls it carries
-    # are theirs): what gRPC answers a method it does not serve
-    assert "UNIMPLEMENTED" in table.pop(fuzz.FRAME)
     assert set(table) == {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.KVStoreError)]
     sendable = {c.code.name for c in classes if c.code is not None} | {"OK"}
@@ -498,6 +497,7 @@ def test_the_test_command_passes_in_a_checkout_only_its_owner_may_enter(tmp_path
     count = len([line for line in marked.stdout.splitlines() if "::" in line])
     assert count >= 1, marked.stdout + marked.stderr
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "KVSTORED_SOCKET", "PYTEST_ADDOPTS")}
+    env["KVSTORED_VLLM"] = "skip"   # none of these tests runs vLLM: not another 3.5 GB install
     out = subprocess.run(["bash", "tools/test.sh", "-m", "other_user", "-p", "no:cacheprovider", "-q"],
                          cwd=checkout, capture_output=True, text=True, timeout=1500, env=env)
     tail = (out.stdout + out.stderr)[-4000:]

@@ -9,4 +9,7 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 # Test services: etcd for the membership tests (skipped, with the reason, if it cannot be installed).
 bash tools/ci/install-etcd.sh || echo "tools/test.sh: etcd could not be installed; membership tests will skip"
+# vLLM (CPU) in an environment of its own for tests/integration/test_vllm.py. If it cannot be
+# installed those tests fail with the reason; KVSTORED_VLLM=skip leaves vLLM out on purpose.
+bash tools/ci/install-vllm.sh || echo "tools/test.sh: vLLM could not be installed; the vLLM tests will fail (KVSTORED_VLLM=skip skips them)"
 exec .venv/bin/python -m pytest "$@"

@@ -118,7 +118,7 @@ class LeafHeap:
                 continue
             if refresh is not None:
                 current = refresh(block)
-                if current > prio:  # used since this entry was pushed: back in at its place
+                if current != prio:  # used since pushed (or its policy's weights fell): back in at its place
                     prios[block] = current
                     heapq.heapreplace(heap, (current, next(self._seq), block))
                     continue
@@ -129,6 +129,17 @@ class LeafHeap:
         for entry in held:
             heapq.heappush(heap, entry)
         return found
+
+    def reprioritise(self) -> None:
+        """Recompute every tracked block's priority with ``refresh`` and rebuild the heap (O(n)):
+        for a policy whose priorities may also fall (a learned weight that went down)."""
+        refresh = self._refresh
+        if refresh is None:
+            return
+        prios = self._prio
+        for block in prios:
+            prios[block] = refresh(block)
+        self._rebuild()
 
     def _push(self, block: Block, prio: Priority) -> None:
         heap = self._heap

@@ -1,25 +1,28 @@
-"""Policies by name, as the configuration names them; ``DEFAULT_POLICY`` is the one that won the
-trace replay (``python -m tools.trace_replay``)."""
+"""Policies by name, as the configuration names them; ``DEFAULT_POLICY`` is the one that held up
+across the replayed workloads (``python -m tools.trace_replay``, BENCHMARKS.md section 3b)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from kvstored.index import Block
+from kvstored.policy.adaptive import AdaptivePolicy
 from kvstored.policy.classic import LFUPolicy, LRUPolicy
 from kvstored.policy.credit import CreditPolicy
 from kvstored.policy.interface import BlockPolicy
 from kvstored.policy.leafheap import index_leaf
 
-POLICIES = ("lru", "lfu", "credit")
-DEFAULT_POLICY = "credit"
+POLICIES = ("lru", "lfu", "credit", "adaptive")
+DEFAULT_POLICY = "adaptive"
 GHOST_PER_BLOCK = 3  # ghost entries per block of capacity, for the policies that keep ghosts
 
 
 def make_policy(name: str, clock: Callable[[], float], capacity_blocks: int,
-                can_evict: Callable[[Block], bool] = index_leaf) -> BlockPolicy:
+                can_evict: Callable[[Block], bool] = index_leaf, lane: int = 0) -> BlockPolicy:
     """A fresh policy for one tier holding about ``capacity_blocks`` blocks; ``clock`` in seconds;
-    ``can_evict``: may a tracked leaf leave this tier now (default: it may leave the index).
+    ``can_evict``: may a tracked leaf leave this tier now (default: it may leave the index);
+    ``lane``: the tier's lane for the policies that keep their records on the blocks (DRAM 0,
+    SSD 1: a block is tracked by one policy per lane at most).
 
     Raises ValueError naming the known policies for an unknown ``name``.
     """
@@ -30,4 +33,7 @@ def make_policy(name: str, clock: Callable[[], float], capacity_blocks: int,
     if name == "credit":
         return CreditPolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
                             can_evict=can_evict)
+    if name == "adaptive":
+        return AdaptivePolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
+                              can_evict=can_evict, lane=lane)
     raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")

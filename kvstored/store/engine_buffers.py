@@ -162,31 +162,32 @@ class EngineBuffers:
         # The ids of blocks cached already are not used: an engine that no longer holds them may
         # name them all by one placeholder (vLLM's null block, say); those copied must differ.
         self.check_block_ids(buffers, chain, block_ids, distinct=False)
-        lease = await self._reservations.reserve_chain_waiting(session, state, chain, room_until)
-        present = len(lease.pinned)
-        try:
-            copied = np.asarray(block_ids[present: present + len(lease.new)])
-            check_distinct(copied, first=present)
-            if present and copied.size:
-                # a placeholder naming the cached prefix must never be copied: if the daemon lost
-                # part of that prefix meanwhile, the placeholder's bytes would be stored as a block
-                shared = np.intersect1d(copied, np.asarray(block_ids[:present]))
-                if shared.size:
-                    i = present + int(np.flatnonzero(copied == shared[0])[0])
-                    raise InvalidArgument(f"block_ids[{i}] = {int(shared[0])} also names a cached block "
-                                          f"(a placeholder?), but block {i} is not cached here any more "
-                                          "and would be copied from it; save again with its real id")
-            await leasing.copying(lease, self._copy.to_arena(buffers, copied, [b.offset for b in lease.new]))
-        except BaseException:
-            leasing.end(lease, leasing.find_session(session.session_id), aborted=True)
-            raise
-        if leasing.doomed(lease.lease_id) or leasing.get(lease.lease_id) is None:
-            leasing.finish_doomed(lease)
-            raise LeaseExpired("session closed or reservation expired during the copy; nothing was stored",
-                               Reason.RESERVATION_EXPIRED)
-        stored = len(lease.new)
-        leasing.end(lease, session, aborted=False)
-        return present, stored
+        with buffers.in_use():   # unregistering waits until the copy is done, a wait for room included
+            lease = await self._reservations.reserve_chain_waiting(session, state, chain, room_until)
+            present = len(lease.pinned)
+            try:
+                copied = np.asarray(block_ids[present: present + len(lease.new)])
+                check_distinct(copied, first=present)
+                if present and copied.size:
+                    # a placeholder naming the cached prefix must never be copied: if the daemon lost
+                    # part of that prefix meanwhile, the placeholder's bytes would be stored as a block
+                    shared = np.intersect1d(copied, np.asarray(block_ids[:present]))
+                    if shared.size:
+                        i = present + int(np.flatnonzero(copied == shared[0])[0])
+                        raise InvalidArgument(f"block_ids[{i}] = {int(shared[0])} also names a cached block "
+                                              f"(a placeholder?), but block {i} is not cached here any more "
+                                              "and would be copied from it; save again with its real id")
+                await leasing.copying(lease, self._copy.to_arena(buffers, copied, [b.offset for b in lease.new]))
+            except BaseException:
+                leasing.end(lease, leasing.find_session(session.session_id), aborted=True)
+                raise
+            if leasing.doomed(lease.lease_id) or leasing.get(lease.lease_id) is None:
+                leasing.finish_doomed(lease)
+                raise LeaseExpired("session closed or reservation expired during the copy; nothing was stored",
+                                   Reason.RESERVATION_EXPIRED)
+            stored = len(lease.new)
+            leasing.end(lease, session, aborted=False)
+            return present, stored
 
     async def load(self, session: Session, buffers: RegisteredBuffers, state: NamespaceState,
                    chain: list[bytes], block_ids: BlockIds,

@@ -92,3 +92,24 @@ def test_the_offline_bound_bounds_hit_tokens_not_saved_flops() -> None:
         assert got.hit_tokens <= bound.hit_tokens, name
         flops[name] = got.saved_flops
     assert max(flops.values()) > bound.saved_flops   # why BENCHMARKS calls it a bound on hits only
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param("agent", marks=pytest.mark.xfail(strict=True, reason=(
+        "known limit (BENCHMARKS.md section 3b): on a short agent trace the learned scale swings "
+        "up before the evidence is in, and adaptive saves ~0.77x leaf-only LRU at 10%"))),
+    "docqa", "chat", "fewshot", "scan"])
+def test_the_default_policy_does_not_lose_to_lru_on_a_small_generated_shape(shape: str) -> None:
+    """The default policy saves at least 0.98x what the better of leaf-only LRU and per-block
+    LRU saves, on a small trace of each shape (``credit``, the default before, saved 0.39x on
+    ``agent`` at 5%)."""
+    from kvstored.policy.registry import DEFAULT_POLICY
+    from tools.trace_replay import PER_BLOCK_LRU, run, trace_from_records
+    from tools.workloads import generate
+
+    trace = trace_from_records(generate(shape, 1500, 0))
+    rows = run(trace, [5, 10], ["lru", DEFAULT_POLICY], bound=False)
+    for pct in (5, 10):
+        saved = {r.policy: r.result.saved_flops for r in rows if r.capacity_pct == pct}
+        best = max(saved["lru"], saved[PER_BLOCK_LRU])
+        assert saved[DEFAULT_POLICY] >= 0.98 * best, (shape, pct, saved)

@@ -57,6 +57,7 @@ SUBCOMMANDS = {
     "gpu": ("tools.bench.gpu", "GPU copies through the daemon vs plain cudaMemcpyAsync (CUDA hosts)"),
     "burst": ("tools.bench.burst", "saves faster than the disk: saves/s, waits for room, drops, kill -9 losses"),
     "transports": ("tools.bench.transports", "small calls over gRPC, ZeroMQ and plain frames vs the raw socket floor"),
+    "vllm": ("tools.bench.vllm_ttft", "TTFT through real vLLM (CPU): cold, from kvstored DRAM/SSD, vLLM's own cache"),
 }
 
 

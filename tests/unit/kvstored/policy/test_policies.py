@@ -294,7 +294,7 @@ def test_registry() -> None:
     assert DEFAULT_POLICY in POLICIES
     for name in POLICIES:
         assert make_policy(name, FakeClock(), 10).name == name
-    with pytest.raises(ValueError, match="known: lru, lfu, credit"):
+    with pytest.raises(ValueError, match="known: lru, lfu, credit, adaptive"):
         make_policy("fifo", FakeClock(), 10)
 
 

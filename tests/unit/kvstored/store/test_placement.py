@@ -243,3 +243,51 @@ def test_blocks_sealed_longer_ago_than_the_window_are_on_ssd(tmp_path: Path) -> 
                 await store.finish_background()
 
         assert asyncio.run(main()) == [Tier.SSD, Tier.SSD]
+
+
+def test_a_save_from_buffers_unregistered_while_it_waits_for_room_stores_the_bytes_it_was_given(
+        tmp_path: Path) -> None:
+    """save_blocks held the engine's buffers (``in_use``) only for its copy, not while it waited
+    for room: an engine that unregistered them meanwhile got its unregister back at once, the
+    buffers were unmapped, and the copy that followed stored other bytes than the engine's under
+    its keys (found by tests/unit/kvstored/store/test_store_random.py, seed 1). Now unregister
+    waits for the save, which copies what the engine gave it."""
+    from kvstored.buffers import TensorSource
+    from kvstored_client import shm
+    from kvstored_client.contract.layout import TensorLayout
+
+    with make_store(tmp_path, room_wait_s=5.0) as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace(block_bytes=BLOCK)).namespace_id
+        for i in range(2):   # DRAM full of blocks without an SSD copy (no write-back running)
+            assert save_now(store, s, ns, chain(4, 10_000 * (i + 1))) == 4
+        engine = shm.empty((4, BLOCK), "uint8")
+        buffers = store.register_buffers(s, ns, [TensorSource(
+            engine.name, 0, TensorLayout((4, BLOCK), (BLOCK, 1), "uint8", 0))])
+        rows = engine.numpy()
+        rows[:2] = [[7], [9]]
+        keys = chain(2, 90_000)
+
+        async def main() -> tuple[int, int]:
+            save = asyncio.ensure_future(store.save_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=keys), [0, 1]))
+            await asyncio.sleep(0.05)
+            assert not save.done()          # waiting for room
+            unregister = asyncio.ensure_future(store.unregister_buffers(s, buffers.buffers_id))
+            await asyncio.sleep(0.05)
+            assert not unregister.done()    # waits for the save holding the buffers
+            await store.flush()             # room: the waiting save goes on
+            result = await save
+            await unregister
+            await store.finish_background()
+            return result
+
+        try:
+            assert asyncio.run(main()) == (0, 2)
+            assert buffers.tensors == []    # unmapped once the save was done
+            index = store.catalog.get(ns).index
+            for key, value in zip(keys, (7, 9)):
+                block = index.get(key)
+                assert block is not None and block.in_dram
+                assert bytes(store.arena.view(block.offset, BLOCK)) == bytes([value]) * BLOCK
+        finally:
+            engine.close()

@@ -1,0 +1,90 @@
+"""The vLLM side of ``python -m tools.bench vllm``, run by that benchmark with vLLM's own
+environment's python (.venv-vllm): a script, not imported by the benchmark.
+
+``make-model DIR --hidden H --layers L``: a random-weight Llama (fp32) with a word-level tokenizer.
+``serve DIR SOCKET --max-len N``: one in-process vLLM engine with kvstored's connector reads commands
+from stdin, one JSON object a line, and answers each with one line on stdout:
+``{"prompt": [...]}`` -> ``{"ttft_s": ..., "cached": ...}`` (a one-token generation, timed);
+``{"reset": true}`` -> ``{}`` after emptying vLLM's own prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
+VOCAB = 1024
+MARK = "KVSTORED-BENCH "
+
+
+def make_model(directory: str, hidden: int, layers: int) -> None:
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 2,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=2,
+                         max_position_embeddings=16384, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1",
+                            eos_token="t2").save_pretrained(directory)
+
+
+def serve(directory: str, socket: str, max_len: int, block_size: int) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    transfer = KVTransferConfig(kv_connector="KVStoredConnector",
+                                kv_connector_module_path="kvstored_client.vllm.connector", kv_role="kv_both",
+                                kv_load_failure_policy="recompute",
+                                kv_connector_extra_config={"socket": socket})
+    llm = LLM(model=directory, dtype="float32", enable_prefix_caching=True, prefix_caching_hash_algo="sha256_cbor",
+              enforce_eager=True, max_model_len=max_len, max_num_batched_tokens=2048, enable_chunked_prefill=True,
+              block_size=block_size, skip_tokenizer_init=True, seed=0, kv_cache_memory_bytes=512 << 20,
+              kv_transfer_config=transfer)
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    print(MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("reset"):
+            llm.reset_prefix_cache()
+            answer: dict[str, object] = {}
+        else:
+            started = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=command["prompt"])], params, use_tqdm=False)[0]
+            answer = {"ttft_s": time.perf_counter() - started, "cached": out.num_cached_tokens}
+        print(MARK + json.dumps(answer), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    make = sub.add_parser("make-model")
+    make.add_argument("dir")
+    make.add_argument("--hidden", type=int, default=512)
+    make.add_argument("--layers", type=int, default=4)
+    run = sub.add_parser("serve")
+    run.add_argument("dir")
+    run.add_argument("socket")
+    run.add_argument("--max-len", type=int, default=8448)
+    run.add_argument("--block-size", type=int, default=64)
+    args = parser.parse_args()
+    if args.command == "make-model":
+        make_model(args.dir, args.hidden, args.layers)
+    else:
+        serve(args.dir, args.socket, args.max_len, args.block_size)
+
+
+if __name__ == "__main__":
+    main()
