@@ -421,6 +421,8 @@ class Client(Connection):
         Returns a LookupResult of what was loaded; with ``wait=False`` returns a
         :class:`LoadHandle` at once, whose ``wait_layer(i)`` returns when registered tensor ``i``
         is in place (compute layer i while later layers arrive) and ``wait()`` when all are.
+        Blocks past the loaded prefix are left as they were, or hold their own block's bytes
+        (copied as it came up from SSD before the read's lease ended, then not counted).
         """
         session = self._session()
         ns_id, spec = self._ns(buffers.namespace)

@@ -180,9 +180,17 @@ class Worker:
 
     def _check_dst(self, what: str, tokens: np.ndarray, ids: list[int], loaded: int) -> None:
         self.check_rows(what, "bufs", tokens, 0, [read_block(self.run.tensors, b) for b in ids[:loaded]])
-        for b in ids[loaded:]:
-            if not (read_block(self.run.tensors, b) == 0xEE).all():
-                self.run.finding(f"{what}: engine block {b} written though only {loaded} blocks were loaded")
+        keys = self.run.keys(tokens)
+        layer = BUF_BLOCK_BYTES // LAYERS
+        for i, b in enumerate(ids[loaded:], start=loaded):
+            # Past the loaded prefix a block is untouched, or (a layer at a time) holds its own
+            # bytes: blocks copied early, as they came up from SSD, before the lookup's lease
+            # ended are not reported as loaded. Anything else there is a wrong write.
+            got, want = read_block(self.run.tensors, b), content("bufs", keys[i], BUF_BLOCK_BYTES)
+            if any(not (got[j:j + layer] == 0xEE).all() and not np.array_equal(got[j:j + layer], want[j:j + layer])
+                   for j in range(0, BUF_BLOCK_BYTES, layer)):
+                self.run.finding(f"{what}: engine block {b} (block {i} of the prompt) written with other bytes "
+                                 f"though only {loaded} blocks were loaded")
                 return
 
     def op_load_blocks(self, c: kvstored.Client, tokens: np.ndarray) -> None:
