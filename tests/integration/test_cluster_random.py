@@ -468,7 +468,9 @@ class Worker:
             elif exc.args_line.startswith(("migrate", "drain")) and any(
                     m in exc.line for m in ("no longer held here", "before it is not held here", "tier is full")):
                 kind = "kvctl: evicted meanwhile, or the receiver full"
-            elif exc.args_line.startswith("flush") and "could not" in exc.line:
+            elif exc.args_line.startswith("flush") and ("could not" in exc.line or (
+                    (node.small or near) and "still only in DRAM" in exc.line)):
+                # a small node's SSD tier (1 MiB) full of blocks worth more, or being read
                 kind = "kvctl flush: SSD full"
         elif near and isinstance(exc, (kvstored.DaemonNotRunning, kvstored.DeadlineExceeded)):
             kind = type(exc).__name__
