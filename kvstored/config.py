@@ -39,6 +39,8 @@ class ServerConfig:
     watchdog: bool = True            # send WATCHDOG=1 when systemd asks for it
     gc_freeze_interval_s: float = 60.0   # collect, then freeze long-lived objects (0 = leave the GC as it is)
     fast_socket: bool = True         # also serve the hot calls in frames on a second Unix socket (the fast path)
+    presence_table: bool = True      # publish the readable blocks in a shared-memory file (SDK lookups without a call)
+    presence_buckets: int = 0        # its size: buckets of 8 blocks (a power of two); 0 = planned from the capacities
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,6 +292,8 @@ def validate(cfg: Config) -> None:
          "dram.page_bytes: must be a positive multiple of 4096"),
         (cfg.dram.capacity >= cfg.dram.page_bytes,
          "dram.capacity: must hold at least one page (dram.page_bytes)"),
+        (cfg.server.presence_buckets >= 0 and cfg.server.presence_buckets & (cfg.server.presence_buckets - 1) == 0,
+         "server.presence_buckets: must be 0 (planned) or a power of two"),
         (0 < cfg.server.max_batch_blocks <= MAX_BATCH_BLOCKS,
          f"server.max_batch_blocks: must be in 1..{MAX_BATCH_BLOCKS}"),
         (cfg.server.shutdown_grace_s >= 0, "server.shutdown_grace_s: must not be negative"),

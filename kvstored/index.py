@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
 from typing import cast
@@ -26,6 +26,13 @@ PROMOTING = 16  # being read up from the SSD tier into its DRAM slot
 SSD_DECLINED = 32   # the SSD tier's policy refused it (full of blocks worth more): it may leave DRAM uncopied
 WRITE_FAILED = 64   # its last write to the SSD tier failed: it may leave DRAM uncopied
 NO_SLOT = -1    # Block.offset when the block has no DRAM slot
+
+# What the presence table records of a block (kvstored_client.contract.presence's states; 0: not readable)
+PRESENT_DRAM = 1
+PRESENT_SSD = 2
+PRESENT_PROMOTING = 3
+# observer(namespace_id, key, state): a block's presence changed (see PrefixIndex.changed)
+Observer = Callable[[int, bytes, int], None]
 
 _cached = functools.partial(operator.is_not, None)   # a look-up that found a block, tested in C
 # One int object per depth, shared by every block at it: Python caches only ints up to 256, and a
@@ -76,6 +83,17 @@ class Block:
         return bool(self.flags & SEALED) and (self.offset != NO_SLOT or bool(self.flags & ON_SSD))
 
     @property
+    def presence(self) -> int:
+        """What a lookup would find of it: PRESENT_DRAM, PRESENT_PROMOTING (in its slot, its bytes
+        still coming up), PRESENT_SSD, or 0 (unsealed or hollow: not readable)."""
+        flags = self.flags
+        if not flags & SEALED:
+            return 0
+        if self.offset != NO_SLOT:
+            return PRESENT_PROMOTING if flags & PROMOTING else PRESENT_DRAM
+        return PRESENT_SSD if flags & ON_SSD else 0
+
+    @property
     def tier(self) -> Tier:
         return Tier.DRAM if self.offset != NO_SLOT else Tier.SSD
 
@@ -97,13 +115,28 @@ class Match:
 class PrefixIndex:
     """The blocks of one namespace. Metadata only: it allocates and frees nothing."""
 
-    __slots__ = ("_blocks", "block_bytes", "namespace_id", "slot_bytes")
+    __slots__ = ("_blocks", "block_bytes", "namespace_id", "observer", "slot_bytes")
 
-    def __init__(self, namespace_id: int) -> None:
+    def __init__(self, namespace_id: int, observer: Observer | None = None) -> None:
         self._blocks: dict[bytes, Block] = {}
         self.namespace_id = namespace_id
         self.block_bytes = 0  # payload size of this namespace's blocks, once known
         self.slot_bytes = 0   # arena slot size of those blocks, once known
+        self.observer = observer   # told of every change of a block's presence (the presence table)
+
+    def changed(self, block: Block) -> None:
+        """``block``'s flags or slot changed: the observer learns its presence now. Called by
+        whatever sets SEALED, ON_SSD or PROMOTING or gives or takes a slot, before the loop runs
+        anything else (so no call sees the observer behind the index); harmless when nothing
+        changed."""
+        if self.observer is not None:
+            self.observer(self.namespace_id, block.key, block.presence)
+
+    def changed_many(self, blocks: Sequence[Block]) -> None:
+        """:meth:`changed` for each of ``blocks``."""
+        if self.observer is not None:
+            for block in blocks:
+                self.observer(self.namespace_id, block.key, block.presence)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -201,3 +234,5 @@ class PrefixIndex:
         del self._blocks[block.key]
         if block.parent is not None:
             block.parent.children -= 1
+        if self.observer is not None:
+            self.observer(self.namespace_id, block.key, 0)

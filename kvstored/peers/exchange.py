@@ -257,6 +257,7 @@ class PeerExchange:
         self._arena.view(offset, payload.nbytes)[:] = payload
         placement.bind(block, offset)
         block.flags = 0
+        block.index.changed(block)
         block.check = None
         placement.sealed_now([block])
         self._traffic.received += 1

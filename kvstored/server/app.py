@@ -25,6 +25,7 @@ from kvstored.config import Config, ConfigError
 from kvstored.copy import CopyEngine
 from kvstored.peers.errors import PeerConfigError
 from kvstored.peers.node import PeerNode
+from kvstored.presence import PresenceTable, planned_buckets
 from kvstored.rpc_guard import BadRequests, RequestGuard
 from kvstored.server import gc_freeze, logs, sdnotify
 from kvstored.server.fast_path import FastPath
@@ -38,6 +39,7 @@ from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
 from kvstored.tiers.ssd import InUse, SSDTier
 from kvstored_client import __version__
 from kvstored_client.contract.frames import fast_socket_path
+from kvstored_client.contract.presence import presence_table_path
 from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstored")
@@ -233,6 +235,7 @@ async def serve(cfg: Config) -> int:
     metrics_server: WSGIServer | None = None
     fast: FastPath | None = None
     fast_id: tuple[int, int, int] | None = None
+    presence: PresenceTable | None = None
     socket_bound = False
     tcp_address = ""
     try:
@@ -284,7 +287,16 @@ async def serve(cfg: Config) -> int:
         if _pin_for_cuda(arena, starting):
             log.info("DRAM arena pinned for CUDA copies (cudaHostRegister)")
         copy = CopyEngine(arena)
-        store = BlockStore(cfg, arena, copy, ssd)
+        if fast_path_file is not None and cfg.server.presence_table:
+            # before the restore: its blocks enter the table as they enter the index
+            buckets = cfg.server.presence_buckets or planned_buckets(
+                cfg.dram.capacity, cfg.ssd.capacity if cfg.ssd.enabled else 0)
+            try:
+                presence = PresenceTable(Path(presence_table_path(str(sock_path))), buckets, cfg.server.socket_mode)
+            except OSError as exc:
+                raise StartupError(f"cannot create the presence table next to {sock_path}: "
+                                   f"{exc.strerror or exc} (server.presence_table = false turns it off)") from None
+        store = BlockStore(cfg, arena, copy, ssd, presence=presence)
         if cfg.events.enabled:   # before the restore: its blocks are announced as they come back
             try:
                 events = KvEvents(cfg, store, loop)
@@ -365,6 +377,8 @@ async def serve(cfg: Config) -> int:
             ssd.close()
         if arena is not None:
             arena.close()
+        if presence is not None:
+            presence.close()
         if socket_bound:
             with contextlib.suppress(OSError):
                 sock_path.unlink()
@@ -475,6 +489,8 @@ async def serve(cfg: Config) -> int:
     if ssd is not None:
         ssd.close()  # commits writes already queued
     arena.close()
+    if presence is not None:
+        presence.close()
     # Only our own socket: a daemon started on this path since our listener closed (it found a
     # stale socket and took the path) keeps its own.
     if _file_id(sock_path) == sock_id:

@@ -191,8 +191,11 @@ class _Connection(asyncio.Protocol):
                 self._pace()
 
     async def _serve(self, method_id: int, request_id: int, budget: float, payload: bytes) -> None:
-        entry = self._fast.handlers.get(method_id)
+        one_way = bool(method_id & frames.ONE_WAY)
+        entry = self._fast.handlers.get(method_id & ~frames.ONE_WAY)
         if entry is None:   # as gRPC answers a method it does not serve (not the client's mistake)
+            if one_way:
+                return
             unimplemented = status_pb2.Status(code=UNIMPLEMENTED, message=f"no method {method_id} on the fast path")
             self._answer(request_id, UNIMPLEMENTED, unimplemented.SerializeToString())
             return
@@ -229,10 +232,12 @@ class _Connection(asyncio.Protocol):
                 raise KVStoreError(f"Unexpected {type(exc)}: {exc}") from None
         except KVStoreError as exc:
             heard(exc)
-            status = status_message(exc)
-            self._answer(request_id, status.code, status.SerializeToString())
+            if not one_way:
+                status = status_message(exc)
+                self._answer(request_id, status.code, status.SerializeToString())
         else:
-            self._answer(request_id, frames.OK, response.SerializeToString())
+            if not one_way:
+                self._answer(request_id, frames.OK, response.SerializeToString())
         finally:
             if timer is not None:
                 timer.cancel()

@@ -163,6 +163,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                  streamer: ChainStreamer | None = None, fast_socket: str = "") -> None:
         self._store = store
         self._fast_socket = fast_socket
+        # the table is named only beside the fast socket: its lookups tell the daemon of their hits there
+        presence = store.presence if fast_socket else None
+        self._presence_path = str(presence.path) if presence is not None else ""
+        self._instance_id = presence.instance_id if presence is not None else 0
         self._streamer = streamer if streamer is not None else ChainStreamer(store)
         self._peers = peers
         self._arena = arena
@@ -176,7 +180,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.HelloResponse(version=__version__, arena_path=str(self._arena.path),
                                 arena_bytes=self._arena.capacity, lease_ttl_ms=self._lease_ttl_ms,
                                 max_batch_blocks=self._max_batch, packed_keys=True, end_stream=True,
-                                fast_socket=self._fast_socket)
+                                fast_socket=self._fast_socket, presence_table=self._presence_path,
+                                instance_id=self._instance_id)
 
     async def Session(self, request_iterator: object, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstored.config import Config
-from kvstored.index import Block, PrefixIndex
+from kvstored.index import Block, Observer, PrefixIndex
 from kvstored.store.values import KeyRequest
 from kvstored.tiers.dram import slot_size
 from kvstored.tiers.ssd import SSDTier
@@ -39,6 +39,7 @@ class Catalog:
         self._config = config
         self._ssd = ssd
         self._namespaces: dict[int, NamespaceState] = {}
+        self.observer: Observer | None = None   # given to each new namespace's index
 
     def __len__(self) -> int:
         return len(self._namespaces)
@@ -82,7 +83,7 @@ class Catalog:
     def add(self, namespace_id: int, spec: Namespace) -> NamespaceState:
         """A new namespace (``spec`` accepted by :meth:`refusal_of`)."""
         assert namespace_id not in self._namespaces, f"namespace {namespace_id} added twice"
-        state = NamespaceState(namespace_id, spec, PrefixIndex(namespace_id))
+        state = NamespaceState(namespace_id, spec, PrefixIndex(namespace_id, self.observer))
         self._namespaces[namespace_id] = state
         if spec.block_bytes:
             state.index.block_bytes = spec.block_bytes

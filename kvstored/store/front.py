@@ -26,6 +26,7 @@ from kvstored.config import Config
 from kvstored.copy import CopyEngine
 from kvstored.index import Tier
 from kvstored.leases import LeaseKind, Session
+from kvstored.presence import PresenceTable
 from kvstored.store.background import Background
 from kvstored.store.catalog import Catalog, NamespaceState
 from kvstored.store.dram_residency import DramResidency, never
@@ -70,7 +71,8 @@ class BlockStore:
 
     def __init__(self, config: Config, arena: Arena, copy: CopyEngine, ssd: SSDTier | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 new_session_id: Callable[[], str] = lambda: secrets.token_hex(16)) -> None:
+                 new_session_id: Callable[[], str] = lambda: secrets.token_hex(16),
+                 presence: PresenceTable | None = None) -> None:
         self.config = config
         self.arena = arena
         self.copy = copy
@@ -79,6 +81,9 @@ class BlockStore:
         self._started = clock()
         self.background = Background()
         self.catalog = Catalog(config, ssd)
+        self.presence = presence
+        if presence is not None:   # before any namespace: every index tells it of every change
+            self.catalog.observer = presence.set
         keep = keep_for_ssd(config, self.catalog) if ssd is not None else never
         self.placement = Placement(DramResidency(config, arena.capacity, clock, keep),
                                    SsdResidency(config, clock, ssd),
@@ -279,6 +284,12 @@ class BlockStore:
         self.placement.events = events
 
     # -- introspection and shutdown ---------------------------------------------------------
+    def verify_presence(self) -> list[str]:
+        """How the presence table differs from the index ([]: it matches, or there is none)."""
+        if self.presence is None:
+            return []
+        return self.presence.verify((b.index.namespace_id, b.key, b.presence) for b in self.catalog.blocks())
+
     def stats(self) -> StoreStats:
         p, dram = self.placement, self.placement.dram
         tiers = [TierStats("dram", dram.capacity, dram.used_bytes, dram.blocks(), p.dram_evictions)]

@@ -184,6 +184,7 @@ class Leasing:
                 placement.release_slot(block)
                 if block.children:
                     block.flags = SEALED  # a hollow block we were rewriting: hollow again
+                    block.index.changed(block)
                 else:
                     block.index.remove(block)
             first = lease.new[0].parent if lease.new else None

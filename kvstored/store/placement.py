@@ -230,6 +230,7 @@ class Placement:
         for block in blocks:
             block.flags |= SEALED
             self.queue.add(block, now)
+        blocks[0].index.changed_many(blocks)
         self.dram.policy_for(blocks[0]).inserted(blocks)  # one chain: one namespace, one slot size
         self.events.stored(blocks, Tier.DRAM)
         self.dram.mark_pages(blocks)

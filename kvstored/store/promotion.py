@@ -54,10 +54,12 @@ class Promotion:
     def _start(self, block: Block, done: asyncio.Future[bool]) -> None:
         self._promoting[block] = done
         block.flags |= PROMOTING
+        block.index.changed(block)
 
     def _end(self, block: Block) -> None:
         if self._promoting.pop(block, None) is not None:
             block.flags &= ~PROMOTING
+            block.index.changed(block)
 
     def in_background(self, hits: list[Block]) -> None:
         """Promote ``hits`` (a cached prefix) without a reader waiting: a prefetch."""

@@ -120,6 +120,7 @@ class Reservations:
                 return FULL
             placement.bind(existing, offset)
             existing.flags = 0
+            existing.index.changed(existing)
             existing.check = None
             existing.pins += 1
             lease.new.append(existing)

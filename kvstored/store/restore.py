@@ -47,6 +47,7 @@ def restore(catalog: Catalog, placement: Placement, tier: SSDTier | None,
             continue
         block = state.index.insert(rec.key, parent, NO_SLOT)
         block.flags = SEALED | ON_SSD
+        block.index.changed(block)
         block.pins = 0
         restored.append(block)
         reuses.append(rec.reuses)

@@ -81,6 +81,7 @@ class SsdResidency:
     def written(self, block: Block, check: int) -> None:
         """``block``'s copy (its bytes reserved) is on SSD now, the xxh3-64 of its bytes ``check``."""
         block.flags |= ON_SSD
+        block.index.changed(block)
         self._blocks += 1
         block.check = check
 
@@ -95,6 +96,7 @@ class SsdResidency:
         """``block`` loses its SSD copy (deleted from the tier); ``leaving``: the index too."""
         self.policy.removed(block, moved=block.in_dram and not leaving)   # still in DRAM, or gone
         block.flags &= ~ON_SSD
+        block.index.changed(block)
         self._blocks -= 1
         self._used -= block.index.block_bytes
         if self._tier is not None:

@@ -7,7 +7,9 @@ by the response message when the code is OK, else by the ``google.rpc.Status`` t
 in gRPC's ``grpc-status-details-bin`` (code, message and the reason's ``ErrorInfo``), so the SDK
 maps a failure to the same error on both transports. Answers may come in any order (the request
 id pairs them); a frame longer than :data:`MAX_PAYLOAD_BYTES` or of an unknown shape ends the
-connection. Streaming calls, the session and everything else stay on gRPC.
+connection. A request whose method id carries :data:`ONE_WAY` is served the same but never
+answered, whatever its outcome (the SDK's lookups answered from the presence table tell the daemon
+of their hits so). Streaming calls, the session and everything else stay on gRPC.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ REQUEST = struct.Struct("<IBQd")   # payload bytes, method id, request id, budge
 ANSWER = struct.Struct("<IQB")     # payload bytes, request id, gRPC status code (0: OK)
 MAX_PAYLOAD_BYTES = 64 << 20       # the gRPC listener's message limit
 OK = 0
+ONE_WAY = 0x80                     # in a request's method id: serve it, answer nothing
 
 # Method id -> (name, request type, response type); ids are stable: append, never reorder.
 METHODS: dict[int, tuple[str, type[Message], type[Message]]] = {

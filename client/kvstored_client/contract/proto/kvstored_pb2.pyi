@@ -61,7 +61,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "packed_keys", "end_stream", "fast_socket")
+    __slots__ = ("version", "arena_path", "arena_bytes", "lease_ttl_ms", "max_batch_blocks", "packed_keys", "end_stream", "fast_socket", "presence_table", "instance_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,8 @@ class HelloResponse(_message.Message):
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     END_STREAM_FIELD_NUMBER: _ClassVar[int]
     FAST_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_TABLE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     version: str
     arena_path: str
     arena_bytes: int
@@ -78,7 +80,9 @@ class HelloResponse(_message.Message):
     packed_keys: bool
     end_stream: bool
     fast_socket: str
-    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., packed_keys: _Optional[bool] = ..., end_stream: _Optional[bool] = ..., fast_socket: _Optional[str] = ...) -> None: ...
+    presence_table: str
+    instance_id: int
+    def __init__(self, version: _Optional[str] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., lease_ttl_ms: _Optional[int] = ..., max_batch_blocks: _Optional[int] = ..., packed_keys: _Optional[bool] = ..., end_stream: _Optional[bool] = ..., fast_socket: _Optional[str] = ..., presence_table: _Optional[str] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("client_name", "pid")

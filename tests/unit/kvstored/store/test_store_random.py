@@ -41,6 +41,7 @@ from kvstored.index import DEMOTING, NO_SLOT, ON_SSD, Block, Tier
 from kvstored.peers.chain_streams import Fetched
 from kvstored.peers.exchange import PeerLanding
 from kvstored.policy.registry import POLICIES
+from kvstored.presence import PresenceTable
 from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDError, SSDTier
@@ -110,8 +111,10 @@ class Fuzz:
         self.ssd_read = self.ssd.read_into
         self.inject_faults(self.ssd)
         ids = iter(range(1, 1_000_000))
+        # a small table: some buckets overflow, which verify_presence allows for
+        self.presence = PresenceTable(self.tmp / "presence", 8, 0o600)
         self.store = BlockStore(self.cfg, self.arena, self.copy, self.ssd, clock=self.clock,
-                                new_session_id=lambda: f"s{next(ids)}")
+                                new_session_id=lambda: f"s{next(ids)}", presence=self.presence)
         self.store.restore()
         self.ns_ids = [self.store.open_namespace(Namespace(model=m, block_bytes=b)).namespace_id
                        for m, b in zip(MODELS, SIZES)]
@@ -186,6 +189,7 @@ class Fuzz:
         assert self.ssd is not None
         self.ssd.close()
         self.arena.close()
+        self.presence.close()
 
     # -- invariants ------------------------------------------------------------------------
     def blocks(self) -> list[Block]:
@@ -202,6 +206,8 @@ class Fuzz:
     def check(self) -> None:
         """What holds at every step, with requests in flight."""
         store = self.store
+        if problems := store.verify_presence():
+            self.fail(f"the presence table differs from the index: {problems[:3]}")
         blocks = self.blocks()
         used = 0
         offsets: dict[int, Block] = {}

@@ -1,0 +1,112 @@
+"""The presence table: which blocks a daemon can serve now, in a shared-memory file its SDKs read.
+
+Layout (little-endian): a :data:`HEADER` of 64 bytes (magic, version, bucket count, the daemon's
+instance id, generation), then ``buckets`` buckets of :data:`SLOTS` uint64 slots (one cache line
+each), then one overflow byte per bucket. A slot is 0 (free) or a block's :func:`fingerprint`
+with its two low bits replaced by its state (:data:`DRAM`, :data:`SSD` or :data:`PROMOTING`;
+bit 2 is always set, so no fingerprint is a free slot); a block's slot is in bucket
+``(fingerprint >> BUCKET_SHIFT) % buckets``.
+
+The daemon alone writes it, on its event loop, each change a single aligned 8-byte store (a slot
+set, its state changed, or cleared); aligned 8-byte stores and loads are atomic on x86-64 and
+AArch64, so a reader sees every slot either before or after a change, never torn. A bucket
+whose eight slots were full when a block needed one has its overflow byte set for the life of the
+table: a miss there is not an answer (the SDK asks the daemon), a hit still is.
+
+A fingerprint mixes ALL of a key's bytes with the namespace id (engine hashes need not be
+uniform); :func:`fingerprints` (numpy, many keys) and :func:`fingerprint` (one key, plain Python)
+give identical values. Two readable blocks of one bucket whose fingerprints agree (61 bits, the
+bucket's among them) would share a slot: for a table of 2^20 buckets, a chance of about 2^-41
+for each pair of blocks in a bucket, left to chance.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+MAGIC = b"KVSPRES1"
+VERSION = 1
+HEADER = struct.Struct("<8sIIQQ32x")   # magic, version, buckets, instance id, generation
+SLOTS = 8                              # slots a bucket: 64 bytes, one cache line
+STATE_MASK = 3                         # the low bits of a slot that hold the state, not the fingerprint
+BUCKET_SHIFT = 3                       # a bucket is named by the fingerprint's bits from bit 3 up
+DRAM = 1        # readable in its DRAM slot
+SSD = 2         # readable on SSD only
+PROMOTING = 3   # in its DRAM slot while its bytes come up from SSD (a lookup reports it as DRAM)
+_ALWAYS = 4     # set in every stored slot: a fingerprint is never 0 (a free slot)
+_M64 = (1 << 64) - 1
+_K1 = 0x9E3779B97F4A7C15
+_K2 = 0xBF58476D1CE4E5B9
+_K3 = 0x94D049BB133111EB
+
+
+def presence_table_path(grpc_socket: str) -> str:
+    """Where a daemon serving gRPC on ``grpc_socket`` puts its table: the same directory (so the
+    same permission rules), ``NAME.sock`` -> ``NAME.presence``."""
+    base = grpc_socket[: -len(".sock")] if grpc_socket.endswith(".sock") else grpc_socket
+    return f"{base}.presence"
+
+
+def file_bytes(buckets: int) -> int:
+    """The file's size for ``buckets`` buckets."""
+    return HEADER.size + buckets * (SLOTS * 8 + 1)
+
+
+def bucket_count(blocks: int) -> int:
+    """Buckets for a table of up to ``blocks`` blocks: a power of two, at most 2 blocks a bucket on
+    average (a bucket of 8 then fills with probability ~2e-4), at least 64."""
+    n = 64
+    while n * 2 < blocks:
+        n *= 2
+    return n
+
+
+def _words(size: int) -> int:
+    return (size + 7) // 8
+
+
+def fingerprint(namespace_id: int, key: bytes) -> int:
+    """One key's fingerprint (bits 0-1 clear, bit 2 set): as :func:`fingerprints`."""
+    padded = key + bytes(-len(key) % 8)
+    h = (namespace_id * _K1 + len(key)) & _M64
+    for (w,) in struct.iter_unpack("<Q", padded):
+        h = ((h ^ w) * _K2) & _M64
+        h ^= h >> 31
+    h = ((h ^ (h >> 30)) * _K2) & _M64
+    h = ((h ^ (h >> 27)) * _K3) & _M64
+    h ^= h >> 31
+    return (h & ~STATE_MASK & _M64) | _ALWAYS
+
+
+def fingerprints(namespace_id: int, packed: bytes, size: int) -> np.ndarray:
+    """The fingerprints (uint64) of the ``size``-byte keys laid end to end in ``packed``: one
+    numpy pass per 8 bytes of a key, over all keys at once."""
+    n = len(packed) // size
+    width = _words(size) * 8
+    if width == size:
+        words = np.frombuffer(packed, "<u8", n * size // 8).reshape(n, size // 8)
+    else:
+        raw = np.zeros((n, width), np.uint8)
+        raw[:, :size] = np.frombuffer(packed, np.uint8, n * size).reshape(n, size)
+        words = raw.view("<u8")
+    k2, k3 = np.uint64(_K2), np.uint64(_K3)
+    h = np.full(n, (namespace_id * _K1 + size) & _M64, np.uint64)
+    for j in range(words.shape[1]):
+        h ^= words[:, j]
+        h *= k2
+        h ^= h >> np.uint64(31)
+    h ^= h >> np.uint64(30)
+    h *= k2
+    h ^= h >> np.uint64(27)
+    h *= k3
+    h ^= h >> np.uint64(31)
+    h &= np.uint64(~STATE_MASK & _M64)
+    h |= np.uint64(_ALWAYS)
+    return h
+
+
+def bucket_of(fp: int, buckets: int) -> int:
+    """The bucket of fingerprint ``fp`` (``buckets`` a power of two)."""
+    return (fp >> BUCKET_SHIFT) & (buckets - 1)

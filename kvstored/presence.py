@@ -1,0 +1,131 @@
+"""The daemon's end of the presence table: every readable block, in a shared-memory file.
+
+Layout, fingerprints and states: :mod:`kvstored_client.contract.presence`. The file is made anew
+at each start (a stale one, a dead daemon's, is unlinked first: a reader never takes a table
+whose daemon is gone for this one's) with the sockets' mode in their directory, so exactly who may
+open the socket may read it, and is written only here, on the event loop: each prefix index tells
+:meth:`PresenceTable.set` of every change of a block's presence (``PrefixIndex.changed``), before
+the loop runs anything else, so the table equals the index whenever a client can look. A bucket
+that has no free slot for a block is marked overflowed for good (the SDK then asks the daemon for
+any miss there): the table is sized from the configured capacities instead of grown, since a
+larger one would have to be filled from the whole index on the loop, seconds for millions of
+blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvstored_client.contract import presence as layout
+
+# A block's size for sizing the table: smaller blocks than this (KV blocks of 16 tokens are
+# larger for any real model) fill it faster than planned, and overflowing buckets fall back.
+TYPICAL_BLOCK_BYTES = 16 << 10
+
+
+def planned_buckets(dram_bytes: int, ssd_bytes: int) -> int:
+    """Buckets for the blocks the tiers can hold at :data:`TYPICAL_BLOCK_BYTES` each."""
+    return layout.bucket_count((dram_bytes + ssd_bytes) // TYPICAL_BLOCK_BYTES)
+
+
+class PresenceTable:
+    """A new table at ``path`` (file mode ``mode``) of ``buckets`` buckets (a power of two)."""
+
+    def __init__(self, path: Path, buckets: int, mode: int) -> None:
+        assert buckets > 0 and buckets & (buckets - 1) == 0, "buckets must be a power of two"
+        self.path = path
+        self.buckets = buckets
+        self.instance_id = secrets.randbits(63) or 1
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()   # a dead daemon's: readers that hold it see its daemon gone, not this one
+        size = layout.file_bytes(buckets)
+        old_umask = os.umask(0o777 & ~mode)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        finally:
+            os.umask(old_umask)
+        try:
+            os.fchmod(fd, mode)
+            os.ftruncate(fd, size)   # zeros: every slot free (sparse until written)
+            self._map = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            path.unlink()
+            raise
+        self._fd = fd   # kept: whether the path is still this file (see close)
+        self._map[: layout.HEADER.size] = layout.HEADER.pack(layout.MAGIC, layout.VERSION, buckets,
+                                                              self.instance_id, 1)
+        self._view = view = memoryview(self._map)
+        slots_end = layout.HEADER.size + buckets * layout.SLOTS * 8
+        self._slots = view[layout.HEADER.size: slots_end].cast("Q")
+        self._overflow = view[slots_end:]
+        self.overflowed = 0   # buckets marked overflowed
+
+    def set(self, namespace_id: int, key: bytes, state: int) -> None:
+        """Record the presence ``state`` of a block (0: not readable)."""
+        fp = layout.fingerprint(namespace_id, key)
+        bucket = (fp >> layout.BUCKET_SHIFT) & (self.buckets - 1)
+        slots = self._slots
+        base = bucket * layout.SLOTS
+        free = -1
+        for i in range(base, base + layout.SLOTS):
+            value = slots[i]
+            if value & ~layout.STATE_MASK == fp:
+                new = fp | state if state else 0
+                if value != new:
+                    slots[i] = new   # one aligned 8-byte store
+                return
+            if value == 0 and free < 0:
+                free = i
+        if not state:
+            return
+        if free >= 0:
+            slots[free] = fp | state
+        elif not self._overflow[bucket]:
+            self._overflow[bucket] = 1
+            self.overflowed += 1
+
+    def verify(self, blocks: Iterable[tuple[int, bytes, int]]) -> list[str]:
+        """How the table differs from ``blocks`` (namespace id, key, presence: every block of
+        the index), one line a difference; [] when it matches (an overflowed bucket may lack
+        blocks, never hold a wrong one)."""
+        expected: dict[int, int] = {}
+        for namespace_id, key, state in blocks:
+            if state:
+                expected[layout.fingerprint(namespace_id, key)] = state
+        problems: list[str] = []
+        slots = self._slots
+        seen: set[int] = set()
+        for i in range(len(slots)):
+            value = slots[i]
+            if not value:
+                continue
+            fp, state = value & ~layout.STATE_MASK, value & layout.STATE_MASK
+            seen.add(fp)
+            if expected.get(fp) != state:
+                problems.append(f"slot {i}: fingerprint {fp:#x} state {state}, the index says "
+                                f"{expected.get(fp, 'not readable')}")
+        for fp, state in expected.items():
+            if fp not in seen and not self._overflow[layout.bucket_of(fp, self.buckets)]:
+                problems.append(f"fingerprint {fp:#x} (state {state}) missing from its bucket")
+        return problems
+
+    def close(self) -> None:
+        """Unmap it and remove the file (unless another daemon has made its own there since)."""
+        self._slots.release()
+        self._overflow.release()
+        self._view.release()
+        self._map.close()
+        # ours while it has a link and the path names its inode (an unlinked file's inode number
+        # may be a successor's now)
+        mine = os.fstat(self._fd)
+        with contextlib.suppress(OSError):
+            there = self.path.lstat()
+            if mine.st_nlink and (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                self.path.unlink()
+        os.close(self._fd)
