@@ -12,10 +12,10 @@ from __future__ import annotations
 import enum
 import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import takewhile
-from typing import cast
+from typing import Protocol, cast
 
 # Block.flags bits (one small int instead of several fields: there may be millions of blocks)
 SEALED = 1      # bytes complete; visible to lookups
@@ -31,8 +31,15 @@ NO_SLOT = -1    # Block.offset when the block has no DRAM slot
 PRESENT_DRAM = 1
 PRESENT_SSD = 2
 PRESENT_PROMOTING = 3
-# observer(namespace_id, key, state): a block's presence changed (see PrefixIndex.changed)
-Observer = Callable[[int, bytes, int], None]
+
+
+class Observer(Protocol):
+    """Told of every change of a block's presence (see PrefixIndex.changed): the presence table."""
+
+    def set(self, namespace_id: int, key: bytes, state: int) -> None: ...
+
+    def set_many(self, namespace_id: int, keys: list[bytes], states: list[int]) -> None: ...
+
 
 _cached = functools.partial(operator.is_not, None)   # a look-up that found a block, tested in C
 # One int object per depth, shared by every block at it: Python caches only ints up to 256, and a
@@ -130,13 +137,12 @@ class PrefixIndex:
         anything else (so no call sees the observer behind the index); harmless when nothing
         changed."""
         if self.observer is not None:
-            self.observer(self.namespace_id, block.key, block.presence)
+            self.observer.set(self.namespace_id, block.key, block.presence)
 
     def changed_many(self, blocks: Sequence[Block]) -> None:
         """:meth:`changed` for each of ``blocks``."""
         if self.observer is not None:
-            for block in blocks:
-                self.observer(self.namespace_id, block.key, block.presence)
+            self.observer.set_many(self.namespace_id, [b.key for b in blocks], [b.presence for b in blocks])
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -235,4 +241,4 @@ class PrefixIndex:
         if block.parent is not None:
             block.parent.children -= 1
         if self.observer is not None:
-            self.observer(self.namespace_id, block.key, 0)
+            self.observer.set(self.namespace_id, block.key, 0)

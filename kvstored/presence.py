@@ -68,24 +68,30 @@ class PresenceTable:
 
     def set(self, namespace_id: int, key: bytes, state: int) -> None:
         """Record the presence ``state`` of a block (0: not readable)."""
-        fp = layout.fingerprint(namespace_id, key)
+        self._put(layout.fingerprint(namespace_id, key), state)
+
+    def set_many(self, namespace_id: int, keys: list[bytes], states: list[int]) -> None:
+        """:meth:`set` for each of ``keys`` (all of one size), fingerprinted together."""
+        if keys:
+            put = self._put
+            for fp, state in zip(layout.fingerprints(namespace_id, b"".join(keys), len(keys[0])).tolist(), states):
+                put(fp, state)
+
+    def _put(self, fp: int, state: int) -> None:
         bucket = (fp >> layout.BUCKET_SHIFT) & (self.buckets - 1)
         slots = self._slots
         base = bucket * layout.SLOTS
-        free = -1
-        for i in range(base, base + layout.SLOTS):
-            value = slots[i]
-            if value & ~layout.STATE_MASK == fp:
+        row = slots[base: base + layout.SLOTS].tolist()
+        for old in (fp | layout.DRAM, fp | layout.SSD, fp | layout.PROMOTING):
+            if old in row:
                 new = fp | state if state else 0
-                if value != new:
-                    slots[i] = new   # one aligned 8-byte store
+                if old != new:
+                    slots[base + row.index(old)] = new   # one aligned 8-byte store
                 return
-            if value == 0 and free < 0:
-                free = i
         if not state:
             return
-        if free >= 0:
-            slots[free] = fp | state
+        if 0 in row:
+            slots[base + row.index(0)] = fp | state
         elif not self._overflow[bucket]:
             self._overflow[bucket] = 1
             self.overflowed += 1

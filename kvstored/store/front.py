@@ -83,7 +83,7 @@ class BlockStore:
         self.catalog = Catalog(config, ssd)
         self.presence = presence
         if presence is not None:   # before any namespace: every index tells it of every change
-            self.catalog.observer = presence.set
+            self.catalog.observer = presence
         keep = keep_for_ssd(config, self.catalog) if ssd is not None else never
         self.placement = Placement(DramResidency(config, arena.capacity, clock, keep),
                                    SsdResidency(config, clock, ssd),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstored.index import NO_SLOT, ON_SSD, SEALED, Block, Tier
+from kvstored.index import NO_SLOT, ON_SSD, SEALED, Block, PrefixIndex, Tier
 from kvstored.store.catalog import Catalog
 from kvstored.store.placement import Placement
 from kvstored.store.values import RestoreReport
@@ -47,10 +47,14 @@ def restore(catalog: Catalog, placement: Placement, tier: SSDTier | None,
             continue
         block = state.index.insert(rec.key, parent, NO_SLOT)
         block.flags = SEALED | ON_SSD
-        block.index.changed(block)
         block.pins = 0
         restored.append(block)
         reuses.append(rec.reuses)
+    by_index: dict[PrefixIndex, list[Block]] = {}
+    for block in restored:   # into the presence table, fingerprinted a namespace at a time
+        by_index.setdefault(block.index, []).append(block)
+    for index, blocks in by_index.items():
+        index.changed_many(blocks)
     placement.ssd.restored(restored, reuses)
     placement.events.stored(restored, Tier.SSD)
     placement.count_dropped("unreadable", dropped)

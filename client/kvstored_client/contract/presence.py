@@ -22,7 +22,9 @@ for each pair of blocks in a bucket, left to chance.
 
 from __future__ import annotations
 
+import operator
 import struct
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,6 +42,21 @@ _M64 = (1 << 64) - 1
 _K1 = 0x9E3779B97F4A7C15
 _K2 = 0xBF58476D1CE4E5B9
 _K3 = 0x94D049BB133111EB
+_FP_BITS = _M64 & ~STATE_MASK
+
+
+def _splitmix(n: int) -> tuple[int, ...]:
+    out, x = [], 0
+    for _ in range(n):
+        x = (x + _K1) & _M64
+        z = ((x ^ (x >> 30)) * _K2) & _M64
+        z = ((z ^ (z >> 27)) * _K3) & _M64
+        out.append((z ^ (z >> 31)) | 1)   # odd: each word's product is a bijection of it
+    return tuple(out)
+
+
+MAX_KEY_BYTES = 128
+_MULTIPLIERS = _splitmix(MAX_KEY_BYTES // 8)
 
 
 def presence_table_path(grpc_socket: str) -> str:
@@ -67,22 +84,36 @@ def _words(size: int) -> int:
     return (size + 7) // 8
 
 
+_UNPACK: dict[int, Callable[[bytes], tuple[int, ...]]] = {}
+
+
+def _unpacker(size: int) -> Callable[[bytes], tuple[int, ...]]:
+    """The 8-byte words of a ``size``-byte key (zero-padded), little-endian."""
+    if not 0 < size <= MAX_KEY_BYTES:
+        raise ValueError(f"keys of {size} bytes (1 to {MAX_KEY_BYTES})")
+    words = struct.Struct(f"<{_words(size)}Q")
+    pad = bytes(-size % 8)
+    unpack: Callable[[bytes], tuple[int, ...]] = (lambda key: words.unpack(key + pad)) if pad else words.unpack
+    _UNPACK[size] = unpack
+    return unpack
+
+
 def fingerprint(namespace_id: int, key: bytes) -> int:
-    """One key's fingerprint (bits 0-1 clear, bit 2 set): as :func:`fingerprints`."""
-    padded = key + bytes(-len(key) % 8)
-    h = (namespace_id * _K1 + len(key)) & _M64
-    for (w,) in struct.iter_unpack("<Q", padded):
-        h = ((h ^ w) * _K2) & _M64
-        h ^= h >> 31
+    """One key's fingerprint (bits 0-1 clear, bit 2 set), as :func:`fingerprints` gives it: its
+    8-byte words (zero-padded) times constants of their own, summed with the namespace's, mod
+    2^64, then SplitMix64's finaliser, so that every bit of every byte reaches every bit."""
+    size = len(key)
+    unpack = _UNPACK.get(size) or _unpacker(size)
+    h = (namespace_id * _K1 + size + sum(map(operator.mul, unpack(key), _MULTIPLIERS))) & _M64
     h = ((h ^ (h >> 30)) * _K2) & _M64
     h = ((h ^ (h >> 27)) * _K3) & _M64
     h ^= h >> 31
-    return (h & ~STATE_MASK & _M64) | _ALWAYS
+    return (h & _FP_BITS) | _ALWAYS
 
 
 def fingerprints(namespace_id: int, packed: bytes, size: int) -> np.ndarray:
-    """The fingerprints (uint64) of the ``size``-byte keys laid end to end in ``packed``: one
-    numpy pass per 8 bytes of a key, over all keys at once."""
+    """The fingerprints (uint64) of the ``size``-byte keys laid end to end in ``packed``: a few
+    numpy passes per 8 bytes of a key, over all keys at once."""
     n = len(packed) // size
     width = _words(size) * 8
     if width == size:
@@ -91,18 +122,15 @@ def fingerprints(namespace_id: int, packed: bytes, size: int) -> np.ndarray:
         raw = np.zeros((n, width), np.uint8)
         raw[:, :size] = np.frombuffer(packed, np.uint8, n * size).reshape(n, size)
         words = raw.view("<u8")
-    k2, k3 = np.uint64(_K2), np.uint64(_K3)
     h = np.full(n, (namespace_id * _K1 + size) & _M64, np.uint64)
     for j in range(words.shape[1]):
-        h ^= words[:, j]
-        h *= k2
-        h ^= h >> np.uint64(31)
+        h += words[:, j] * np.uint64(_MULTIPLIERS[j])   # (uint64 arithmetic wraps: mod 2^64)
     h ^= h >> np.uint64(30)
-    h *= k2
+    h *= np.uint64(_K2)
     h ^= h >> np.uint64(27)
-    h *= k3
+    h *= np.uint64(_K3)
     h ^= h >> np.uint64(31)
-    h &= np.uint64(~STATE_MASK & _M64)
+    h &= np.uint64(_FP_BITS)
     h |= np.uint64(_ALWAYS)
     return h
 
