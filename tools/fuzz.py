@@ -59,8 +59,9 @@ TRANSPORTS = ("grpc", "frames")
 # Frames that cannot be requests, and what they may end with (the connection closed, or
 # UNIMPLEMENTED for a method id the fast path does not carry).
 FRAME = "(a fast-path frame)"   # its row in the README's table
-FRAME_KINDS = ("oversized_frame", "bad_budget", "unknown_method", "cut_frame", "random_bytes")
-FRAME_OUTCOMES = frozenset({"CLOSED", "UNIMPLEMENTED"})
+FRAME_KINDS = ("oversized_frame", "bad_budget", "unknown_method", "cut_frame", "random_bytes", "one_way")
+# ONE_WAY_UNANSWERED: a one-way frame got no answer and the call after it on the connection did
+FRAME_OUTCOMES = frozenset({"CLOSED", "UNIMPLEMENTED", "ONE_WAY_UNANSWERED"})
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
@@ -244,14 +245,17 @@ def fire(channel: grpc.Channel, request: Request, timeout_s: float) -> Outcome:
     return Outcome(m.name, request.kind, status, seconds)
 
 
-def _frame_answer(sock: socket.socket) -> str:
-    """The status name of the first answer on ``sock``, or CLOSED when it ends first."""
+def _frame_answer(sock: socket.socket, request_id: int = 0) -> str:
+    """The status name of the first answer on ``sock``, or CLOSED when it ends first (with
+    ``request_id``: ANSWERED_OTHER when the answer is to another request)."""
     header = sock.recv(frames.ANSWER.size, socket.MSG_WAITALL)
     if len(header) < frames.ANSWER.size:
         return "CLOSED"
-    length, _, code = frames.ANSWER.unpack(header)
+    length, answered, code = frames.ANSWER.unpack(header)
     if length and len(sock.recv(length, socket.MSG_WAITALL)) < length:
         return "CLOSED"
+    if request_id and answered != request_id:
+        return "ANSWERED_OTHER"
     return "OK" if code == frames.OK else _CODE_NAMES.get(code, "UNKNOWN")
 
 
@@ -280,8 +284,12 @@ def bad_frame(rng: random.Random, kind: str) -> bytes:
     if kind == "bad_budget":
         return frames.REQUEST.pack(len(body), 1, 1, rng.choice((float("nan"), float("inf"), -1.0))) + body
     if kind == "unknown_method":
-        method = rng.choice([i for i in range(256) if i not in frames.METHODS])
+        method = rng.choice([i for i in range(frames.ONE_WAY) if i not in frames.METHODS])
         return frames.REQUEST.pack(len(body), method, 1, 1.0) + body
+    if kind == "one_way":   # any method, never answered; then a call that is (request 2)
+        method = rng.randrange(frames.ONE_WAY) | frames.ONE_WAY
+        return (frames.REQUEST.pack(len(body), method, 1, 1.0) + body
+                + frames.REQUEST.pack(0, frames.METHOD_IDS["Stats"], 2, 10.0))
     if kind == "cut_frame":
         return frames.REQUEST.pack(len(body) + 1 + rng.randrange(1000), 1, 1, 1.0) + body
     return rng.randbytes(rng.randrange(1, 256))
@@ -296,9 +304,11 @@ def fire_bad_frame(fast_socket: str, data: bytes, kind: str, timeout_s: float) -
         try:
             sock.connect(fast_socket)
             sock.sendall(data)
-            if kind != "unknown_method":
+            if kind not in ("unknown_method", "one_way"):
                 sock.shutdown(socket.SHUT_WR)
-            status = _frame_answer(sock)
+            status = _frame_answer(sock, 2) if kind == "one_way" else _frame_answer(sock)
+            if kind == "one_way" and status == "OK":
+                status = "ONE_WAY_UNANSWERED"
         except TimeoutError:
             status = "HANG"
         except OSError:

@@ -165,7 +165,24 @@ class Client(Connection):
         ``per_peer`` says how many each holds, and the best one's run counts as tier "peer"."""
         ns_id, spec = self._ns(namespace)
         request = pb.LookupRequest(namespace_id=ns_id, peers=peers, packed_reply=True)
-        self._keys(request.keys, spec, tokens, hashes, cache_salt)
+        n = self._keys(request.keys, spec, tokens, hashes, cache_salt)
+        if not peers and 0 < n <= self._hello.max_batch_blocks and self._packed_keys \
+                and (reader := self._presence_reader()) is not None:
+            # Answered here from the daemon's table (read first: an answer read while its daemon
+            # was there); the lookup goes to the daemon one-way, for its policy and promotions,
+            # and a send that fails means the daemon is gone: the call says how, as it always did.
+            found = reader.lookup(ns_id, request.keys.packed_hashes, spec.digest_size)
+            if found is not None:
+                try:
+                    reader.tell(request)
+                except OSError:
+                    self._presence_gone(reader)
+                else:
+                    hits, ssd = found
+                    tiers = {"dram": hits - ssd} if hits > ssd else {}
+                    if ssd:
+                        tiers["ssd"] = ssd
+                    return LookupResult(hits * spec.block_size, hits, tiers, {})
         resp = self._call(self._stub.Lookup, request)
         return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, per_tier(reply_tiers(resp)),
                             {h.node_id: h.blocks for h in resp.peer_hits})

@@ -31,6 +31,7 @@ from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 from kvstored_client.contract.wire import namespace_from_pb, namespace_to_pb
 from kvstored_client.errors import ClientClosed, from_rpc_error, reason_of
 from kvstored_client.fast_path import FastChannel, Unreachable
+from kvstored_client.presence import PresenceReader, TableUnusable
 
 MAX_MESSAGE_BYTES = 64 << 20
 # gRPC backs off reconnecting after a failed connect (1 s, growing 1.6x up to 120 s): calls made
@@ -40,6 +41,8 @@ RECONNECT_BACKOFF_MS = 100
 # A fast socket that cannot be opened is tried again after this long (calls take gRPC meanwhile).
 FAST_RETRY_S = 1.0
 FAST_PATH_ENV = "KVSTORED_FAST_PATH"   # "0": gRPC for every call (tests, debugging)
+PRESENCE_ENV = "KVSTORED_PRESENCE_TABLE"   # "0": lookups take the call, never the table (benchmarks, debugging)
+_OFF = ("0", "false", "no", "off")
 MAX_RECONNECT_BACKOFF_MS = 1000
 T = TypeVar("T")
 
@@ -108,7 +111,7 @@ class Connection:
         # The fast path for the hot calls, when the daemon offers one and is on this host (a
         # Unix socket); off with fast_path=False or KVSTORED_FAST_PATH=0.
         if fast_path is None:
-            fast_path = os.environ.get(FAST_PATH_ENV, "1") not in ("0", "false", "no", "off")
+            fast_path = os.environ.get(FAST_PATH_ENV, "1") not in _OFF
         self._fast: FastChannel | None = None
         self._fast_retry_at = 0.0
         self._fast_routes = {id(getattr(self._stub, name)): (name, response)
@@ -119,6 +122,49 @@ class Connection:
                 self._fast.open()
             except Unreachable:
                 self._fast_retry_at = time.monotonic() + FAST_RETRY_S
+        # Lookups answered from the daemon's presence table (see presence_reader), when it
+        # publishes one and the fast path is on (the lookups it answers go there one-way).
+        self._presence: PresenceReader | None = None
+        self._presence_retry_at = 0.0
+        self._presence_on = self._fast is not None and os.environ.get(PRESENCE_ENV, "1") not in _OFF
+        if self._presence_on:
+            self._open_presence(self._hello)
+
+    @property
+    def lookup_transport(self) -> str:
+        """How a plain lookup (no lease, no peers) is answered now: "table" (the daemon's
+        presence table, in this process), else as :attr:`transport` says."""
+        return "table" if self._presence is not None else self.transport
+
+    def _open_presence(self, hello: pb.HelloResponse) -> None:
+        if not (hello.presence_table and hello.fast_socket):
+            self._presence_retry_at = time.monotonic() + FAST_RETRY_S
+            return
+        try:
+            self._presence = PresenceReader(hello.presence_table, hello.instance_id, hello.fast_socket,
+                                            self._timeout)
+        except TableUnusable:
+            self._presence_retry_at = time.monotonic() + FAST_RETRY_S
+
+    def _presence_reader(self) -> PresenceReader | None:
+        """The presence table to answer a lookup from, opened again (after asking the daemon
+        which one is its own) when a daemon went away; None: take the call."""
+        reader = self._presence
+        if reader is not None or not self._presence_on or time.monotonic() < self._presence_retry_at:
+            return reader
+        try:
+            hello = self._stub.Hello(pb.HelloRequest(), timeout=min(self._timeout, 5.0), wait_for_ready=False)
+        except (grpc.RpcError, ValueError):   # (ValueError: the channel is closed)
+            self._presence_retry_at = time.monotonic() + FAST_RETRY_S
+            return None
+        self._open_presence(hello)
+        return self._presence
+
+    def _presence_gone(self, reader: PresenceReader) -> None:
+        """``reader``'s daemon is gone: lookups take the call until a table is opened again."""
+        reader.close()
+        if self._presence is reader:
+            self._presence = None
 
     @property
     def transport(self) -> str:
@@ -312,6 +358,8 @@ class Connection:
                 self._namespace_ids.clear()
                 if self._fast is not None:   # its daemon is gone too: the next call connects anew
                     self._fast.reset()
+                if self._presence is not None:   # and its table: found again by the next lookup
+                    self._presence_gone(self._presence)
 
     def _arena_view(self) -> np.ndarray:
         """The current daemon's arena (mapped on first use); DaemonNotRunning when it is gone."""
@@ -401,6 +449,8 @@ class Connection:
             call.cancel()
         if self._fast is not None:
             self._fast.close()
+        if self._presence is not None:
+            self._presence_gone(self._presence)
         self._channel.close()
         self._arena = None
         if self._arena_map is not None:

@@ -346,7 +346,8 @@ def test_keys_go_packed_to_a_daemon_that_takes_them_and_repeated_to_one_that_doe
             assert np.array_equal(src.numpy()[i], dst.numpy()[j])
         for i, j in zip([5, 1, 3], [4, 6, 7]):
             assert np.array_equal(src.numpy()[i], dst.numpy()[j])
-        assert len(sent) == 4
+        # (a plain lookup answered from the presence table sends its request one-way, not by the stub)
+        assert len(sent) == (3 if packed and client.lookup_transport == "table" else 4)
         for request in sent:
             keys = request.keys  # type: ignore[attr-defined]
             assert (bool(keys.packed_hashes), len(keys.hashes)) == ((True, 0) if packed else (False, 3)), request

@@ -1,0 +1,135 @@
+"""The SDK's end of the presence table: lookups answered from the daemon's shared-memory table.
+
+A :class:`PresenceReader` maps a daemon's table read-only (its header must name the instance the
+daemon's ``Hello`` named) and holds a connection to the daemon's fast socket on which each lookup
+it answers is sent one-way (``frames.ONE_WAY``): the daemon records the hits for its eviction
+policy and starts promoting SSD-only blocks as for any lookup, and a send that fails (EPIPE: the
+daemon is gone) tells the caller the table is no longer an answer. The table is read first and
+the lookup sent after, so an answer given was read while its daemon was still there.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import threading
+
+import numpy as np
+
+from kvstored_client.contract import frames
+from kvstored_client.contract import presence as layout
+from kvstored_client.contract.proto import kvstored_pb2 as pb
+
+SCALAR_KEYS = 4   # chains this short are fingerprinted in plain Python (numpy's per-call cost is more)
+_FP_MASK = np.uint64(~layout.STATE_MASK & ((1 << 64) - 1))
+_LOOKUP_ONE_WAY = frames.METHOD_IDS["Lookup"] | frames.ONE_WAY
+
+
+class TableUnusable(Exception):
+    """The table cannot be opened or is not the named daemon's."""
+
+
+class PresenceReader:
+    """The table at ``path`` of daemon ``instance_id``, whose fast socket is ``fast_socket``;
+    :class:`TableUnusable` when it cannot be opened, is another daemon's, or the socket refuses."""
+
+    def __init__(self, path: str, instance_id: int, fast_socket: str, timeout_s: float) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise TableUnusable(f"{path}: {exc.strerror or exc}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < layout.HEADER.size:
+                raise TableUnusable(f"{path}: {size} bytes, no header")
+            table = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except OSError as exc:
+            raise TableUnusable(f"{path}: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
+        magic, version, buckets, instance, _ = layout.HEADER.unpack_from(table)
+        if magic != layout.MAGIC or version != layout.VERSION or instance != instance_id \
+                or buckets <= 0 or buckets & (buckets - 1) or size != layout.file_bytes(buckets):
+            raise TableUnusable(f"{path}: not the table of daemon instance {instance_id}")
+        self.buckets = buckets
+        self._mask = buckets - 1
+        slots_end = layout.HEADER.size + buckets * layout.SLOTS * 8
+        # views keep the map alive (never closed here: another thread may be reading it)
+        self._slots = np.frombuffer(table, np.uint64, buckets * layout.SLOTS, layout.HEADER.size)
+        self._rows = self._slots.reshape(buckets, layout.SLOTS)
+        self._overflow = np.frombuffer(table, np.uint8, buckets, slots_end)
+        self._words = memoryview(table)[layout.HEADER.size: slots_end].cast("Q")
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._fast_socket = fast_socket
+        self._timeout = timeout_s
+        try:
+            self._sock: socket.socket | None = self._connect()
+        except OSError as exc:
+            raise TableUnusable(f"{fast_socket}: {exc.strerror or exc}") from None
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self._timeout)
+            sock.connect(self._fast_socket)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def lookup(self, namespace_id: int, packed: bytes, size: int) -> tuple[int, int] | None:
+        """(blocks of the longest cached prefix, how many of them are on SSD only) of the
+        ``size``-byte keys laid end to end in ``packed``; None when the table cannot say (the
+        first miss falls in an overflowed bucket)."""
+        n = len(packed) // size
+        if n <= SCALAR_KEYS:
+            return self._lookup_few(namespace_id, packed, size, n)
+        fps = layout.fingerprints(namespace_id, packed, size)
+        buckets = ((fps >> np.uint64(layout.BUCKET_SHIFT)) & np.uint64(self._mask)).astype(np.intp)
+        rows = self._rows[buckets]                       # (n, 8): one gather
+        match = (rows & _FP_MASK) == fps[:, None]
+        present = match.any(axis=1)
+        hits = n if present.all() else int(present.argmin())
+        if hits < n and self._overflow[buckets[hits]]:
+            return None
+        found = rows[:hits][match[:hits]] & np.uint64(layout.STATE_MASK)
+        return hits, int(np.count_nonzero(found == layout.SSD))
+
+    def _lookup_few(self, namespace_id: int, packed: bytes, size: int, n: int) -> tuple[int, int] | None:
+        words, mask, shift = self._words, self._mask, layout.BUCKET_SHIFT
+        ssd = 0
+        for i in range(n):
+            fp = layout.fingerprint(namespace_id, packed[i * size: (i + 1) * size])
+            bucket = (fp >> shift) & mask
+            base = bucket * layout.SLOTS
+            for j in range(base, base + layout.SLOTS):
+                value = words[j]
+                if value & ~layout.STATE_MASK == fp:
+                    ssd += (value & layout.STATE_MASK) == layout.SSD
+                    break
+            else:
+                if self._overflow[bucket]:
+                    return None
+                return i, ssd
+        return n, ssd
+
+    def tell(self, request: pb.LookupRequest) -> None:
+        """Send ``request`` one-way to the daemon; OSError when it is gone (or the socket is)."""
+        body = request.SerializeToString()
+        frame = frames.REQUEST.pack(len(body), _LOOKUP_ONE_WAY, 0, 0.0) + body
+        with self._lock:
+            if self._pid != os.getpid():   # a forked child: the connection is its parent's
+                self._pid = os.getpid()
+                self._sock = self._connect()
+            if self._sock is None:
+                raise ConnectionResetError(0, "the presence table's connection is closed")
+            self._sock.sendall(frame)
+
+    def close(self) -> None:
+        """Close the connection (the map goes with the last reference to it)."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None

@@ -1,0 +1,181 @@
+"""Lookups answered by the SDK from the daemon's presence table, against real daemons: where the
+table is and who may read it, the same answers as the daemon's own lookup after every kind of
+change (saves, evictions, SSD copies, promotions, flush, a model's eviction, a restart), the hits
+reaching the daemon's policy and promotions, a daemon gone or restarted, an overflowing table.
+(The SDK's contract tests run over it too: the shared ``client`` fixture's "frames" variant
+answers its plain lookups from the table.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvstored
+from conftest import Daemon, start_daemon
+from kvstored_client.contract.namespace import Namespace
+from kvstored_client.contract.presence import presence_table_path
+
+Factory = Callable[..., Daemon]
+BLOCK = 16
+
+
+def prompt(i: int, blocks: int) -> np.ndarray:
+    """A prompt of ``blocks`` whole blocks, its own from its first token on."""
+    return np.arange(blocks * BLOCK) + i * 1_000_000
+
+
+def until(check: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def pair(daemon: Daemon) -> Iterator[tuple[kvstored.Client, kvstored.Client]]:
+    """Two clients of ``daemon``: one answering lookups from the table, one asking the daemon."""
+    with kvstored.Client(daemon.socket) as table, kvstored.Client(daemon.socket, fast_path=False) as rpc:
+        assert table.lookup_transport == "table" and rpc.lookup_transport == "grpc"
+        yield table, rpc
+
+
+def same(table: kvstored.Client, rpc: kvstored.Client, prompts: list[np.ndarray], tiers: bool = True) -> None:
+    """Each prompt's lookup the same from the table as from the daemon (``tiers``: on the same
+    tiers; not where a lookup's promotion may have moved blocks up meanwhile)."""
+    for p in prompts:
+        # hashes as well as tokens: the table takes the chain as the call would
+        by_hash = kvstored.block_hashes(p.tolist())
+        answers = [table.lookup(p), rpc.lookup(p), table.lookup(hashes=by_hash)]
+        if tiers:
+            assert answers[0] == answers[1] == answers[2]
+        else:
+            assert len({(a.tokens, a.blocks, sum(a.per_tier.values())) for a in answers}) == 1
+    assert table.lookup_transport == "table"
+
+
+def test_the_table_sits_next_to_the_socket_with_its_mode_and_goes_with_the_daemon(daemon_factory: Factory) -> None:
+    d = daemon_factory("--set", "server.socket_mode=0640")
+    path = Path(presence_table_path(d.socket))
+    assert path.parent == Path(d.socket).parent and stat.S_ISREG(os.stat(path).st_mode)
+    assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(d.socket).st_mode) == 0o640
+    with kvstored.Client(d.socket) as c:
+        assert c.lookup_transport == "table"
+    d.stop()
+    assert not path.exists()
+
+
+def test_no_table_without_the_fast_path(daemon_factory: Factory) -> None:
+    off = daemon_factory("--set", "server.presence_table=false")
+    assert not Path(presence_table_path(off.socket)).exists()
+    with kvstored.Client(off.socket) as c:
+        assert c.lookup_transport == "frames"
+        c.save(prompt(1, 2), np.ones((2, 64), np.uint8))
+        assert c.lookup(prompt(1, 2)).blocks == 2
+    with kvstored.Client(off.socket, fast_path=False) as c:
+        assert c.lookup_transport == "grpc"
+
+
+def test_table_lookups_equal_the_daemons_after_every_kind_of_change(
+        daemon: Daemon, pair: tuple[kvstored.Client, kvstored.Client]) -> None:
+    table, rpc = pair
+    prompts = [prompt(i, n) for i, n in enumerate((1, 3, 8, 40))]
+    longer = [np.concatenate([p, prompt(100 + i, 2)]) for i, p in enumerate(prompts)]
+    same(table, rpc, prompts + longer)                          # nothing cached
+    for p in prompts:
+        table.save(p, np.full((len(p) // BLOCK, 256), 7, np.uint8))
+    same(table, rpc, prompts + longer)                          # in DRAM
+    table.flush()
+    same(table, rpc, prompts + longer)                          # in DRAM, with SSD copies
+    table.evict(tier="dram")
+    assert table.lookup(prompts[3]).per_tier == {"ssd": 40}
+    same(table, rpc, prompts[:3] + longer[:3], tiers=False)     # on SSD only (prompts[3]: below)
+    # a lookup from the table of SSD-only blocks starts their promotion, as the daemon's does
+    until(lambda: table.lookup(prompts[3]).per_tier == {"dram": 40}, "promotion after a table lookup")
+    same(table, rpc, prompts + longer)
+    table.evict(tier="ssd")
+    same(table, rpc, prompts + longer)
+    table.evict()
+    same(table, rpc, prompts + longer)                          # gone
+    # a chain part in DRAM, part on SSD only
+    table.save(prompts[2], np.ones((8, 256), np.uint8))
+    table.flush()
+    table.evict(tier="dram")
+    table.save(longer[2], np.ones((10, 256), np.uint8))
+    assert table.lookup(longer[2]).per_tier == {"dram": 2, "ssd": 8}
+    until(lambda: rpc.lookup(longer[2]).per_tier == {"dram": 10}, "promotion after a table lookup")
+    same(table, rpc, prompts + longer)
+
+
+def test_a_table_lookup_is_a_use_of_the_prefix_for_eviction(daemon_factory: Factory) -> None:
+    # 16 slots of 256 KiB, no SSD tier, LRU: the block a lookup touched last is not the one to go
+    d = daemon_factory("--dram-capacity", "4MiB", "--set", "ssd.enabled=false", "--set", "dram.policy=lru")
+    ns = Namespace(model="lru")
+    with kvstored.Client(d.socket, namespace=ns) as c:
+        row = np.ones((1, 256 << 10), np.uint8)
+        for i in range(16):
+            assert c.save(prompt(i, 1), row).stored == 1
+        lookups = c.stats()["lookups"]
+        assert c.lookup(prompt(0, 1)).blocks == 1 and c.lookup_transport == "table"
+        # the daemon hears of it one-way, on a connection of its own: wait until it has
+        until(lambda: c.stats()["lookups"] > lookups, "the table lookup reaching the daemon")
+        assert c.save(prompt(16, 1), row).stored == 1           # one block has to go
+        assert c.lookup(prompt(0, 1)).blocks == 1
+        assert c.lookup(prompt(1, 1)).blocks == 0
+
+
+def saved_on(socket: str, tokens: np.ndarray) -> bool:
+    try:
+        with kvstored.Client(socket) as c:
+            return c.save(tokens, np.ones((len(tokens) // BLOCK, 64), np.uint8)).stored > 0
+    except kvstored.DaemonNotRunning:
+        return False
+
+
+def test_a_daemon_killed_gives_the_same_error_and_a_restarted_one_answers(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path / "d", "--set", "ssd.enabled=false")
+    p = prompt(1, 4)
+    table = kvstored.Client(d.socket, timeout_s=5.0)
+    rpc = kvstored.Client(d.socket, timeout_s=5.0, fast_path=False)
+    try:
+        table.save(p, np.ones((4, 64), np.uint8))
+        assert table.lookup(p).blocks == 4 and table.lookup_transport == "table"
+        d.stop(signal.SIGKILL)
+        errors = []
+        for c in (table, rpc):
+            with pytest.raises(kvstored.KVStoreError) as err:
+                c.lookup(p)
+            errors.append((type(err.value), err.value.reason))
+        assert errors[0] == errors[1] and errors[0][0] is kvstored.DaemonNotRunning
+        # a new daemon on the same socket, holding other blocks
+        e = start_daemon(tmp_path / "d", "--set", "ssd.enabled=false")
+        try:
+            # (gRPC shares the dead daemon's connection, backing off, among this process's
+            # channels to the socket: a new client may find it failing for a moment too)
+            until(lambda: saved_on(e.socket, prompt(2, 3)), "a new client saving on the new daemon")
+            until(lambda: rpc.lookup(prompt(2, 3)).blocks == 3, "the gRPC client reconnecting")
+            until(lambda: table.lookup(prompt(2, 3)).blocks == 3 and table.lookup_transport == "table",
+                  "the table client on the new daemon's table")
+            assert table.lookup(p).blocks == 0 == rpc.lookup(p).blocks
+        finally:
+            e.stop()
+    finally:
+        table.close()
+        rpc.close()
+
+
+def test_an_overflowing_table_still_answers_as_the_daemon(daemon_factory: Factory) -> None:
+    d = daemon_factory("--set", "server.presence_buckets=1")    # one bucket: 8 blocks fit
+    with kvstored.Client(d.socket) as table, kvstored.Client(d.socket, fast_path=False) as rpc:
+        prompts = [prompt(i, 3) for i in range(6)]
+        for p in prompts[:5]:
+            table.save(p, np.ones((3, 64), np.uint8))
+        same(table, rpc, prompts)
+        table.evict(tier="dram")
+        same(table, rpc, prompts)

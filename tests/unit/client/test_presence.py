@@ -1,0 +1,121 @@
+"""The presence table's layout and the SDK's reader of it: fingerprints the same on both sides
+for any key bytes, lookups from a table the daemon's writer filled, overflow, another daemon's
+table refused."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstored.presence import PresenceTable
+from kvstored_client.contract import presence as layout
+from kvstored_client.presence import PresenceReader, TableUnusable
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, (1 << 63) - 1), st.sampled_from([16, 32, 13]), st.lists(st.binary(min_size=32, max_size=32),
+                                                                           min_size=1, max_size=20))
+def test_fingerprints_are_the_same_vectorised_and_one_at_a_time(namespace_id: int, size: int,
+                                                                 keys: list[bytes]) -> None:
+    keys = [k[:size] for k in keys]
+    many = layout.fingerprints(namespace_id, b"".join(keys), size)
+    assert many.tolist() == [layout.fingerprint(namespace_id, k) for k in keys]
+    assert all(fp & layout.STATE_MASK == 0 and fp & 4 for fp in many.tolist())   # never a free slot
+
+
+def test_fingerprints_mix_every_byte_and_the_namespace() -> None:
+    # keys alike but for one byte anywhere (user hashes need not be uniform): all apart, and the
+    # buckets they fall in spread
+    base = bytes(32)
+    keys = [base[:i] + bytes([1]) + base[i + 1:] for i in range(32)]
+    fps = layout.fingerprints(7, b"".join(keys), 32).tolist()
+    assert len(set(fps)) == 32
+    assert len({layout.bucket_of(fp, 1024) for fp in fps}) > 24
+    assert layout.fingerprint(7, base) != layout.fingerprint(8, base)
+
+
+@pytest.fixture
+def listener(tmp_path: Path) -> Iterator[tuple[str, socket.socket]]:
+    """A stand-in for the daemon's fast socket."""
+    path = str(tmp_path / "fast.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen()
+    yield path, server
+    server.close()
+
+
+def keys(n: int, salt: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(salt)
+    return [rng.bytes(32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n", [2, 3, 40, 2048])
+def test_a_reader_finds_the_prefix_the_writer_recorded(tmp_path: Path, listener: tuple[str, socket.socket],
+                                                       n: int) -> None:
+    table = PresenceTable(tmp_path / "t.presence", 1024, 0o600)
+    chain = keys(n)
+    cut = n * 3 // 4
+    for i, key in enumerate(chain[:cut]):
+        table.set(5, key, layout.SSD if i >= cut // 2 else layout.DRAM)
+    reader = PresenceReader(str(table.path), table.instance_id, listener[0], 5.0)
+    packed = b"".join(chain)
+    assert reader.lookup(5, packed, 32) == (cut, cut - cut // 2)
+    assert reader.lookup(6, packed, 32) == (0, 0)            # another namespace's
+    table.set(5, chain[0], layout.PROMOTING)                 # in its slot: counts as DRAM
+    assert reader.lookup(5, packed, 32) == (cut, cut - max(cut // 2, 1))
+    table.set(5, chain[0], 0)
+    assert reader.lookup(5, packed, 32) == (0, 0)
+    reader.close()
+    table.close()
+    assert not table.path.exists()
+
+
+def test_a_miss_in_an_overflowed_bucket_is_no_answer(tmp_path: Path, listener: tuple[str, socket.socket]) -> None:
+    table = PresenceTable(tmp_path / "t.presence", 1, 0o600)   # one bucket: 8 blocks fit
+    chain = keys(10)
+    for key in chain:
+        table.set(1, key, layout.DRAM)
+    assert table.overflowed == 1
+    reader = PresenceReader(str(table.path), table.instance_id, listener[0], 5.0)
+    assert reader.lookup(1, b"".join(chain[:8]), 32) == (8, 0)    # hits are still answers
+    assert reader.lookup(1, b"".join(chain), 32) is None          # the ninth is not known
+    assert table.verify((1, k, layout.DRAM) for k in chain) == []
+    table.close()
+
+
+def test_a_table_of_another_daemon_or_none_is_refused(tmp_path: Path, listener: tuple[str, socket.socket]) -> None:
+    table = PresenceTable(tmp_path / "t.presence", 64, 0o640)
+    assert os.stat(table.path).st_mode & 0o777 == 0o640
+    with pytest.raises(TableUnusable):
+        PresenceReader(str(table.path), table.instance_id + 1, listener[0], 5.0)
+    with pytest.raises(TableUnusable):
+        PresenceReader(str(tmp_path / "none"), table.instance_id, listener[0], 5.0)
+    with pytest.raises(TableUnusable):   # its daemon's socket is gone
+        PresenceReader(str(table.path), table.instance_id, str(tmp_path / "gone.sock"), 5.0)
+    # a new table at the same path (a restarted daemon) is a new file: a reader of the old one
+    # keeps the old one, never reads the new one's slots as its own
+    again = PresenceTable(table.path, 64, 0o640)
+    assert again.instance_id != table.instance_id
+    with pytest.raises(TableUnusable):
+        PresenceReader(str(again.path), table.instance_id, listener[0], 5.0)
+    again.close()
+    table.close()
+
+
+def test_verify_names_what_differs(tmp_path: Path) -> None:
+    table = PresenceTable(tmp_path / "t.presence", 64, 0o600)
+    a, b = keys(2)
+    table.set(1, a, layout.DRAM)
+    assert table.verify([(1, a, layout.DRAM), (1, b, 0)]) == []
+    assert len(table.verify([(1, a, layout.SSD)])) == 1
+    assert len(table.verify([(1, a, layout.DRAM), (1, b, layout.DRAM)])) == 1
+    assert len(table.verify([])) == 1
+    table.close()
