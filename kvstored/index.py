@@ -240,5 +240,5 @@ class PrefixIndex:
         del self._blocks[block.key]
         if block.parent is not None:
             block.parent.children -= 1
-        if self.observer is not None:
+        if self.observer is not None and block.flags & SEALED:   # (the unsealed were never readable)
             self.observer.set(self.namespace_id, block.key, 0)

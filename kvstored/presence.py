@@ -21,11 +21,14 @@ import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 from kvstored_client.contract import presence as layout
 
 # A block's size for sizing the table: smaller blocks than this (KV blocks of 16 tokens are
 # larger for any real model) fill it faster than planned, and overflowing buckets fall back.
 TYPICAL_BLOCK_BYTES = 16 << 10
+_FP_MASK = np.uint64(((1 << 64) - 1) & ~layout.STATE_MASK)
 
 
 def planned_buckets(dram_bytes: int, ssd_bytes: int) -> int:
@@ -63,6 +66,8 @@ class PresenceTable:
         self._view = view = memoryview(self._map)
         slots_end = layout.HEADER.size + buckets * layout.SLOTS * 8
         self._slots = view[layout.HEADER.size: slots_end].cast("Q")
+        self._rows = np.frombuffer(self._map, np.uint64, buckets * layout.SLOTS,
+                                   layout.HEADER.size).reshape(buckets, layout.SLOTS)
         self._overflow = view[slots_end:]
         self.overflowed = 0   # buckets marked overflowed
 
@@ -71,11 +76,39 @@ class PresenceTable:
         self._put(layout.fingerprint(namespace_id, key), state)
 
     def set_many(self, namespace_id: int, keys: list[bytes], states: list[int]) -> None:
-        """:meth:`set` for each of ``keys`` (all of one size), fingerprinted together."""
-        if keys:
-            put = self._put
-            for fp, state in zip(layout.fingerprints(namespace_id, b"".join(keys), len(keys[0])).tolist(), states):
-                put(fp, state)
+        """:meth:`set` for each of ``keys`` (distinct, all of one size), with the same outcome
+        slot for slot. A batch of blocks all new to the table (a seal's, a restore's) is placed
+        by numpy, in order, each into the first free slot of its bucket left by those before it;
+        any other, one block at a time."""
+        if not keys:
+            return
+        fps = layout.fingerprints(namespace_id, b"".join(keys), len(keys[0]))
+        state = np.asarray(states, np.uint64)
+        buckets = ((fps >> np.uint64(layout.BUCKET_SHIFT)) & np.uint64(self.buckets - 1)).astype(np.intp)
+        rows = self._rows[buckets]                       # a snapshot: nothing is written yet
+        known = ((rows & _FP_MASK) == fps[:, None]).any(axis=1)
+        if known.any():   # (a block leaving the table may free a slot for one after it)
+            for fp, st in zip(fps.tolist(), states):
+                self._put(fp, st)
+            return
+        new = np.flatnonzero(state != 0)
+        if new.size:
+            nb = buckets[new]
+            order = np.argsort(nb, kind="stable")
+            sb = nb[order]
+            starts = np.flatnonzero(np.r_[True, sb[1:] != sb[:-1]])
+            rank = np.empty(new.size, np.intp)   # how many new ones before it in its bucket
+            rank[order] = np.arange(new.size) - np.repeat(starts, np.diff(np.r_[starts, new.size]))
+            free = rows[new] == 0
+            nth = np.cumsum(free, axis=1)
+            fits = nth[:, -1] > rank
+            slot = np.argmax(free & (nth == (rank + 1)[:, None]), axis=1)
+            # each an aligned 8-byte store (numpy copies a uint64 element as one)
+            self._rows[nb[fits], slot[fits]] = fps[new[fits]] | state[new[fits]]
+            for bucket in np.unique(nb[~fits]).tolist():
+                if not self._overflow[bucket]:
+                    self._overflow[bucket] = 1
+                    self.overflowed += 1
 
     def _put(self, fp: int, state: int) -> None:
         bucket = (fp >> layout.BUCKET_SHIFT) & (self.buckets - 1)
@@ -123,6 +156,7 @@ class PresenceTable:
 
     def close(self) -> None:
         """Unmap it and remove the file (unless another daemon has made its own there since)."""
+        del self._rows   # (its export of the map: the last reference)
         self._slots.release()
         self._overflow.release()
         self._view.release()

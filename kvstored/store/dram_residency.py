@@ -140,7 +140,8 @@ class DramResidency:
         assert block.offset == NO_SLOT, "a block holds one slot at most"
         block.offset = offset
         self._page_blocks[offset // self._allocator.page_bytes][block] = None
-        block.index.changed(block)
+        if block.flags & SEALED:   # (an unsealed block is no more readable with a slot than without)
+            block.index.changed(block)
         return block
 
     def release(self, block: Block, moved: bool) -> None:
@@ -149,7 +150,8 @@ class DramResidency:
         del self._page_blocks[block.offset // self._allocator.page_bytes][block]   # KeyError: never bound
         self._allocator.free(block.offset)
         block.offset = NO_SLOT
-        block.index.changed(block)
+        if block.flags & SEALED:
+            block.index.changed(block)
 
     def room_for(self, sb: int) -> Room | None:
         """What to evict for a slot of ``sb`` bytes: the victim of this size's policy, or a whole

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -174,32 +176,52 @@ def trace(a: argparse.Namespace) -> dict[str, Any]:
 
 # -- workload 4: small calls -------------------------------------------------------------------
 LONG_BLOCKS = 2048   # a 32k-token prompt at 16 tokens a block
+PACE_S = 0.003       # between the paced calls: a 2,048-block lookup takes the daemon ~1 ms here
 
 
 def smallcall(a: argparse.Namespace) -> dict[str, Any]:
-    """Each small call through the SDK over gRPC and over the fast path (two clients of one
-    daemon), the 32k-token lookup by precomputed hashes too, and a bare gRPC unary for scale."""
+    """Each small call through the SDK over gRPC, over the fast path, and lookups answered from
+    the daemon's presence table (three clients of one daemon), the 32k-token lookup by
+    precomputed hashes and with client-side hashing of a new prompt too, and a bare gRPC unary
+    for scale."""
     import kvstored
+    from kvstored_client.connection import PRESENCE_ENV
     from tools.bench import baregrpc
 
-    fast = kvstored.Client(a.socket)
+    table = kvstored.Client(a.socket)
+    os.environ[PRESENCE_ENV] = "0"   # (read when a client is made)
+    try:
+        fast = kvstored.Client(a.socket)
+    finally:
+        del os.environ[PRESENCE_ENV]
     slow = kvstored.Client(a.socket, fast_path=False)
     tokens = np.arange(BLOCK, dtype=np.uint32)
     fast.save(tokens, np.zeros((1, 64), dtype=np.uint8))
     one = kvstored.block_hashes(tokens)
     long_chain = kvstored.block_hashes(np.arange(BLOCK * LONG_BLOCKS, dtype=np.uint32) + 10**6)
     fast.save(None, np.zeros((LONG_BLOCKS, 64), dtype=np.uint8), hashes=long_chain)
+    # a new 32k-token prompt each call: every block hashed (no memo hit), none cached
+    new_prompt = np.arange(BLOCK * LONG_BLOCKS, dtype=np.uint32) + 2 * 10**6
     calls: dict[str, Callable[[], object]] = {}
-    for client, how in ((slow, "gRPC"), (fast, "fast path")):
-        if client.transport != {"gRPC": "grpc", "fast path": "frames"}[how]:
-            raise RuntimeError(f"the {how} client travels by {client.transport} (server.fast_socket = false?)")
+    for client, how in ((slow, "gRPC"), (fast, "fast path"), (table, "presence table")):
+        if client.lookup_transport != {"gRPC": "grpc", "fast path": "frames", "presence table": "table"}[how]:
+            raise RuntimeError(f"the {how} client's lookups travel by {client.lookup_transport} "
+                               "(server.fast_socket or server.presence_table = false?)")
+        fresh = itertools.count(1)
         calls |= {
             f"kvstored lookup(hashes=[1 block]) over {how}": functools.partial(client.lookup, hashes=one),
             f"kvstored lookup(16 tokens) over {how}": functools.partial(client.lookup, tokens),
-            f"kvstored stats() over {how}": client.stats,
+            **({} if how == "presence table" else {f"kvstored stats() over {how}": client.stats}),
             f"kvstored lookup(hashes=[{LONG_BLOCKS:,} blocks]) over {how}": functools.partial(
                 client.lookup, hashes=long_chain),
+            f"kvstored lookup(new {LONG_BLOCKS * BLOCK // 1024}k-token prompt, hashed in the SDK) over {how}":
+                lambda client=client, fresh=fresh: client.lookup(new_prompt + next(fresh)),
         }
+    # Back to back, the table's long lookups wait for room on the socket that takes them one-way:
+    # the daemon's handling of the previous ones (as long as an RPC lookup's). Paced, the SDK's
+    # own cost: each call after a pause long enough for the daemon to be done (not timed).
+    paced = f"kvstored lookup(hashes=[{LONG_BLOCKS:,} blocks]) over presence table, {PACE_S * 1e3:g} ms apart"
+    calls[paced] = functools.partial(table.lookup, hashes=long_chain)
     out: dict[str, Any] = {}
     try:
         with baregrpc.Server() as server:
@@ -209,10 +231,13 @@ def smallcall(a: argparse.Namespace) -> dict[str, Any]:
                 for name, fn in calls.items():
                     for _ in range(50):
                         fn()
+                    pause = PACE_S if name == paced else 0.0
                     per_run: list[list[float]] = []
                     for _ in range(a.runs):
                         samples = []
                         for _ in range(a.calls):
+                            if pause:
+                                time.sleep(pause)
                             t0 = time.perf_counter()
                             fn()
                             samples.append(time.perf_counter() - t0)
@@ -221,6 +246,7 @@ def smallcall(a: argparse.Namespace) -> dict[str, Any]:
             finally:
                 bare.close()
     finally:
+        table.close()
         fast.close()
         slow.close()
     return {"calls": out, "calls_per_run": a.calls, "runs": a.runs}

@@ -119,3 +119,20 @@ def test_verify_names_what_differs(tmp_path: Path) -> None:
     assert len(table.verify([(1, a, layout.DRAM), (1, b, layout.DRAM)])) == 1
     assert len(table.verify([])) == 1
     table.close()
+
+
+@pytest.mark.parametrize("buckets", [1, 4, 64])
+def test_a_batch_fills_the_table_slot_for_slot_as_one_block_at_a_time(tmp_path: Path, buckets: int) -> None:
+    one = PresenceTable(tmp_path / "one.presence", buckets, 0o600)
+    many = PresenceTable(tmp_path / "many.presence", buckets, 0o600)
+    rng = np.random.default_rng(buckets)
+    for round_ in range(6):
+        chain = keys(int(rng.integers(1, 40)), salt=round_ % 3)   # rounds 3-5 revisit 0-2's keys
+        states = rng.choice([0, layout.DRAM, layout.SSD, layout.PROMOTING], len(chain)).tolist()
+        for key, state in zip(chain, states):
+            one.set(3, key, state)
+        many.set_many(3, chain, states)
+        assert one.path.read_bytes()[layout.HEADER.size:] == many.path.read_bytes()[layout.HEADER.size:]
+    assert one.overflowed == many.overflowed
+    one.close()
+    many.close()
