@@ -26,8 +26,8 @@ import numpy as np
 from kvstored_client.contract import presence as layout
 
 # A block's size for sizing the table: smaller blocks than this (KV blocks of 16 tokens are
-# larger for any real model) fill it faster than planned, and overflowing buckets fall back.
-TYPICAL_BLOCK_BYTES = 16 << 10
+# larger for most models) fill it faster than planned, and overflowing buckets fall back.
+TYPICAL_BLOCK_BYTES = 64 << 10
 _FP_MASK = np.uint64(((1 << 64) - 1) & ~layout.STATE_MASK)
 
 
@@ -54,7 +54,9 @@ class PresenceTable:
             os.umask(old_umask)
         try:
             os.fchmod(fd, mode)
-            os.ftruncate(fd, size)   # zeros: every slot free (sparse until written)
+            # zeros: every slot free; allocated now, so that a full tmpfs refuses the table here
+            # rather than kill the daemon with SIGBUS at the first write to a page it has no room for
+            os.posix_fallocate(fd, 0, size)
             self._map = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)

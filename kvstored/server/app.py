@@ -39,7 +39,7 @@ from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
 from kvstored.tiers.ssd import InUse, SSDTier
 from kvstored_client import __version__
 from kvstored_client.contract.frames import fast_socket_path
-from kvstored_client.contract.presence import presence_table_path
+from kvstored_client.contract.presence import file_bytes, presence_table_path
 from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstored")
@@ -293,9 +293,10 @@ async def serve(cfg: Config) -> int:
                 cfg.dram.capacity, cfg.ssd.capacity if cfg.ssd.enabled else 0)
             try:
                 presence = PresenceTable(Path(presence_table_path(str(sock_path))), buckets, cfg.server.socket_mode)
-            except OSError as exc:
-                raise StartupError(f"cannot create the presence table next to {sock_path}: "
-                                   f"{exc.strerror or exc} (server.presence_table = false turns it off)") from None
+            except OSError as exc:   # the SDK's lookups then take the call: slower, not wrong
+                log.warning("no presence table (%d buckets, %d MiB) next to %s: %s; SDK lookups take the "
+                            "call (server.presence_buckets sizes it)", buckets, file_bytes(buckets) >> 20,
+                            sock_path, exc.strerror or exc)
         store = BlockStore(cfg, arena, copy, ssd, presence=presence)
         if cfg.events.enabled:   # before the restore: its blocks are announced as they come back
             try:
