@@ -90,12 +90,12 @@ class PresenceReader:
         buckets = ((fps >> np.uint64(layout.BUCKET_SHIFT)) & np.uint64(self._mask)).astype(np.intp)
         rows = self._rows[buckets]                       # (n, 8): one gather
         match = (rows & _FP_MASK) == fps[:, None]
-        present = match.any(axis=1)
+        present = match.view(np.uint64).ravel() != 0    # a row's 8 bools as one word: any of them
         hits = n if present.all() else int(present.argmin())
         if hits < n and self._overflow[buckets[hits]]:
             return None
-        found = rows[:hits][match[:hits]] & np.uint64(layout.STATE_MASK)
-        return hits, int(np.count_nonzero(found == layout.SSD))
+        ssd = match[:hits] & ((rows[:hits] & np.uint64(layout.STATE_MASK)) == layout.SSD)
+        return hits, int(np.count_nonzero(ssd))
 
     def _lookup_few(self, namespace_id: int, packed: bytes, size: int, n: int) -> tuple[int, int] | None:
         words, mask, shift = self._words, self._mask, layout.BUCKET_SHIFT
