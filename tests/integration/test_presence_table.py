@@ -170,6 +170,23 @@ def test_a_daemon_killed_gives_the_same_error_and_a_restarted_one_answers(tmp_pa
         rpc.close()
 
 
+def test_blocks_restored_from_ssd_at_a_restart_are_in_the_new_table(tmp_path: Path) -> None:
+    prompts = [prompt(i, n) for i, n in enumerate((2, 5))]
+    d = start_daemon(tmp_path / "d")
+    with kvstored.Client(d.socket) as c:
+        for p in prompts:
+            c.save(p, np.ones((len(p) // BLOCK, 64), np.uint8))
+    assert d.stop() == 0   # a clean stop writes DRAM-only blocks to SSD
+    e = start_daemon(tmp_path / "d")   # the same socket and SSD directory
+    try:
+        with kvstored.Client(e.socket) as table, kvstored.Client(e.socket, fast_path=False) as rpc:
+            assert table.lookup(prompts[1]).per_tier == {"ssd": 5}   # first: nothing promoted yet
+            same(table, rpc, prompts, tiers=False)
+            until(lambda: table.lookup(prompts[1]).per_tier == {"dram": 5}, "promotion after a table lookup")
+    finally:
+        e.stop()
+
+
 def test_an_overflowing_table_still_answers_as_the_daemon(daemon_factory: Factory) -> None:
     d = daemon_factory("--set", "server.presence_buckets=1")    # one bucket: 8 blocks fit
     with kvstored.Client(d.socket) as table, kvstored.Client(d.socket, fast_path=False) as rpc:
