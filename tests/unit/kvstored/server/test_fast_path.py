@@ -131,8 +131,20 @@ def test_a_request_that_does_not_parse_is_refused_as_malformed_and_counted(tmp_p
         assert request_id == 9 and code == status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert _count(bad, "Lookup", "malformed_request") == 1
         # an unknown method: UNIMPLEMENTED, as gRPC answers one (not counted: no mistake of the request's)
-        unknown = frames.REQUEST.pack(0, 200, 10, 5.0)
+        unknown = frames.REQUEST.pack(0, 100, 10, 5.0)
         assert (await asyncio.to_thread(raw, path, unknown))[:2] == (10, grpc.StatusCode.UNIMPLEMENTED.value[0])
+    serve(tmp_path, body)
+
+
+def test_a_one_way_frame_is_served_and_never_answered(tmp_path: Path) -> None:
+    async def body(path: str, servicer: Servicer, bad: BadRequests) -> None:
+        body_ = pb.PrefetchRequest().SerializeToString()
+        one_way = frames.REQUEST.pack(len(body_), frames.METHOD_IDS["Prefetch"] | frames.ONE_WAY, 1, 5.0) + body_
+        unknown = frames.REQUEST.pack(0, 100 | frames.ONE_WAY, 2, 5.0)   # not even UNIMPLEMENTED
+        # the first answer on the connection is the call after them
+        request_id, code, _ = await asyncio.to_thread(raw, path, one_way + unknown + request("Stats", pb.StatsRequest(), 3))
+        assert (request_id, code) == (3, frames.OK)
+        assert _count(bad, "Prefetch", "bad_keys") == 1   # served: refused, and counted, as any call
     serve(tmp_path, body)
 
 
