@@ -119,10 +119,13 @@ class PresenceReader:
         """Send ``request`` one-way to the daemon; OSError when it is gone (or the socket is)."""
         body = request.SerializeToString()
         frame = frames.REQUEST.pack(len(body), _LOOKUP_ONE_WAY, 0, 0.0) + body
+        if self._pid != os.getpid():
+            # a forked child: the connection is its parent's, and so is the lock (another thread
+            # of the parent may have held it at the fork)
+            self._pid = os.getpid()
+            self._lock = threading.Lock()
+            self._sock = self._connect()
         with self._lock:
-            if self._pid != os.getpid():   # a forked child: the connection is its parent's
-                self._pid = os.getpid()
-                self._sock = self._connect()
             if self._sock is None:
                 raise ConnectionResetError(0, "the presence table's connection is closed")
             self._sock.sendall(frame)
