@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from itertools import takewhile
 from typing import Protocol, cast
 
+from kvstored_client.contract import presence as presence_layout
+
 # Block.flags bits (one small int instead of several fields: there may be millions of blocks)
 SEALED = 1      # bytes complete; visible to lookups
 ON_SSD = 2      # a verified copy is in the SSD tier
@@ -27,10 +29,10 @@ SSD_DECLINED = 32   # the SSD tier's policy refused it (full of blocks worth mor
 WRITE_FAILED = 64   # its last write to the SSD tier failed: it may leave DRAM uncopied
 NO_SLOT = -1    # Block.offset when the block has no DRAM slot
 
-# What the presence table records of a block (kvstored_client.contract.presence's states; 0: not readable)
-PRESENT_DRAM = 1
-PRESENT_SSD = 2
-PRESENT_PROMOTING = 3
+# What the presence table records of a block (0: not readable)
+PRESENT_DRAM = presence_layout.DRAM
+PRESENT_SSD = presence_layout.SSD
+PRESENT_PROMOTING = presence_layout.PROMOTING
 
 
 class Observer(Protocol):
@@ -133,9 +135,9 @@ class PrefixIndex:
 
     def changed(self, block: Block) -> None:
         """``block``'s flags or slot changed: the observer learns its presence now. Called by
-        whatever sets SEALED, ON_SSD or PROMOTING or gives or takes a slot, before the loop runs
-        anything else (so no call sees the observer behind the index); harmless when nothing
-        changed."""
+        whatever sets or clears SEALED, ON_SSD or PROMOTING or gives a sealed block a slot or
+        takes it, before the loop runs anything else (so no call sees the observer behind the
+        index); harmless when nothing changed."""
         if self.observer is not None:
             self.observer.set(self.namespace_id, block.key, block.presence)
 
