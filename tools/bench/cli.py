@@ -140,7 +140,19 @@ def daemon(procs: Procs, tmp: Path, logs: Path, name: str, capacity: int,
         if not sock.exists():
             return False
         with socket.socket(socket.AF_UNIX) as s:
-            return s.connect_ex(str(sock)) == 0
+            if s.connect_ex(str(sock)) != 0:
+                return False
+        # serving, not only listening: it binds its socket before it pre-faults its arena (more
+        # than a client's 5 s on a busy machine)
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(f"unix:{sock}") as channel:
+            try:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+            except grpc.RpcError:
+                return False
+        return bool(status == health_pb2.HealthCheckResponse.SERVING)
 
     try:
         wait_for(ready, 60, f"kvstored daemon ({tail(logs / f'daemon-{name}.log')})", proc)
