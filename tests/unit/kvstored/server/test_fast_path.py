@@ -142,7 +142,8 @@ def test_a_one_way_frame_is_served_and_never_answered(tmp_path: Path) -> None:
         one_way = frames.REQUEST.pack(len(body_), frames.METHOD_IDS["Prefetch"] | frames.ONE_WAY, 1, 5.0) + body_
         unknown = frames.REQUEST.pack(0, 100 | frames.ONE_WAY, 2, 5.0)   # not even UNIMPLEMENTED
         # the first answer on the connection is the call after them
-        request_id, code, _ = await asyncio.to_thread(raw, path, one_way + unknown + request("Stats", pb.StatsRequest(), 3))
+        stats = request("Stats", pb.StatsRequest(), 3)
+        request_id, code, _ = await asyncio.to_thread(raw, path, one_way + unknown + stats)
         assert (request_id, code) == (3, frames.OK)
         assert _count(bad, "Prefetch", "bad_keys") == 1   # served: refused, and counted, as any call
     serve(tmp_path, body)
