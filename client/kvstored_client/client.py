@@ -173,8 +173,14 @@ class Client(Connection):
             # and a send that fails means the daemon is gone: the call says how, as it always did.
             found = reader.lookup(ns_id, request.keys.packed_hashes, spec.digest_size)
             if found is not None:
+                frame = reader.frame(request)
                 try:
-                    reader.tell(request)
+                    # on the connection this thread's next call takes (served before it), unless
+                    # none is idle; the table's own connection says whether its daemon is there
+                    if not reader.alive():
+                        raise ConnectionResetError(0, "the presence table's daemon is gone")
+                    if self._fast is None or not self._fast.send_one_way(frame):
+                        reader.tell(frame)
                 except OSError:
                     self._presence_gone(reader)
                 else:

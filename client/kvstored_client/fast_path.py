@@ -160,6 +160,25 @@ class FastChannel:
             status = status_pb2.Status(code=code, message="(the daemon's status did not parse)")
         raise FrameCallError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, payload)
 
+    def send_one_way(self, frame: bytes) -> bool:
+        """Send ``frame`` (a one-way request: never answered) on an idle connection, the one this
+        thread's next call is likely to take, so that the daemon serves it before that call;
+        False when none is idle (nothing sent); OSError when the connection fails."""
+        if os.getpid() != self._pid:
+            return False   # (call() makes a forked child's connections its own)
+        with self._lock:
+            sock = self._idle.pop() if self._idle else None
+            generation = self._generation
+        if sock is None:
+            return False
+        try:
+            sock.sendall(frame)
+        except OSError:
+            sock.close()
+            raise
+        self._give(sock, generation)
+        return True
+
     def _read(self, sock: socket.socket, n: int, deadline: float | None, started: bool) -> bytes:
         """Exactly ``n`` more bytes, by ``deadline`` (``started``: a read since the call's first
         has returned data, so the socket's timeout is no longer the time left); OSError (EOF

@@ -1,17 +1,20 @@
 """The SDK's end of the presence table: lookups answered from the daemon's shared-memory table.
 
 A :class:`PresenceReader` maps a daemon's table read-only (its header must name the instance the
-daemon's ``Hello`` named) and holds a connection to the daemon's fast socket on which each lookup
-it answers is sent one-way (``frames.ONE_WAY``): the daemon records the hits for its eviction
-policy and starts promoting SSD-only blocks as for any lookup, and a send that fails (EPIPE: the
-daemon is gone) tells the caller the table is no longer an answer. The table is read first and
-the lookup sent after, so an answer given was read while its daemon was still there.
+daemon's ``Hello`` named) and holds a connection to the daemon's fast socket that says whether its
+daemon is still there (the daemon never writes on it: closed or readable, it is gone). Each
+lookup the table answers is sent to the daemon one-way (``frames.ONE_WAY``), on the connection
+the caller's next call is likely to take (else on the table's own): the daemon records the hits
+for its eviction policy and starts promoting SSD-only blocks as for any lookup, before that
+call. The table is read first, then the daemon's presence checked and the lookup sent, so an
+answer given was read while its daemon was still there.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import select
 import socket
 import threading
 
@@ -68,6 +71,8 @@ class PresenceReader:
             self._sock: socket.socket | None = self._connect()
         except OSError as exc:
             raise TableUnusable(f"{fast_socket}: {exc.strerror or exc}") from None
+        self._poll = select.poll()
+        self._poll.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLRDHUP)
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -115,16 +120,34 @@ class PresenceReader:
                 return i, ssd
         return n, ssd
 
-    def tell(self, request: pb.LookupRequest) -> None:
-        """Send ``request`` one-way to the daemon; OSError when it is gone (or the socket is)."""
+    def alive(self) -> bool:
+        """Whether the table's daemon is still there: its end of the table's connection, on
+        which it never writes, is neither closed nor readable (one poll, no waiting)."""
+        sock = self._sock
+        if sock is None or self._pid != os.getpid():
+            return sock is not None   # (a forked child's first tell() connects anew)
+        try:
+            return not self._poll.poll(0)
+        except (OSError, ValueError):
+            return False
+
+    @staticmethod
+    def frame(request: pb.LookupRequest) -> bytes:
+        """``request`` as a one-way frame."""
         body = request.SerializeToString()
-        frame = frames.REQUEST.pack(len(body), _LOOKUP_ONE_WAY, 0, 0.0) + body
+        return frames.REQUEST.pack(len(body), _LOOKUP_ONE_WAY, 0, 0.0) + body
+
+    def tell(self, frame: bytes) -> None:
+        """Send ``frame`` (see :meth:`frame`) to the daemon on the table's own connection;
+        OSError when it is gone (or the socket is)."""
         if self._pid != os.getpid():
             # a forked child: the connection is its parent's, and so is the lock (another thread
             # of the parent may have held it at the fork)
             self._pid = os.getpid()
             self._lock = threading.Lock()
             self._sock = self._connect()
+            self._poll = select.poll()
+            self._poll.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLRDHUP)
         with self._lock:
             if self._sock is None:
                 raise ConnectionResetError(0, "the presence table's connection is closed")
