@@ -296,12 +296,12 @@ def test_a_decode_engine_starts_on_the_prefix_that_has_arrived(model_dir: Path, 
         single = start_engine(model_dir, "producer", [prompt(P1), prompt(p2)], a.socket, role="kv_producer").finish()
         assert [x["cached"] for x in single] == [0, 0]    # a producer never loads: a single node's answers
         # The engine's prefill rate is set far below this machine's so that the decision does
-        # not hang on its load: 400 tokens/s is ~6 blocks/s, more than the slow link brings
-        # (2/s) and far less than loopback does.
+        # not hang on its load: 256 tokens/s is 4 blocks/s, twice what the slow link can bring
+        # (its first block's latency only lowers that) and far less than loopback does.
         checked, done = model_dir / "consumer-checked", model_dir / "consumer-done"
         consumer = start_engine(model_dir, "consumer", [prompt(P1), {"wait_for": str(checked)}, prompt(p2),
                                                         {"wait_for": str(done)}],
-                                b.socket, role="kv_consumer", peers=True, prefill_tokens_per_s=400, max_wait_s=60)
+                                b.socket, role="kv_consumer", peers=True, prefill_tokens_per_s=256, max_wait_s=60)
         with kvstored.Client(b.socket) as client:
             fetched_at_answer: list[int] = []
             for _ in consumer.lines():
