@@ -4,9 +4,11 @@ compute the rest. Pure: what has arrived, the engine's prefill rate and a time i
 
 The ledger: the first token needs KV for every prompt token, so starting now costs the prefill of
 the blocks still missing, and waiting costs their arrival. Waiting pays while blocks arrive faster
-than the engine could compute them (their rate is observed from the arrivals so far); before any
-has arrived, the engine waits at most as long as computing the missing blocks would take (so a link
-that never delivers costs at most twice the best choice); and never past ``max_wait_s``.
+than the engine could compute them (their rate observed since the first of them arrived: the
+link's fixed cost, paid once, is not its rate); until that rate is known, the engine waits at most
+as long as computing the missing blocks would take (so a link that never delivers costs at most
+twice the best choice); and never past ``max_wait_s``. The
+engine's prefill rate is configured or measured from its own steps (:class:`PrefillMeter`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ class Verdict(Enum):
 
     ALL_LOCAL = "all_local"                     # every block there is to take is local: start on it
     WAIT_ARRIVING_FAST = "wait_arriving_fast"   # blocks arrive faster than the engine computes them
-    WAIT_FIRST_BLOCK = "wait_first_block"       # none arrived yet, and waiting may still pay
+    WAIT_NO_RATE_YET = "wait_no_rate_yet"       # none arrived since the first did; waiting may still pay
     ARRIVING_SLOWLY = "arriving_slowly"         # computing the missing blocks is sooner than their arrival
-    NO_ARRIVAL = "no_arrival"                   # none arrived within the time computing them would take
+    NO_ARRIVAL = "no_arrival"                   # no rate within the time computing the missing blocks takes
     MAX_WAIT = "max_wait"                       # the hard cap
 
     @property
@@ -52,26 +54,29 @@ class WaitRule:
 class Arrival:
     """One prompt's blocks arriving in the local daemon: since ``started``, when ``at_start`` of
     its leading blocks were local and ``target`` will be (local plus what a peer holds, no more
-    than the engine may take); at ``observed``, ``local`` were."""
+    than the engine may take); at ``observed``, ``local`` were; the first observation with blocks
+    arrived was at ``first_at`` (None before), with ``first_local`` local."""
 
     started: float
     at_start: int
     target: int
     observed: float
     local: int
+    first_at: float | None = None
+    first_local: int = 0
 
     def seen(self, at: float, local: int) -> Arrival:
         """The same arrival, observed again."""
-        return Arrival(self.started, self.at_start, self.target, at, max(local, self.local))
+        local = max(local, self.local)
+        if self.first_at is None and local > self.at_start:
+            return Arrival(self.started, self.at_start, self.target, at, local, at, local)
+        return Arrival(self.started, self.at_start, self.target, at, local, self.first_at, self.first_local)
 
     def blocks_per_s(self) -> float:
-        """The arrival rate so far (0 before the first block); the time to the first block counts,
-        so a link's latency is in it."""
-        arrived = self.local - self.at_start
-        elapsed = self.observed - self.started
-        if arrived <= 0 or elapsed <= 0:
-            return 0.0 if arrived <= 0 else float("inf")
-        return arrived / elapsed
+        """The arrival rate since the first blocks arrived (0 until more came after them)."""
+        if self.first_at is None or self.local <= self.first_local or self.observed <= self.first_at:
+            return 0.0
+        return (self.local - self.first_local) / (self.observed - self.first_at)
 
 
 def decide(rule: WaitRule, arrival: Arrival, now: float) -> Verdict:
@@ -84,6 +89,39 @@ def decide(rule: WaitRule, arrival: Arrival, now: float) -> Verdict:
     compute_s = rule.compute_s(missing)
     rate = arrival.blocks_per_s()
     if rate == 0.0:
-        return Verdict.WAIT_FIRST_BLOCK if now - arrival.started < compute_s else Verdict.NO_ARRIVAL
+        return Verdict.WAIT_NO_RATE_YET if now - arrival.started < compute_s else Verdict.NO_ARRIVAL
     # the rest's arrival, counted from the last observation (later ones can only have brought more)
     return Verdict.WAIT_ARRIVING_FAST if missing / rate < compute_s else Verdict.ARRIVING_SLOWLY
+
+
+@dataclass(slots=True)
+class PrefillMeter:
+    """The engine's prefill rate as its own steps show it: the tokens a step computed over the
+    time until the next step was scheduled (or a request finished), for steps of at least
+    ``min_tokens`` (decode steps cost per token far more); each new step weighs ``weight`` in the
+    average. ``prior`` until the first such step."""
+
+    prior: float
+    min_tokens: int
+    weight: float = 0.25
+    _rate: float = 0.0
+    _open: tuple[float, int] | None = None
+
+    def step_scheduled(self, at: float, tokens: int) -> None:
+        """A step of ``tokens`` scheduled at ``at``: the step before it has ended."""
+        self.step_ended(at)
+        self._open = (at, tokens) if tokens >= self.min_tokens else None
+
+    def step_ended(self, at: float) -> None:
+        """The step scheduled last is over by ``at`` (a request it ran finished)."""
+        if self._open is None:
+            return
+        started, tokens = self._open
+        self._open = None
+        if at > started:
+            rate = tokens / (at - started)
+            self._rate = rate if not self._rate else self._rate + self.weight * (rate - self._rate)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self._rate or self.prior

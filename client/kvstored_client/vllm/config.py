@@ -29,7 +29,8 @@ class ConnectorConfig:
     prompt a prefill engine stored on another node); fetched blocks stay on this node.
     ``max_wait_s`` and ``prefill_tokens_per_s`` (``kv_consumer`` with ``peers``): the decode
     engine's wait rule (``arrival.py``): how long a request may wait at most for its prompt's
-    blocks to arrive from a peer, and the engine's prefill rate that waiting is weighed against.
+    blocks to arrive from a peer, and the engine's prefill rate that waiting is weighed against
+    (0: measured from the engine's own steps, :data:`PREFILL_PRIOR` until then).
     ``role``: vLLM's ``kv_role``, not a key of the extra config."""
 
     socket: str = ""
@@ -42,7 +43,7 @@ class ConnectorConfig:
     layerwise: bool = True
     peers: bool = False
     max_wait_s: float = 2.0
-    prefill_tokens_per_s: float = 10_000.0
+    prefill_tokens_per_s: float = 0.0
     role: str = "kv_both"
 
     @property
@@ -78,6 +79,8 @@ class ConnectorConfig:
 
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# The prefill rate a consumer assumes until it has measured its own (tokens a second).
+PREFILL_PRIOR = 10_000.0
 _WAIT_KEYS = ("max_wait_s", "prefill_tokens_per_s")
 
 

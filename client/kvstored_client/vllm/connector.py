@@ -47,8 +47,8 @@ from kvstored_client import shm
 from kvstored_client.contract.errors import KVStoreError
 from kvstored_client.contract.layout import TensorLayout, layout_signature
 from kvstored_client.contract.namespace import Namespace
-from kvstored_client.vllm.arrival import Arrival, WaitRule, decide
-from kvstored_client.vllm.config import ConnectorConfig
+from kvstored_client.vllm.arrival import Arrival, PrefillMeter, WaitRule, decide
+from kvstored_client.vllm.config import PREFILL_PRIOR, ConnectorConfig
 from kvstored_client.vllm.link import DaemonLink
 from kvstored_client.vllm.plan import LoadSpec, SavePlanner, SaveSpec, external_tokens, loadable_blocks
 
@@ -163,7 +163,7 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loads: list[LoadSpec] = []
         self._planner = SavePlanner(self.block_size)
         # scheduler side of a consumer: prompts arriving from peers, and the looks at them in flight
-        self._rule = WaitRule(self.config.prefill_tokens_per_s, self.block_size, self.config.max_wait_s)
+        self._meter = PrefillMeter(PREFILL_PRIOR, self.block_size)
         self._clock = time.monotonic
         self._arrivals: dict[str, Arrival] = {}
         self._looks: dict[str, Future[tuple[float, int, int]]] = {}
@@ -226,15 +226,16 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
             arrival = arrival.seen(observed, local)
         self._arrivals[req_id] = arrival
         now = self._clock()
-        verdict = decide(self._rule, arrival, now)
+        rate = self.config.prefill_tokens_per_s or self._meter.tokens_per_s
+        verdict = decide(WaitRule(rate, self.block_size, self.config.max_wait_s), arrival, now)
         if verdict.waits:
             if now - observed >= POLL_S:
                 self._looks[req_id] = self._lookup_thread.submit(self._look, hashes, False)
             else:
                 self._looks[req_id] = self._lookup_thread.submit(self._look_later, hashes, observed + POLL_S)
             return None
-        log.debug("kvstored: request %s starts on %d of %d blocks after %.3f s (%s)", req_id, arrival.local,
-                  arrival.target, now - arrival.started, verdict.value)
+        log.debug("kvstored: request %s starts on %d of %d blocks after %.3f s (%s; prefill at %.0f tokens/s)",
+                  req_id, arrival.local, arrival.target, now - arrival.started, verdict.value, rate)
         return arrival.local
 
     def _look(self, hashes: list[bytes], peers: bool) -> tuple[float, int, int]:
@@ -270,6 +271,8 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loads.append(LoadSpec(req_id, tuple(request.block_hashes[:last]), tuple(block_ids[first:last]), first))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoredMetadata:
+        if self.config.waits_for_arrivals:
+            self._meter.step_scheduled(self._clock(), sum(scheduler_output.num_scheduled_tokens.values()))
         meta = KVStoredMetadata(loads=self._loads)
         loaded = {spec.req_id: len(spec.hashes) for spec in self._loads}
         self._loads = []
@@ -299,6 +302,7 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._meter.step_ended(self._clock())   # the step that finished it is over
         self._requests.pop(req_id, None)
         self._asked.pop(req_id, None)
         for pending in (self._lookups.pop(req_id, None), self._looks.pop(req_id, None)):
