@@ -302,8 +302,8 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        self._meter.step_ended(self._clock())   # the step that finished it is over
-        self._requests.pop(req_id, None)
+        if self._requests.pop(req_id, None) is not None:
+            self._meter.step_ended(self._clock())   # it ran: the step that finished it is over
         self._asked.pop(req_id, None)
         for pending in (self._lookups.pop(req_id, None), self._looks.pop(req_id, None)):
             if pending is not None:
