@@ -2,7 +2,8 @@
 daemon: a fresh engine takes a prompt another engine stored and answers the same; the loaded bytes
 are what it used; every chunk of a long prefill is stored; a partial hit prefills only the rest; a
 daemon that is down, restarted (the prefix then comes from SSD) or killed under a load never takes
-the engine down; engines on peer daemons take a prompt pushed to them or fetch it.
+the engine down; engines on peer daemons take a prompt pushed to them or fetch it; a decode engine starts on the
+part of a prompt that has arrived from its peer when the rest would come later than it computes it.
 
 Each vLLM process costs ~15-30 s, so one scenario runs once for the module (four engines in
 sequence, each serving several prompts) and each test checks one thing it showed. The vLLM
@@ -291,8 +292,11 @@ def test_a_decode_engine_starts_on_the_prefix_that_has_arrived(model_dir: Path, 
         common = ("--set", "peers.token=t0ken")
         a = daemon_factory("--set", f"peers.listen=127.0.0.1:{port_a}", "--set", "peers.node_id=prefill",
                            "--set", f"peers.static=decode=127.0.0.1:{port_b}", *common)
+        # the peer lookup's own deadline (1 s) lengthened: on a loaded machine the proxy's answer
+        # may come later, and the consumer would then see nothing to fetch
         b = daemon_factory("--set", f"peers.listen=127.0.0.1:{port_b}", "--set", "peers.node_id=decode",
-                           "--set", f"peers.static=prefill=127.0.0.1:{proxy.port}", *common)
+                           "--set", f"peers.static=prefill=127.0.0.1:{proxy.port}",
+                           "--set", "peers.lookup_timeout_s=10", *common)
         single = start_engine(model_dir, "producer", [prompt(P1), prompt(p2)], a.socket, role="kv_producer").finish()
         assert [x["cached"] for x in single] == [0, 0]    # a producer never loads: a single node's answers
         # The engine's prefill rate is set far below this machine's so that the decision does
