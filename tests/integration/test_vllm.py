@@ -2,7 +2,8 @@
 daemon: a fresh engine takes a prompt another engine stored and answers the same; the loaded bytes
 are what it used; every chunk of a long prefill is stored; a partial hit prefills only the rest; a
 daemon that is down, restarted (the prefix then comes from SSD) or killed under a load never takes
-the engine down; engines on peer daemons take a prompt pushed to them or fetch it.
+the engine down; engines on peer daemons take a prompt pushed to them or fetch it; a decode engine starts on the
+part of a prompt that has arrived from its peer when the rest would come later than it computes it.
 
 Each vLLM process costs ~15-30 s, so one scenario runs once for the module (four engines in
 sequence, each serving several prompts) and each test checks one thing it showed. The vLLM
@@ -79,7 +80,7 @@ class Engine:
 
 def start_engine(tmp: Path, name: str, steps: list[dict[str, Any]], socket: str,
                  connector: str = "KVStoredConnector", env: dict[str, str] | None = None,
-                 hash_algo: str = "sha256_cbor", **settings: Any) -> Engine:
+                 hash_algo: str = "sha256_cbor", role: str = "kv_both", **settings: Any) -> Engine:
     """``settings``: kv_connector_extra_config beyond the socket."""
     steps_path = tmp / f"{name}.json"
     steps_path.write_text(json.dumps(steps))
@@ -88,7 +89,7 @@ def start_engine(tmp: Path, name: str, steps: list[dict[str, Any]], socket: str,
     full_env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "integration"), **(env or {})}
     proc = subprocess.Popen([str(VENV_PYTHON), str(DRIVER), "serve", str(tmp / "model"), str(steps_path),
                              "--extra", json.dumps({"socket": socket, **settings}), "--module", module,
-                             "--connector", connector, "--hash-algo", hash_algo],
+                             "--connector", connector, "--hash-algo", hash_algo, "--role", role],
                             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True, cwd=ROOT, env=full_env)
     return Engine(proc, log)
 
@@ -271,3 +272,59 @@ def test_prefill_and_decode_on_peer_daemons_by_push_and_by_pull(
     assert pulled[0]["tokens"] == scenario.a[0]["tokens"]
     with kvstored.Client(nodes["third"].socket) as client:
         assert client.stats()["peer_fetched_blocks"] == (len(P1) - 1) // BLOCK   # what vLLM asked for
+
+
+def test_a_decode_engine_starts_on_the_prefix_that_has_arrived(model_dir: Path, daemon_factory: Any) -> None:
+    """Prefill/decode by roles: a producer engine stores two prompts on its daemon, a consumer
+    engine on a peer daemon (``peers``) pulls each into its own daemon and waits by the wait rule.
+    Over a link slower than the engine computes (a proxy pacing the producer's side to a block
+    every half second), it starts on the blocks that arrived and computes the rest: its first
+    token comes while its daemon holds part of the prompt, which still arrives whole later. Over
+    a fast link it waits for and takes the whole prefix. Both answer as a single node does."""
+    from netfault import FaultProxy
+
+    rng = random.Random(5)
+    p2 = [rng.randrange(3, 1024) for _ in range(1000)]
+    port_a, port_b = free_ports(2)
+    block_bytes = 4 * 2 * BLOCK * 2 * 64 * 4      # vllm_driver's model: layers * K,V * tokens * heads * dims * fp32
+    proxy = FaultProxy(("127.0.0.1", port_a), rate_bytes_s=block_bytes / 0.5)
+    try:
+        common = ("--set", "peers.token=t0ken")
+        a = daemon_factory("--set", f"peers.listen=127.0.0.1:{port_a}", "--set", "peers.node_id=prefill",
+                           "--set", f"peers.static=decode=127.0.0.1:{port_b}", *common)
+        # the peer lookup's own deadline (1 s) lengthened: on a loaded machine the proxy's answer
+        # may come later, and the consumer would then see nothing to fetch
+        b = daemon_factory("--set", f"peers.listen=127.0.0.1:{port_b}", "--set", "peers.node_id=decode",
+                           "--set", f"peers.static=prefill=127.0.0.1:{proxy.port}",
+                           "--set", "peers.lookup_timeout_s=10", *common)
+        single = start_engine(model_dir, "producer", [prompt(P1), prompt(p2)], a.socket, role="kv_producer").finish()
+        assert [x["cached"] for x in single] == [0, 0]    # a producer never loads: a single node's answers
+        # The engine's prefill rate is set far below this machine's so that the decision does
+        # not hang on its load: 256 tokens/s is 4 blocks/s, twice what the slow link can bring
+        # (its first block's latency only lowers that) and far less than loopback does.
+        checked, done = model_dir / "consumer-checked", model_dir / "consumer-done"
+        consumer = start_engine(model_dir, "consumer", [prompt(P1), {"wait_for": str(checked)}, prompt(p2),
+                                                        {"wait_for": str(done)}],
+                                b.socket, role="kv_consumer", peers=True, prefill_tokens_per_s=256, max_wait_s=60)
+        with kvstored.Client(b.socket) as client:
+            fetched_at_answer: list[int] = []
+            for _ in consumer.lines():
+                if len(consumer.answers) == 1 and not checked.exists():
+                    fetched_at_answer.append(int(client.stats()["peer_fetched_blocks"]))
+                    deadline = time.monotonic() + 60   # the pull goes on: the whole prompt lands
+                    while client.stats()["peer_fetched_blocks"] < whole_blocks(P1) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    fetched_at_answer.append(int(client.stats()["peer_fetched_blocks"]))
+                    proxy.rate = 0.0   # the control: a fast link
+                    checked.touch()
+                elif len(consumer.answers) == 2:
+                    done.touch()
+            decoded = consumer.finish()
+        started_on, arrived = fetched_at_answer
+        assert decoded[0]["tokens"] == single[0]["tokens"]
+        assert 0 < decoded[0]["cached"] < (len(P1) - 1) // BLOCK * BLOCK   # part of the prompt from kvstored
+        assert decoded[0]["cached"] // BLOCK <= started_on < whole_blocks(P1) == arrived
+        assert decoded[1]["tokens"] == single[1]["tokens"]
+        assert decoded[1]["cached"] == (len(p2) - 1) // BLOCK * BLOCK        # the whole prefix, waited for
+    finally:
+        proxy.close()

@@ -53,12 +53,12 @@ def make_model(directory: str) -> None:
 
 
 def serve(directory: str, steps_path: str, extra: dict[str, object], module: str, name: str,
-          hash_algo: str = "sha256_cbor") -> None:
+          hash_algo: str = "sha256_cbor", role: str = "kv_both") -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    transfer = KVTransferConfig(kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
+    transfer = KVTransferConfig(kv_connector=name, kv_connector_module_path=module, kv_role=role,
                                 kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     llm = LLM(model=directory, dtype="float32", enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo,
               enforce_eager=True, max_model_len=2048, max_num_batched_tokens=CHUNK_TOKENS,
@@ -93,11 +93,12 @@ def main() -> None:
     run.add_argument("--module", default="kvstored_client.vllm.connector")
     run.add_argument("--connector", default="KVStoredConnector")
     run.add_argument("--hash-algo", default="sha256_cbor", help="vLLM's prefix_caching_hash_algo")
+    run.add_argument("--role", default="kv_both", help="vLLM's kv_role")
     args = parser.parse_args()
     if args.command == "make-model":
         make_model(args.dir)
     else:
-        serve(args.dir, args.steps, json.loads(args.extra), args.module, args.connector, args.hash_algo)
+        serve(args.dir, args.steps, json.loads(args.extra), args.module, args.connector, args.hash_algo, args.role)
     sys.stdout.flush()
 
 

@@ -34,6 +34,7 @@ OPTIONS = {
     "burst": ["--dram-mib", "--ssd-mib", "--block-kib", "--blocks", "--seconds", "--clients", "--admission", "--dir"],
     "transports": ["--calls", "--warmup", "--runs", "--clients", "--messages", "--transports", "--out"],
     "vllm": ["--tokens", "--runs", "--hidden", "--layers"],
+    "vllm-decode": ["--tokens", "--runs", "--link-mib-s", "--hidden", "--layers"],
 }
 
 

@@ -58,12 +58,13 @@ SUBCOMMANDS = {
     "burst": ("tools.bench.burst", "saves faster than the disk: saves/s, waits for room, drops, kill -9 losses"),
     "transports": ("tools.bench.transports", "small calls over gRPC, ZeroMQ and plain frames vs the raw socket floor"),
     "vllm": ("tools.bench.vllm_ttft", "TTFT through real vLLM (CPU): cold, from kvstored DRAM/SSD, vLLM's own cache"),
+    "vllm-decode": ("tools.bench.vllm_decode", "prefill/decode in real vLLM over a slow link: the wait rule vs whole"),
 }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     epilog = "subcommands (python -m tools.bench SUBCOMMAND --help for each one's options):\n" + "\n".join(
-        f"  {name:<8} {summary}" for name, (_, summary) in SUBCOMMANDS.items())
+        f"  {name:<11} {summary}" for name, (_, summary) in SUBCOMMANDS.items())
     p = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",

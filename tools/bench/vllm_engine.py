@@ -1,10 +1,11 @@
-"""The vLLM side of ``python -m tools.bench vllm``, run by that benchmark with vLLM's own
-environment's python (.venv-vllm): a script, not imported by the benchmark.
+"""The vLLM side of ``python -m tools.bench vllm`` and ``vllm-decode``, run by those benchmarks with
+vLLM's own environment's python (.venv-vllm): a script, not imported by the benchmarks.
 
 ``make-model DIR --hidden H --layers L``: a random-weight Llama (fp32) with a word-level tokenizer.
-``serve DIR SOCKET --max-len N [--lmcache-port P]``: one in-process vLLM engine with kvstored's
-connector (or, with ``--lmcache-port``, LMCache's multiprocess connector to its server on that
-port) reads commands from stdin, one JSON object a line, and answers each with one line on stdout:
+``serve DIR SOCKET --max-len N [--role R] [--extra JSON] [--lmcache-port P]``: one in-process vLLM
+engine with kvstored's connector (its ``kv_role`` and more of its ``kv_connector_extra_config``;
+or, with ``--lmcache-port``, LMCache's multiprocess connector to its server on that port) reads
+commands from stdin, one JSON object a line, and answers each with one line on stdout:
 ``{"prompt": [...]}`` -> ``{"ttft_s": ..., "cached": ...}`` (a one-token generation, timed);
 ``{"reset": true}`` -> ``{}`` after emptying vLLM's own prefix cache (off with LMCache).
 """
@@ -59,16 +60,17 @@ def _skip_llvmlite_in_kernel_scan() -> None:
     dispatcher._rebind_kernels = without_llvmlite
 
 
-def serve(directory: str, socket: str, max_len: int, block_size: int, lmcache_port: int | None) -> None:
+def serve(directory: str, socket: str, max_len: int, block_size: int, lmcache_port: int | None,
+          role: str = "kv_both", extra: dict[str, object] | None = None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     if lmcache_port is None:
         transfer = KVTransferConfig(kv_connector="KVStoredConnector",
-                                    kv_connector_module_path="kvstored_client.vllm.connector", kv_role="kv_both",
+                                    kv_connector_module_path="kvstored_client.vllm.connector", kv_role=role,
                                     kv_load_failure_policy="recompute",
-                                    kv_connector_extra_config={"socket": socket})
+                                    kv_connector_extra_config={"socket": socket, **(extra or {})})
     else:
         _skip_llvmlite_in_kernel_scan()
         transfer = KVTransferConfig(kv_connector="LMCacheMPConnector", kv_role="kv_both",
@@ -108,11 +110,14 @@ def main() -> None:
     run.add_argument("--max-len", type=int, default=8448)
     run.add_argument("--block-size", type=int, default=64)
     run.add_argument("--lmcache-port", type=int, help="LMCache's connector, to its multiprocess server's port")
+    run.add_argument("--role", default="kv_both", help="vLLM's kv_role for kvstored's connector")
+    run.add_argument("--extra", default="{}", help="more of kvstored's kv_connector_extra_config, as JSON")
     args = parser.parse_args()
     if args.command == "make-model":
         make_model(args.dir, args.hidden, args.layers)
     else:
-        serve(args.dir, args.socket, args.max_len, args.block_size, args.lmcache_port)
+        serve(args.dir, args.socket, args.max_len, args.block_size, args.lmcache_port, args.role,
+              json.loads(args.extra))
 
 
 if __name__ == "__main__":

@@ -51,8 +51,9 @@ LMCACHE_ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", LMCACHE_DISABLE_BANN
 class EngineProcess:
     """The vLLM engine script, fed one command a line."""
 
-    def __init__(self, model: Path, socket: str, max_len: int, lmcache_port: int | None = None) -> None:
-        python, extra = VENV_PYTHON, []
+    def __init__(self, model: Path, socket: str, max_len: int, lmcache_port: int | None = None,
+                 role: str = "kv_both", settings: dict[str, Any] | None = None) -> None:
+        python, extra = VENV_PYTHON, ["--role", role, "--extra", json.dumps(settings or {})]
         if lmcache_port is not None:
             python, extra = lmcache_vllm_env.PY, ["--lmcache-port", str(lmcache_port)]
         self.proc = subprocess.Popen([str(python), str(ENGINE), "serve", str(model), socket, "--max-len", str(max_len),

@@ -15,12 +15,19 @@ requests. Worker side (the copying path): before the forward pass the cached blo
 the daemon's arena into vLLM's paged buffers; after it, every whole block the step computed is
 stored (each chunk of a chunked prefill). Blocks that could not be loaded are reported through
 ``get_block_ids_with_load_errors``, so vLLM recomputes them (``kv_load_failure_policy="recompute"``).
+
+``kv_role="kv_consumer"`` with ``peers`` (a decode engine): a new request's prompt is pulled from
+the peers into the local daemon on a thread of its own, and the request waits ("not yet") while the
+wait rule (``arrival.py``) says waiting for more blocks is sooner than computing them; then it
+takes the prefix that is local and computes the rest, while the pull goes on for later requests.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,13 +47,21 @@ from kvstored_client import shm
 from kvstored_client.contract.errors import KVStoreError
 from kvstored_client.contract.layout import TensorLayout, layout_signature
 from kvstored_client.contract.namespace import Namespace
-from kvstored_client.vllm.config import ConnectorConfig
+from kvstored_client.vllm.arrival import Arrival, PrefillMeter, WaitRule, decide
+from kvstored_client.vllm.config import PREFILL_PRIOR, ConnectorConfig
 from kvstored_client.vllm.link import DaemonLink
-from kvstored_client.vllm.plan import LoadSpec, SavePlanner, SaveSpec, external_tokens
+from kvstored_client.vllm.plan import LoadSpec, SavePlanner, SaveSpec, external_tokens, loadable_blocks
 
 log = logging.getLogger(__name__)
 
 HASH_ALGO = "sha256_cbor"
+# A pull's own deadline: the daemon ends each peer transfer by its peers.deadline_s; this only
+# bounds a daemon that never answers, on the pull's thread, never the scheduler's.
+PULL_TIMEOUT_S = 300.0
+# Between two looks at how much of a waiting prompt has arrived: a lookup each, on the lookup thread.
+POLL_S = 0.01
+# Prompts pulled at once (a thread and a daemon client each); more wait for one of them.
+PULLS = 4
 
 
 @dataclass
@@ -87,7 +102,9 @@ def namespace_of(vllm_config: Any, kv_cache_config: Any, config: ConnectorConfig
                      kv_dtype=kv_dtype, block_size=spec.block_size, layout=layout,
                      tp_rank=parallel.rank % max(parallel.tensor_parallel_size, 1),
                      tp_size=parallel.tensor_parallel_size, hash_algo=HASH_ALGO,
-                     hash_seed=none_hash_seed())
+                     hash_seed=none_hash_seed(),
+                     # known before the worker registers its buffers: a pull into this node needs it
+                     block_bytes=spec.page_size_bytes * len(groups[0].layer_names))
 
 
 def none_hash_seed() -> str:
@@ -129,13 +146,15 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
-        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config)
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config,
+                                                 str(transfer.kv_role or "kv_both"))
         self.namespace = namespace_of(vllm_config, kv_cache_config, self.config)
         self.block_size = self.namespace.block_size
         self._num_blocks = int(kv_cache_config.num_blocks)
+        # a consumer's scheduler side pulls from the peers, so its loads take what is local
         self._link = DaemonLink(self.config.socket, self.namespace, self.config.timeout_s,
                                 f"vllm-{'scheduler' if role == KVConnectorRole.SCHEDULER else 'worker'}",
-                                self.config.peers)
+                                self.config.peers and not self.config.waits_for_arrivals)
         # scheduler side
         self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="kvstored-lookup")
         self._lookups: dict[str, Future[int]] = {}
@@ -143,6 +162,16 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests: dict[str, Any] = {}       # req_id -> vLLM Request (its block hashes grow)
         self._loads: list[LoadSpec] = []
         self._planner = SavePlanner(self.block_size)
+        # scheduler side of a consumer: prompts arriving from peers, and the looks at them in flight
+        self._meter = PrefillMeter(PREFILL_PRIOR, self.block_size)
+        self._clock = time.monotonic
+        self._arrivals: dict[str, Arrival] = {}
+        self._looks: dict[str, Future[tuple[float, int, int]]] = {}
+        self._pulls: ThreadPoolExecutor | None = None
+        self._pull_links: list[DaemonLink] = []     # one per pull thread (a link is not thread-safe)
+        self._pull_local = threading.local()
+        if self.config.waits_for_arrivals and role == KVConnectorRole.SCHEDULER:
+            self._pulls = ThreadPoolExecutor(PULLS, thread_name_prefix="kvstored-pull")
         # worker side
         self._layers: list[torch.Tensor] = []     # per layer: a view with the block dimension first
         self._widths: list[int] = []              # per layer: bytes of one block
@@ -150,8 +179,8 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._shared: shm.SharedTensor | None = None
         self._layer_index: dict[str, int] = {}
         self._loading: list[tuple[LoadSpec, Any]] = []   # zero-copy loads in flight, with their handles
-        log.info("kvstored connector: namespace %s, load=%s save=%s", self.namespace, self.config.load,
-                 self.config.save)
+        log.info("kvstored connector: namespace %s, %s, load=%s save=%s", self.namespace, self.config.role,
+                 self.config.load, self.config.save)
 
     # -- scheduler side ------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -161,20 +190,78 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
         hashes = list(request.block_hashes[:whole])
         if len(hashes) * self.block_size <= num_computed_tokens:
             return 0, False
-        lookup = self._lookups.get(request.request_id)
-        if lookup is None:
-            # never block the scheduler on a round trip: ask, and say "not yet" until it lands
-            self._lookups[request.request_id] = self._lookup_thread.submit(self._link.lookup, hashes)
-            return None, False
-        if not lookup.done():
-            return None, False
+        if self.config.waits_for_arrivals:
+            hit = self._arrived(request.request_id, hashes, request.num_tokens)
+            if hit is None:
+                return None, False
+        else:
+            lookup = self._lookups.get(request.request_id)
+            if lookup is None:
+                # never block the scheduler on a round trip: ask, and say "not yet" until it lands
+                self._lookups[request.request_id] = self._lookup_thread.submit(self._link.lookup, hashes)
+                return None, False
+            if not lookup.done():
+                return None, False
+            hit = lookup.result()
         self._asked[request.request_id] = num_computed_tokens
-        return external_tokens(lookup.result(), request.num_tokens, num_computed_tokens, self.block_size), False
+        return external_tokens(hit, request.num_tokens, num_computed_tokens, self.block_size), False
+
+    def _arrived(self, req_id: str, hashes: list[bytes], num_tokens: int) -> int | None:
+        """A consumer's request: the local blocks to start on, or None while it waits for more.
+        First a lookup that counts the peers' blocks; if they hold more, a pull of the prompt
+        starts, and each later call looks at how much is local until the wait rule says go."""
+        look = self._looks.get(req_id)
+        if look is None:
+            look = self._looks[req_id] = self._lookup_thread.submit(self._look, hashes, True)
+        if not look.done():
+            return None
+        observed, local, total = look.result()
+        arrival = self._arrivals.get(req_id)
+        if arrival is None:
+            arrival = Arrival(observed, local, loadable_blocks(total, num_tokens, self.block_size), observed, local)
+            if arrival.target > local and self._pulls is not None:
+                # runs to its end even if the request starts first: later requests find the blocks
+                self._pulls.submit(self._pull, hashes)
+        else:
+            arrival = arrival.seen(observed, local)
+        self._arrivals[req_id] = arrival
+        now = self._clock()
+        rate = self.config.prefill_tokens_per_s or self._meter.tokens_per_s
+        verdict = decide(WaitRule(rate, self.block_size, self.config.max_wait_s), arrival, now)
+        if verdict.waits:
+            if now - observed >= POLL_S:
+                self._looks[req_id] = self._lookup_thread.submit(self._look, hashes, False)
+            else:
+                self._looks[req_id] = self._lookup_thread.submit(self._look_later, hashes, observed + POLL_S)
+            return None
+        log.debug("kvstored: request %s starts on %d of %d blocks after %.3f s (%s; prefill at %.0f tokens/s)",
+                  req_id, arrival.local, arrival.target, now - arrival.started, verdict.value, rate)
+        return arrival.local
+
+    def _look(self, hashes: list[bytes], peers: bool) -> tuple[float, int, int]:
+        """When, the chain's leading blocks on this node, and with what peers hold (on the lookup thread)."""
+        local, total = self._link.lookup_split(hashes, peers) if peers else (self._link.lookup(hashes, False), 0)
+        return self._clock(), local, total
+
+    def _pull(self, hashes: list[bytes]) -> int:
+        """Bring the chain from the peers into the local daemon (on a pull thread)."""
+        link = getattr(self._pull_local, "link", None)
+        if link is None:
+            link = self._pull_local.link = DaemonLink(self.config.socket, self.namespace, PULL_TIMEOUT_S,
+                                                      "vllm-pull", True)
+            self._pull_links.append(link)
+        return link.pull(hashes)
+
+    def _look_later(self, hashes: list[bytes], at: float) -> tuple[float, int, int]:
+        time.sleep(max(0.0, at - self._clock()))
+        return self._look(hashes, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
         self._requests[req_id] = request
         self._lookups.pop(req_id, None)
+        self._looks.pop(req_id, None)
+        self._arrivals.pop(req_id, None)
         computed = self._asked.pop(req_id, 0)
         if num_external_tokens <= 0:
             return
@@ -184,6 +271,8 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loads.append(LoadSpec(req_id, tuple(request.block_hashes[:last]), tuple(block_ids[first:last]), first))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVStoredMetadata:
+        if self.config.waits_for_arrivals:
+            self._meter.step_scheduled(self._clock(), sum(scheduler_output.num_scheduled_tokens.values()))
         meta = KVStoredMetadata(loads=self._loads)
         loaded = {spec.req_id: len(spec.hashes) for spec in self._loads}
         self._loads = []
@@ -213,11 +302,13 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        self._requests.pop(req_id, None)
+        if self._requests.pop(req_id, None) is not None:
+            self._meter.step_ended(self._clock())   # it ran: the step that finished it is over
         self._asked.pop(req_id, None)
-        lookup = self._lookups.pop(req_id, None)
-        if lookup is not None:
-            lookup.cancel()
+        for pending in (self._lookups.pop(req_id, None), self._looks.pop(req_id, None)):
+            if pending is not None:
+                pending.cancel()
+        self._arrivals.pop(req_id, None)
         self._planner.finished(req_id)
         return False, None
 
@@ -353,4 +444,8 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         self._lookup_thread.shutdown(wait=False, cancel_futures=True)
         self._link.close()
+        if self._pulls is not None:
+            self._pulls.shutdown(wait=False, cancel_futures=True)
+            for link in self._pull_links:
+                link.close()
         # the shared KV buffer goes when vLLM's tensors do (they keep it alive)

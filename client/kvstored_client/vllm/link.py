@@ -72,18 +72,38 @@ class DaemonLink:
             log.warning("kvstored: the daemon answers again")
         self._failing = False
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        """Leading blocks of the chain the daemon holds (0 if it cannot say)."""
+    def lookup(self, hashes: Sequence[bytes], peers: bool | None = None) -> int:
+        """Leading blocks of the chain the daemon holds (0 if it cannot say); with ``peers``
+        (default: the link's) counting what its peers hold after its own prefix."""
+        return self.lookup_split(hashes, self._peers if peers is None else peers)[1]
+
+    def lookup_split(self, hashes: Sequence[bytes], peers: bool = True) -> tuple[int, int]:
+        """Leading blocks of the chain held on this node, and with what ``peers`` hold after
+        them ((0, 0) if the daemon cannot say)."""
+        client = self._connected()
+        if client is None or not hashes:
+            return 0, 0
+        try:
+            hit = client.lookup(hashes=hashes, peers=peers)
+        except KVStoreError as exc:
+            self._failed("lookup", exc)
+            return 0, 0
+        self._ok()
+        return hit.blocks - hit.per_tier.get("peer", 0), hit.blocks
+
+    def pull(self, hashes: Sequence[bytes]) -> int:
+        """Bring what peers hold of the chain to this node; returns when it is here (or the
+        transfer stopped), with the leading blocks now local (0 if the daemon cannot say)."""
         client = self._connected()
         if client is None or not hashes:
             return 0
         try:
-            hit = client.lookup(hashes=hashes, peers=self._peers).blocks
+            outcome = client.pull(hashes=hashes)
         except KVStoreError as exc:
-            self._failed("lookup", exc)
+            self._failed("pull from peers", exc)
             return 0
         self._ok()
-        return hit
+        return outcome.blocks
 
     def _pull(self, client: Client, hashes: Sequence[bytes], namespace: Namespace) -> None:
         """With ``peers``: bring what peers hold of the chain to this node first. A pull that

@@ -38,3 +38,29 @@ def test_importing_the_sdk_and_its_vllm_package_imports_no_vllm() -> None:
     code = "import sys, kvstored_client, kvstored_client.vllm.config; print('vllm' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_producer_never_loads_and_a_consumer_saves_only_if_told() -> None:
+    producer = ConnectorConfig.from_extra({"push_to": "decode"}, "kv_producer")
+    assert (producer.load, producer.save, producer.waits_for_arrivals) == (False, True, False)
+    consumer = ConnectorConfig.from_extra({"peers": True}, "kv_consumer")
+    assert (consumer.load, consumer.save, consumer.waits_for_arrivals) == (True, False, True)
+    assert ConnectorConfig.from_extra({"save": True}, "kv_consumer").save
+    assert not ConnectorConfig.from_extra({}, "kv_consumer").waits_for_arrivals   # no peers: takes what is local
+    both = ConnectorConfig.from_extra({"peers": True}, "kv_both")
+    assert (both.load, both.save, both.waits_for_arrivals) == (True, True, False)
+
+
+@pytest.mark.parametrize("extra, role, named", [
+    ({"load": True}, "kv_producer", "never loads"),
+    ({"load": False}, "kv_consumer", "loads"),
+    ({"push_to": "decode"}, "kv_consumer", "save: true"),
+    ({"max_wait_s": 1}, "kv_consumer", "peers: true"),
+    ({"max_wait_s": 1, "peers": True}, "kv_both", "kv_consumer"),
+    ({"prefill_tokens_per_s": 100}, "kv_producer", "kv_consumer"),
+    ({}, "kv_decoder", "kv_role"),
+])
+def test_settings_that_contradict_the_role_are_refused_with_the_reason(
+        extra: dict[str, object], role: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        ConnectorConfig.from_extra(extra, role)
