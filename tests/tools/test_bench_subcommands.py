@@ -33,7 +33,7 @@ OPTIONS = {
     "gpu": [],
     "burst": ["--dram-mib", "--ssd-mib", "--block-kib", "--blocks", "--seconds", "--clients", "--admission", "--dir"],
     "transports": ["--calls", "--warmup", "--runs", "--clients", "--messages", "--transports", "--out"],
-    "vllm": ["--tokens", "--runs", "--hidden", "--layers"],
+    "vllm": ["--tokens", "--runs", "--shape", "--dtype", "--hidden", "--layers", "--lmcache", "--out"],
     "vllm-decode": ["--tokens", "--runs", "--link-mib-s", "--hidden", "--layers"],
 }
 

@@ -185,8 +185,8 @@ def migration(results: dict[str, Any], png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
-VLLM_SOURCES = {"cold": "cold prefill", "dram": "kvstored DRAM", "ssd": "kvstored SSD", "vllm": "vLLM's own cache",
-                "lmcache": "LMCache connector"}
+VLLM_SOURCES = {"cold": "cold prefill", "dram": "kvstored DRAM", "ssd": "kvstored SSD", "peer": "kvstored peer",
+                "vllm": "vLLM's own cache", "lmcache": "LMCache connector"}
 
 
 def vllm_ttft(results: dict[str, Any], png: str) -> None:
@@ -210,8 +210,11 @@ def vllm_ttft(results: dict[str, Any], png: str) -> None:
     ax.set_yscale("log")
     ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
     ax.set_ylabel("TTFT, ms (median; ratio to cold prefill)")
-    ax.set_title(f"TTFT through vLLM {results['vllm']} (CPU, fp32): random-weight Llama hidden "
-                 f"{results['hidden']} x {results['layers']} layers, medians of {results['runs']} runs", fontsize=9)
+    # results from before shapes and dtypes were options: the tiny fp32 model
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(results.get("dtype", "float32"), results.get("dtype"))
+    ax.set_title(f"TTFT through vLLM {results['vllm']} (CPU, {dtype}): random-weight {results.get('shape', 'tiny')} "
+                 f"Llama, hidden {results['hidden']} x {results['layers']} layers, medians of {results['runs']} runs",
+                 fontsize=9)
     ax.grid(axis="y", which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -19,6 +19,7 @@ Prints medians, the tokens each took from kvstored, and the load average.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -55,6 +56,11 @@ def wait_fetched(client: kvstored.Client, at_least: int, timeout_s: float = 60.0
         time.sleep(0.05)
 
 
+def engine_options(max_len: int, role: str, **settings: object) -> list[str]:
+    """The engine script's options: its kv_role and more of the connector's settings."""
+    return ["--max-len", str(max_len), "--role", role, "--extra", json.dumps(settings)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench vllm-decode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,15 +93,16 @@ def main(argv: list[str] | None = None) -> int:
                           "--set", f"peers.static=decode=127.0.0.1:{port_b}", *common) as a, \
                 local_daemon("--set", f"peers.listen=127.0.0.1:{port_b}", "--set", "peers.node_id=decode",
                              "--set", f"peers.static=prefill=127.0.0.1:{link.port}", *common) as b:
-            producer = EngineProcess(model, a.socket, max_len, role="kv_producer")
+            producer = EngineProcess(model, a.socket, engine_options(max_len, "kv_producer"), tmp / "producer.log")
             try:
                 producer.send({"prompt": [rng.randrange(3, 1024) for _ in range(n)]})   # warm up
                 cold = [producer.send({"prompt": p})["ttft_s"] for p in prompts.values()]
             finally:
                 producer.close()
-            whole = EngineProcess(model, b.socket, max_len, settings={"peers": True, "save": False, "timeout_s": 300})
-            rule = EngineProcess(model, b.socket, max_len, role="kv_consumer",
-                                 settings={"peers": True, "max_wait_s": 300})
+            whole = EngineProcess(model, b.socket, engine_options(max_len, "kv_both", peers=True, save=False,
+                                                                  timeout_s=300), tmp / "whole.log")
+            rule = EngineProcess(model, b.socket, engine_options(max_len, "kv_consumer", peers=True, max_wait_s=300),
+                                 tmp / "rule.log")
             loads: list[float] = []
             try:
                 for engine in (whole, rule):   # warm up on a prompt no node has
