@@ -9,10 +9,11 @@ from kvstored.index import Block
 from kvstored.policy.adaptive import AdaptivePolicy
 from kvstored.policy.classic import LFUPolicy, LRUPolicy
 from kvstored.policy.credit import CreditPolicy
+from kvstored.policy.duel import DuelPolicy
 from kvstored.policy.interface import BlockPolicy
 from kvstored.policy.leafheap import index_leaf
 
-POLICIES = ("lru", "lfu", "credit", "adaptive")
+POLICIES = ("lru", "lfu", "credit", "adaptive", "duel")
 DEFAULT_POLICY = "adaptive"
 GHOST_PER_BLOCK = 3  # ghost entries per block of capacity, for the policies that keep ghosts
 
@@ -36,4 +37,7 @@ def make_policy(name: str, clock: Callable[[], float], capacity_blocks: int,
     if name == "adaptive":
         return AdaptivePolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
                               can_evict=can_evict, lane=lane)
+    if name == "duel":
+        return DuelPolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
+                          capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane)
     raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")

@@ -1,0 +1,263 @@
+"""Duel: ``credit``'s order at the scale whose sampled shadow cache saves the most prefill.
+
+``adaptive`` infers one credit scale from its ghost hits and is wrong for a while where that
+inference is (a mix of shapes, a short agent loop). Here the scale is measured instead: a fixed
+sample of chains, chosen by a hash of a key (so a prompt's blocks are sampled together, as in
+SHARDS), is replayed through small shadow caches, one per candidate scale
+(``CANDIDATES``: 0 is leaf-only LRU, 1 is ``credit``), each a real prefix index of the sampled
+capacity under the same leaf-only policy at that fixed scale. Each shadow counts the prefill its
+hits save (a block at depth d weighs ``1 + d / 32``: deeper blocks attend over more context),
+decayed over ``window`` sampled accesses; the live tier evicts and admits at the scale of the
+shadow ahead, switching only when another leads by ``margin`` (hysteresis). A fresh policy is LRU.
+Chains are sampled below the first branch of their path (``_sample_key``): the chains under one
+shared system prompt are sampled one by one, not all or none by their common root.
+
+The sample rate is one chain in ``R`` with ``R`` the largest power of two up to 64 that leaves a
+shadow at least ``min_shadow`` blocks: a small tier replays every chain (its shadows are exact).
+A shadow holds the tier's capacity times the share of stored blocks its sample actually got
+(SHARDS' adjustment; at most twice ``1 / R``).
+Decisions stay pure: block metadata, the calls it is told about and the injected clock in, a
+victim out; no randomness (the sample is a CRC of a key). A lookup costs the policy O(1) when it
+continues the chain classified last, else as many blocks as its first branch lies deep (a shared
+system prompt's length), plus O(prefix) when its chain is sampled and a shadow lacks part of it
+(one chain in ``R``). A save not behind the prefix classified last walks up to the root.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+
+from kvstored.index import SEALED, Block, PrefixIndex
+from kvstored.policy.adaptive import AdaptivePolicy
+from kvstored.policy.leafheap import index_leaf
+
+# Chosen on the generated shapes (tools.workloads, seed 0), checked on other seeds and the
+# conversation trace: BENCHMARKS.md section 3c.
+CANDIDATES = (0.0, 1.0)
+DEFAULT_MIN_SHADOW = 4096     # blocks a shadow holds at least (unless the tier is smaller)
+DEFAULT_MAX_RATE = 64         # sample at least one chain in this many
+DEFAULT_WINDOW = 2000.0       # sampled accesses the shadows' savings are averaged over
+DEFAULT_MARGIN = 0.02         # another scale must save this much more to take over
+_DEPTH_UNIT = 32.0            # a block at depth d saves 1 + d / 32 (attention over its context)
+
+
+def _saved(blocks: int) -> float:
+    """The weight of a prefix hit of ``blocks`` blocks: sum of 1 + d / 32 for d < blocks."""
+    return blocks + blocks * (blocks - 1) / (2 * _DEPTH_UNIT)
+
+
+class _FixedScale(AdaptivePolicy):
+    """``adaptive``'s order and admission at a scale that stays where it is set."""
+
+    def __init__(self, clock: Callable[[], float], ghost_entries: int, scale: float, lane: int = 0) -> None:
+        super().__init__(clock, ghost_entries, lane=lane)
+        self.scale = scale
+        self._built_scale = scale
+
+    def _learn(self, rec: int) -> None:
+        pass   # the scale is set from outside, never learned from ghost hits
+
+
+class _Shadow:
+    """A shadow cache: a prefix index of ``capacity`` blocks under a fixed-scale policy, fed the
+    sampled chains' accesses; ``score`` is its decayed saved prefill."""
+
+    __slots__ = ("capacity", "index", "policy", "score")
+
+    def __init__(self, clock: Callable[[], float], capacity: int, scale: float) -> None:
+        self.capacity = capacity
+        self.index = PrefixIndex(0)
+        self.policy = _FixedScale(clock, 3 * capacity, scale)
+        self.score = 0.0
+
+    def lookup(self, keys: Sequence[bytes], deepest: bytes) -> int:
+        """A lookup matched the path ``keys`` (root first; ``deepest`` = its last key) in the live
+        tier: hit what this shadow holds, store the rest. Returns the shadow's hit length."""
+        block = self.index.get(deepest)
+        if block is not None:   # only leaves leave: the whole path is here
+            self.policy.hit([block])
+            return len(keys)
+        hits = self.index.match(keys)
+        if hits:
+            self.policy.hit(hits)
+        self._store(keys, hits)
+        return len(hits)
+
+    def _store(self, keys: Sequence[bytes], hits: list[Block]) -> None:
+        """Store ``keys[len(hits):]`` behind ``hits``, as the trace replay stores a request."""
+        index, policy = self.index, self.policy
+        for block in hits:
+            block.pins += 1
+        parent = hits[-1] if hits else None
+        new: list[Block] = []
+        for key in keys[len(hits):]:
+            if not policy.admit(key, len(index) >= self.capacity):
+                break
+            while len(index) >= self.capacity:
+                victim = policy.victim()
+                if victim is None:
+                    break
+                index.remove(victim)
+                policy.removed(victim)
+            if len(index) >= self.capacity:
+                break
+            parent = index.insert(key, parent, 0)
+            new.append(parent)
+        for block in new:
+            block.flags |= SEALED
+            block.pins -= 1
+        if new:
+            policy.inserted(new)
+        for block in hits:
+            block.pins -= 1
+
+
+def _path(block: Block) -> list[bytes]:
+    """The keys from the root down to ``block``."""
+    keys: list[bytes] = []
+    b: Block | None = block
+    while b is not None:
+        keys.append(b.key)
+        b = b.parent
+    keys.reverse()
+    return keys
+
+
+def _sample_key(path: Sequence[Block]) -> tuple[bytes, bool]:
+    """The key that decides whether the chain ending ``path`` (its blocks, root first) is
+    sampled, and whether it came from a branch: the block just below the first branch on the
+    path (the first block whose parent has other children), else the root. Sampling by the root
+    alone puts every chain under one shared system prompt on the same side; below the first
+    branch each conversation, document or agent session is a chain of its own, and it keeps its
+    key as it grows turn by turn. Looks only as deep as that first branch."""
+    for i in range(1, len(path)):
+        if path[i - 1].children > 1:
+            return path[i].key, True
+    return path[0].key, False
+
+
+def _ancestry(block: Block) -> list[Block]:
+    """The blocks from the root down to ``block``."""
+    path: list[Block] = []
+    b: Block | None = block
+    while b is not None:
+        path.append(b)
+        b = b.parent
+    path.reverse()
+    return path
+
+
+class DuelPolicy(AdaptivePolicy):
+    """Leaf-only eviction by ``last use + scale * credit(reuse class)`` and ``credit``'s
+    admission at that scale, the scale that of the candidate whose sampled shadow saves most.
+
+    ``clock`` gives seconds (monotonic); ``ghost_entries`` bounds the remembered departed keys;
+    ``capacity_blocks`` sizes the shadows; ``can_evict`` and ``lane`` as for ``adaptive``.
+    """
+
+    name = "duel"
+
+    def __init__(self, clock: Callable[[], float], ghost_entries: int, capacity_blocks: int,
+                 can_evict: Callable[[Block], bool] = index_leaf, *, lane: int = 0,
+                 candidates: Sequence[float] = CANDIDATES, min_shadow: int = DEFAULT_MIN_SHADOW,
+                 max_rate: int = DEFAULT_MAX_RATE, window: float = DEFAULT_WINDOW,
+                 margin: float = DEFAULT_MARGIN) -> None:
+        super().__init__(clock, ghost_entries, can_evict=can_evict, lane=lane)
+        if not candidates or min(candidates) < 0 or min_shadow < 1 or max_rate < 1 or window < 1 or margin < 0:
+            raise ValueError("need candidates >= 0, min_shadow, max_rate and window >= 1, margin >= 0")
+        rate = 1
+        while rate * 2 <= max_rate and capacity_blocks // (rate * 2) >= min_shadow:
+            rate *= 2
+        self.sample_rate = rate   # one chain in this many is replayed in the shadows
+        cap = max(1, capacity_blocks // rate)
+        self._capacity = capacity_blocks
+        self._max_shadow = 2 * cap   # bounds the shadows' memory when the sample runs heavy
+        self._stored = 0             # blocks stored in the tier, and those of sampled chains
+        self._stored_sampled = 0
+        self._shadows = [_Shadow(clock, cap, s) for s in candidates]
+        self._candidates = tuple(candidates)
+        self._leader = 0
+        self.scale = self._candidates[0]
+        self._built_scale = self.scale
+        self._keep = 1 - 1 / window
+        self._margin = 1 + margin
+        # the last deepest block whose chain was classified, and whether it is sampled: a save
+        # usually continues the prefix its lookup just matched, so its root is not walked to again
+        self._memo: Block | None = None
+        self._memo_sampled = False
+        self._memo_below_branch = False   # its decision came from a branch above it
+
+    def _learn(self, rec: int) -> None:
+        pass   # the scale comes from the duel, not from ghost hits
+
+    @property
+    def scores(self) -> tuple[float, ...]:
+        """Each candidate's decayed saved prefill in its shadow (read it to see the duel)."""
+        return tuple(s.score for s in self._shadows)
+
+    def _sampled(self, block: Block, path: Sequence[Block] | None = None) -> bool:
+        """Is ``block``'s chain in the sample? ``path``: its blocks from the root, when the caller
+        has them (a lookup's prefix). O(1) when it continues the chain classified last (the
+        first branch on its path is then the same); else as deep as that branch with ``path``,
+        O(depth) without."""
+        memo = self._memo
+        if memo is not None and (block is memo or (block.parent is memo and (
+                self._memo_below_branch or memo.children <= 1))):
+            return self._memo_sampled
+        key, below_branch = _sample_key(_ancestry(block) if path is None else path)
+        self._memo_below_branch = below_branch
+        return zlib.crc32(key) % self.sample_rate == 0
+
+    def _remember(self, block: Block, sampled: bool) -> None:
+        self._memo = block
+        self._memo_sampled = sampled
+
+    def _access(self, keys: Sequence[bytes], already: int) -> None:
+        """Feed the sampled path ``keys`` to every shadow; each gains what its hits save past the
+        first ``already`` blocks (counted by an earlier call of the same request); the leader
+        changes when another shadow's decayed saving passes it by the margin."""
+        keep = self._keep
+        deepest = keys[-1]
+        if self.sample_rate > 1 and self._stored >= self._capacity:
+            # SHARDS' adjustment: a shadow holds the tier's capacity times the share of blocks
+            # the sample actually got (a few chains may weigh more or less than one in R)
+            cap = min(self._max_shadow, max(1, self._capacity * self._stored_sampled // self._stored))
+            for shadow in self._shadows:
+                shadow.capacity = cap
+        for shadow in self._shadows:
+            h = shadow.lookup(keys, deepest)
+            shadow.score = shadow.score * keep + (_saved(h) - _saved(already) if h > already else 0.0)
+        lead = self._shadows[self._leader].score
+        best = max(range(len(self._shadows)), key=lambda i: self._shadows[i].score)
+        if best != self._leader and self._shadows[best].score > lead * self._margin:
+            self._leader = best
+            self.scale = self._candidates[best]
+
+    # -- BlockPolicy (the rest as adaptive's, at the duel's scale) ----------------------------
+
+    def hit(self, blocks: Sequence[Block]) -> None:
+        super().hit(blocks)
+        if not blocks:
+            return
+        deepest = blocks[-1]
+        from_root = blocks[0].parent is None
+        sampled = self._sampled(deepest, blocks if from_root else None)
+        self._remember(deepest, sampled)
+        if sampled:
+            self._access([b.key for b in blocks] if from_root else _path(deepest), 0)
+
+    def inserted(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
+        super().inserted(blocks, reuses)
+        start = 0
+        for i in range(1, len(blocks) + 1):   # one access per run of a chain (a parent, then its child)
+            if i < len(blocks) and blocks[i].parent is blocks[i - 1]:
+                continue
+            first, last = blocks[start], blocks[i - 1]
+            sampled = self._sampled(first)
+            self._remember(last, sampled)
+            self._stored += i - start
+            if sampled:
+                self._stored_sampled += i - start
+                self._access(_path(last), first.depth)
+            start = i
