@@ -44,6 +44,7 @@ _rng = random.Random(28)
 P1 = [_rng.randrange(3, 1024) for _ in range(1000)]         # ~1,000 tokens: 15 whole blocks
 PL = [_rng.randrange(3, 1024) for _ in range(1500)]         # longer than the 512-token prefill chunk
 PS = P1[:640] + [_rng.randrange(3, 1024) for _ in range(300)]   # P1's first 10 blocks, then new
+PA = [_rng.randrange(3, 1024) for _ in range(16 * BLOCK)]    # whole blocks only: its last token ends a block
 
 
 def whole_blocks(prompt: list[int], computed_extra: int = 7) -> int:
@@ -137,12 +138,14 @@ def scenario(model_dir: Path) -> Iterator[Scenario]:
     engines: dict[str, Engine] = {}
     try:
         # after the reset A's own cache is empty: its second P1 comes from kvstored, by copying
-        engines["a"] = start_engine(tmp, "a", [prompt(P1), prompt(PL), {"reset": True}, prompt(P1)], socket,
+        engines["a"] = start_engine(tmp, "a", [prompt(P1), prompt(PL), {"reset": True}, prompt(P1), prompt(PA)],
+                                    socket,
                                     zero_copy=False)
         a = engines["a"].finish()
         saved_after_a = saved_blocks(socket)
         # the reset: PS's shared prefix then comes from kvstored, not from B's own cache of P1
-        engines["b"] = start_engine(tmp, "b", [prompt(P1), prompt(PL), {"reset": True}, prompt(PS)], socket)
+        engines["b"] = start_engine(tmp, "b", [prompt(P1), prompt(PL), {"reset": True}, prompt(PS), prompt(PA)],
+                                    socket)
         b = engines["b"].finish()
         saved_by_b = saved_blocks(socket) - saved_after_a
         engines["c"] = start_engine(tmp, "c", [prompt(P1)], socket, connector="ZeroingConnector", layerwise=False)
@@ -202,6 +205,13 @@ def test_the_copying_path_restores_the_prompt_too(scenario: Scenario) -> None:
     assert scenario.a[2]["tokens"] == scenario.a[0]["tokens"]
 
 
+def test_a_prompt_of_whole_blocks_is_restored_up_to_its_last_token(scenario: Scenario) -> None:
+    """Its last block is loaded too: vLLM computes only the last token, not the last block's 64."""
+    assert scenario.a[3]["cached"] == 0
+    assert scenario.b[3]["cached"] == len(PA) - 1
+    assert scenario.b[3]["tokens"] == scenario.a[3]["tokens"]
+
+
 def test_zeroed_loaded_kv_changes_the_answer(scenario: Scenario) -> None:
     """The control: the same load with its bytes zeroed (each layer once it is in place) gives
     other tokens, so B used the bytes."""
@@ -210,7 +220,8 @@ def test_zeroed_loaded_kv_changes_the_answer(scenario: Scenario) -> None:
 
 
 def test_every_chunk_of_a_long_prefill_is_stored_and_restored(scenario: Scenario) -> None:
-    assert scenario.saved_after_a == whole_blocks(P1) + whole_blocks(PL)   # not only the first 512-token chunk
+    # not only the first 512-token chunk
+    assert scenario.saved_after_a == whole_blocks(P1) + whole_blocks(PL) + whole_blocks(PA)
     assert scenario.b[1]["cached"] == (len(PL) - 1) // BLOCK * BLOCK
     assert scenario.b[1]["tokens"] == scenario.a[1]["tokens"]
 

@@ -50,7 +50,7 @@ from kvstored_client.contract.namespace import Namespace
 from kvstored_client.vllm.arrival import Arrival, PrefillMeter, WaitRule, decide
 from kvstored_client.vllm.config import PREFILL_PRIOR, ConnectorConfig
 from kvstored_client.vllm.link import DaemonLink
-from kvstored_client.vllm.plan import LoadSpec, SavePlanner, SaveSpec, external_tokens, loadable_blocks
+from kvstored_client.vllm.plan import LoadSpec, SavePlanner, SaveSpec, blocks_spanned, external_tokens, loadable_blocks
 
 log = logging.getLogger(__name__)
 
@@ -186,9 +186,9 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.load:
             return 0, False
-        whole = (request.num_tokens - 1) // self.block_size
+        whole = request.num_tokens // self.block_size
         hashes = list(request.block_hashes[:whole])
-        if len(hashes) * self.block_size <= num_computed_tokens:
+        if min(len(hashes) * self.block_size, request.num_tokens - 1) <= num_computed_tokens:
             return 0, False
         if self.config.waits_for_arrivals:
             hit = self._arrived(request.request_id, hashes, request.num_tokens)
@@ -266,7 +266,9 @@ class KVStoredConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if num_external_tokens <= 0:
             return
         first = computed // self.block_size
-        last = (computed + num_external_tokens) // self.block_size
+        # a prompt of whole blocks claims all but its last token: its last block is loaded whole,
+        # and vLLM writes that token's KV over the loaded copy when it computes it
+        last = blocks_spanned(computed + num_external_tokens, self.block_size)
         block_ids = blocks.get_block_ids()[0]
         self._loads.append(LoadSpec(req_id, tuple(request.block_hashes[:last]), tuple(block_ids[first:last]), first))
 

@@ -35,15 +35,23 @@ class SaveSpec:
 
 
 def loadable_blocks(hit_blocks: int, num_tokens: int, block_size: int) -> int:
-    """How many of the ``hit_blocks`` cached leading blocks vLLM may take: at least one token of
-    the request must be computed (its logits come from that pass), so a prompt cached to its last
-    token gives up its last whole block."""
-    return max(0, min(hit_blocks, (num_tokens - 1) // block_size))
+    """How many of the ``hit_blocks`` cached leading blocks vLLM may take: every whole block of
+    the prompt, its last one included (vLLM computes the prompt's last token again, over the
+    loaded block; see :func:`external_tokens`)."""
+    return max(0, min(hit_blocks, num_tokens // block_size))
 
 
 def external_tokens(hit_blocks: int, num_tokens: int, num_computed: int, block_size: int) -> int:
-    """Tokens to load beyond the ``num_computed`` that vLLM has locally (whole blocks)."""
-    return max(0, loadable_blocks(hit_blocks, num_tokens, block_size) * block_size - num_computed)
+    """Tokens to load beyond the ``num_computed`` that vLLM has locally: the loadable blocks'
+    tokens, short of the prompt's last token, which vLLM must compute (its logits come from that
+    pass). A prompt of whole blocks all cached thus takes all but one token, not all but a block."""
+    claimed = min(loadable_blocks(hit_blocks, num_tokens, block_size) * block_size, num_tokens - 1)
+    return max(0, claimed - num_computed)
+
+
+def blocks_spanned(tokens: int, block_size: int) -> int:
+    """Blocks holding the first ``tokens`` tokens, a partly filled last one included."""
+    return -(-tokens // block_size)
 
 
 @dataclass(slots=True)

@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
-from kvstored_client.vllm.plan import SavePlanner, external_tokens, loadable_blocks
+from kvstored_client.vllm.plan import SavePlanner, blocks_spanned, external_tokens, loadable_blocks
 
 H = [bytes([i]) * 32 for i in range(40)]
 
 
-def test_at_least_one_token_is_left_to_compute() -> None:
-    assert loadable_blocks(hit_blocks=4, num_tokens=64, block_size=16) == 3   # all cached: give up the last block
+def test_every_whole_block_is_loadable_but_the_last_token_is_left_to_compute() -> None:
+    assert loadable_blocks(hit_blocks=4, num_tokens=64, block_size=16) == 4   # all cached: the last block too
+    assert external_tokens(hit_blocks=4, num_tokens=64, num_computed=0, block_size=16) == 63   # ... short of a token
     assert loadable_blocks(hit_blocks=4, num_tokens=65, block_size=16) == 4
+    assert external_tokens(hit_blocks=4, num_tokens=65, num_computed=0, block_size=16) == 64
     assert loadable_blocks(hit_blocks=2, num_tokens=65, block_size=16) == 2
     assert loadable_blocks(hit_blocks=0, num_tokens=1, block_size=16) == 0
+    assert external_tokens(hit_blocks=1, num_tokens=16, num_computed=0, block_size=16) == 15
+    assert external_tokens(hit_blocks=0, num_tokens=1, num_computed=0, block_size=16) == 0
+
+
+def test_a_load_spans_the_partly_claimed_last_block() -> None:
+    assert blocks_spanned(63, 16) == 4
+    assert blocks_spanned(64, 16) == 4
+    assert blocks_spanned(0, 16) == 0
 
 
 def test_external_tokens_are_beyond_what_vllm_has_locally() -> None:
     assert external_tokens(hit_blocks=4, num_tokens=100, num_computed=32, block_size=16) == 32
     assert external_tokens(hit_blocks=2, num_tokens=100, num_computed=48, block_size=16) == 0
+    # vLLM's own cache gives up a whole-block prompt's last block; kvstored supplies it, short of a token
+    assert external_tokens(hit_blocks=4, num_tokens=64, num_computed=48, block_size=16) == 15
 
 
 def test_each_chunk_stores_the_blocks_it_completed() -> None:
