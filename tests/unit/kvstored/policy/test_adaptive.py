@@ -4,68 +4,18 @@ back to LRU when they stop; its decisions are a function of what it was told and
 from __future__ import annotations
 
 import pytest
+from policy_cache import PolicyCache, scan_polluted_loop, zero_clock
 
-from kvstored.index import SEALED, Block, PrefixIndex
 from kvstored.policy.adaptive import AdaptivePolicy
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class Cache:
-    """A one-tier cache of single-block prompts driven as the trace replay drives a policy: look
-    up, admit, evict leaves until there is room, store; one second per access."""
-
-    def __init__(self, capacity: int, window: float = 200.0) -> None:
-        self.clock = FakeClock()
-        self.index = PrefixIndex(1)
-        self.policy = AdaptivePolicy(self.clock, ghost_entries=3 * capacity, window=window)
-        self.capacity = capacity
-
-    def access(self, key: bytes) -> bool:
-        """Look ``key`` up (a hit is recorded) or store it; whether it hit."""
-        self.clock.now += 1.0
-        hits = self.index.match([key])
-        if hits:
-            self.policy.hit(hits)
-            return True
-        if not self.policy.admit(key, len(self.index) >= self.capacity):
-            return False
-        while len(self.index) >= self.capacity:
-            victim = self.policy.victim()
-            assert victim is not None and victim.evictable
-            self.index.remove(victim)
-            self.policy.removed(victim)
-        block = self.index.insert(key, None, 0)
-        block.flags |= SEALED
-        block.pins -= 1
-        self.policy.inserted([block])
-        return False
-
-    def block(self, key: bytes) -> Block:
-        block = self.index.get(key)
-        assert block is not None
-        return block
-
-
-def scan_polluted_loop(cache: Cache, rounds: int, start: int = 0) -> list[int]:
-    """Ten hot keys, then thirty keys seen once, per round (the scan alone overflows a cache of
-    20 under LRU); the hot keys' hits per round."""
-    hot_hits = []
-    for r in range(start, start + rounds):
-        hot_hits.append(sum(cache.access(b"hot%d" % i) for i in range(10)))
-        for i in range(30):
-            cache.access(b"scan%d/%d" % (r, i))
-    return hot_hits
+def new_cache(capacity: int, window: float = 200.0) -> PolicyCache:
+    """A one-tier cache of single-block prompts under the adaptive policy."""
+    return PolicyCache(capacity, lambda clock, n: AdaptivePolicy(clock, ghost_entries=3 * n, window=window))
 
 
 def test_a_fresh_policy_is_lru() -> None:
-    cache = Cache(4)
+    cache = new_cache(4)
     assert cache.policy.scale == 0.0
     cache.access(b"r")
     cache.access(b"r")          # reused: credit would keep it over newer blocks
@@ -76,7 +26,7 @@ def test_a_fresh_policy_is_lru() -> None:
 
 
 def test_it_converges_to_frequency_on_a_scan_polluted_loop() -> None:
-    cache = Cache(20)
+    cache = new_cache(20)
     hits = scan_polluted_loop(cache, 40)
     assert hits[:3] == [0, 0, 0]     # as LRU: the scan flushes the hot keys every round
     assert cache.policy.scale > 0.5  # their returns from the ghost list taught it that reuse pays
@@ -84,7 +34,7 @@ def test_it_converges_to_frequency_on_a_scan_polluted_loop() -> None:
 
 
 def test_it_converges_back_to_recency_when_reuse_stops_predicting_return() -> None:
-    cache = Cache(20)
+    cache = new_cache(20)
     scan_polluted_loop(cache, 40)
     assert cache.policy.scale > 0.5
     # The hot keys are never used again; each new key comes back once, 8 keys later (LRU keeps
@@ -100,7 +50,7 @@ def test_it_converges_back_to_recency_when_reuse_stops_predicting_return() -> No
 
 
 def test_ghost_hits_move_the_scale_their_way() -> None:
-    cache = Cache(2, window=1e9)
+    cache = new_cache(2, window=1e9)
     policy = cache.policy
     cache.access(b"reused")
     cache.access(b"reused")
@@ -117,7 +67,7 @@ def test_ghost_hits_move_the_scale_their_way() -> None:
 
 def test_decisions_depend_only_on_what_it_was_told() -> None:
     def run() -> list[bytes]:
-        cache = Cache(20)
+        cache = new_cache(20)
         scan_polluted_loop(cache, 12)
         order = []
         while (victim := cache.policy.victim()) is not None:
@@ -133,4 +83,4 @@ def test_bad_parameters_are_refused() -> None:
     for kwargs in ({"tau_s": 0.0}, {"class_weights": (1.0, 0.5)}, {"window": 0.0}, {"prior": 0.0},
                    {"unit_ratio": 1.0}, {"max_scale": -1.0}):
         with pytest.raises(ValueError):
-            AdaptivePolicy(FakeClock(), 8, **kwargs)  # type: ignore[arg-type]
+            AdaptivePolicy(zero_clock(), 8, **kwargs)  # type: ignore[arg-type]

@@ -4,86 +4,21 @@ function of what it was told and the clock."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
+from policy_cache import PolicyCache, scan_polluted_loop, zero_clock
 
-from kvstored.index import SEALED, Block, PrefixIndex
 from kvstored.policy.duel import DuelPolicy
 from kvstored.policy.registry import make_policy
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class Cache:
-    """A one-tier cache driven as the trace replay drives a policy: look a chain up, admit, evict
-    leaves until there is room, store the rest; one second per access."""
-
-    def __init__(self, capacity: int, **kwargs: float) -> None:
-        self.clock = FakeClock()
-        self.index = PrefixIndex(1)
-        self.policy = DuelPolicy(self.clock, ghost_entries=3 * capacity, capacity_blocks=capacity,
-                                 **kwargs)  # type: ignore[arg-type]
-        self.capacity = capacity
-
-    def access(self, key: bytes) -> bool:
-        """Look up or store the one-block chain ``key``; whether it hit."""
-        return self.chain([key]) == 1
-
-    def chain(self, keys: Sequence[bytes]) -> int:
-        """Look up ``keys`` (a hit is recorded), store what missed; the blocks that hit."""
-        self.clock.now += 1.0
-        hits = self.index.match(keys)
-        if hits:
-            self.policy.hit(hits)
-        for block in hits:
-            block.pins += 1
-        parent = hits[-1] if hits else None
-        new: list[Block] = []
-        for key in keys[len(hits):]:
-            if not self.policy.admit(key, len(self.index) >= self.capacity):
-                break
-            while len(self.index) >= self.capacity:
-                victim = self.policy.victim()
-                assert victim is not None and victim.evictable
-                self.index.remove(victim)
-                self.policy.removed(victim)
-            parent = self.index.insert(key, parent, 0)
-            new.append(parent)
-        for block in new:
-            block.flags |= SEALED
-            block.pins -= 1
-        if new:
-            self.policy.inserted(new)
-        for block in hits:
-            block.pins -= 1
-        return len(hits)
-
-    def block(self, key: bytes) -> Block:
-        block = self.index.get(key)
-        assert block is not None
-        return block
-
-
-def scan_polluted_loop(cache: Cache, rounds: int, start: int = 0) -> list[int]:
-    """Ten hot keys, then thirty keys seen once, per round (the scan alone overflows a cache of
-    20 under LRU); the hot keys' hits per round."""
-    hot_hits = []
-    for r in range(start, start + rounds):
-        hot_hits.append(sum(cache.access(b"hot%d" % i) for i in range(10)))
-        for i in range(30):
-            cache.access(b"scan%d/%d" % (r, i))
-    return hot_hits
+def new_cache(capacity: int, **kwargs: float) -> PolicyCache:
+    """A one-tier cache under the duel policy."""
+    return PolicyCache(capacity, lambda clock, n: DuelPolicy(clock, ghost_entries=3 * n, capacity_blocks=n,
+                                                             **kwargs))  # type: ignore[arg-type]
 
 
 def test_a_fresh_policy_is_lru() -> None:
-    cache = Cache(4)
+    cache = new_cache(4)
     assert cache.policy.scale == 0.0
     cache.access(b"r")
     cache.access(b"r")          # reused: credit would keep it over newer blocks
@@ -94,7 +29,7 @@ def test_a_fresh_policy_is_lru() -> None:
 
 
 def test_it_takes_credit_when_its_shadow_saves_more_on_a_scan_polluted_loop() -> None:
-    cache = Cache(20, window=50.0)
+    cache = new_cache(20, window=50.0)
     hits = scan_polluted_loop(cache, 30)
     assert hits[:2] == [0, 0]        # as LRU: the scan flushes the hot keys every round
     assert cache.policy.scale == 1.0
@@ -104,7 +39,7 @@ def test_it_takes_credit_when_its_shadow_saves_more_on_a_scan_polluted_loop() ->
 
 
 def test_it_goes_back_to_recency_when_credit_stops_paying() -> None:
-    cache = Cache(20, window=50.0)
+    cache = new_cache(20, window=50.0)
     scan_polluted_loop(cache, 30)
     assert cache.policy.scale == 1.0
     # The hot keys are never used again; each new key comes back once, 8 keys later (LRU keeps
@@ -119,14 +54,14 @@ def test_it_goes_back_to_recency_when_credit_stops_paying() -> None:
 
 
 def test_a_large_tier_replays_a_sample_of_whole_chains() -> None:
-    small = DuelPolicy(FakeClock(), 0, capacity_blocks=1000)
+    small = DuelPolicy(zero_clock(), 0, capacity_blocks=1000)
     assert small.sample_rate == 1             # smaller than a shadow's minimum: every chain, exactly
-    large = make_policy("duel", FakeClock(), 1_000_000)
+    large = make_policy("duel", zero_clock(), 1_000_000)
     assert isinstance(large, DuelPolicy) and large.sample_rate == 64
     # At one chain in four, chains of eight blocks behind one shared system-prompt block: the
     # chains below it are sampled one by one (not all or none by their common root), and the
     # policy learns from the sample that credit keeps the hot chains through the scans.
-    cache = Cache(80, min_shadow=20)
+    cache = new_cache(80, min_shadow=20)
     assert cache.policy.sample_rate == 4
     hot = [[b"sys", *(b"hot%d/%d" % (c, i) for i in range(7))] for c in range(5)]
     for r in range(40):
@@ -141,7 +76,7 @@ def test_a_large_tier_replays_a_sample_of_whole_chains() -> None:
 
 def test_decisions_depend_only_on_what_it_was_told() -> None:
     def run() -> list[bytes]:
-        cache = Cache(20, window=50.0)
+        cache = new_cache(20, window=50.0)
         scan_polluted_loop(cache, 12)
         order = []
         while (victim := cache.policy.victim()) is not None:
@@ -157,4 +92,4 @@ def test_bad_parameters_are_refused() -> None:
     for kwargs in ({"candidates": ()}, {"candidates": (-1.0, 1.0)}, {"min_shadow": 0}, {"max_rate": 0},
                    {"window": 0.0}, {"margin": -0.1}):
         with pytest.raises(ValueError):
-            DuelPolicy(FakeClock(), 8, capacity_blocks=8, **kwargs)  # type: ignore[arg-type]
+            DuelPolicy(zero_clock(), 8, capacity_blocks=8, **kwargs)  # type: ignore[arg-type]

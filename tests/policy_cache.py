@@ -1,0 +1,78 @@
+"""A one-tier cache around an eviction policy, driven as the trace replay drives one: look a chain
+up (a hit is recorded), admit, evict leaves until there is room, store what missed; one second of
+the injected clock per access. For the policies' own tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from clock import Clock
+
+from kvstored.index import SEALED, Block, PrefixIndex
+
+
+def zero_clock() -> Clock:
+    """A hand-moved clock that starts at 0 (the policies' tests count seconds from there)."""
+    clock = Clock()
+    clock.now = 0.0
+    return clock
+
+
+class PolicyCache:
+    """``make(clock, capacity)`` builds the policy under test."""
+
+    def __init__(self, capacity: int, make: Callable[[Clock, int], Any]) -> None:
+        self.clock = zero_clock()
+        self.index = PrefixIndex(1)
+        self.policy = make(self.clock, capacity)
+        self.capacity = capacity
+
+    def access(self, key: bytes) -> bool:
+        """Look up or store the one-block chain ``key``; whether it hit."""
+        return self.chain([key]) == 1
+
+    def chain(self, keys: Sequence[bytes]) -> int:
+        """Look up ``keys`` (a hit is recorded), store what missed; the blocks that hit."""
+        self.clock.now += 1.0
+        hits = self.index.match(keys)
+        if hits:
+            self.policy.hit(hits)
+        for block in hits:
+            block.pins += 1
+        parent = hits[-1] if hits else None
+        new: list[Block] = []
+        for key in keys[len(hits):]:
+            if not self.policy.admit(key, len(self.index) >= self.capacity):
+                break
+            while len(self.index) >= self.capacity:
+                victim = self.policy.victim()
+                assert victim is not None and victim.evictable
+                self.index.remove(victim)
+                self.policy.removed(victim)
+            parent = self.index.insert(key, parent, 0)
+            new.append(parent)
+        for block in new:
+            block.flags |= SEALED
+            block.pins -= 1
+        if new:
+            self.policy.inserted(new)
+        for block in hits:
+            block.pins -= 1
+        return len(hits)
+
+    def block(self, key: bytes) -> Block:
+        block = self.index.get(key)
+        assert block is not None
+        return block
+
+
+def scan_polluted_loop(cache: PolicyCache, rounds: int, start: int = 0) -> list[int]:
+    """Ten hot keys, then thirty keys seen once, per round (the scan alone overflows a cache of
+    20 under LRU); the hot keys' hits per round."""
+    hot_hits = []
+    for r in range(start, start + rounds):
+        hot_hits.append(sum(cache.access(b"hot%d" % i) for i in range(10)))
+        for i in range(30):
+            cache.access(b"scan%d/%d" % (r, i))
+    return hot_hits
