@@ -9,7 +9,8 @@ from typing import Any
 
 from clock import Clock
 
-from kvstored.index import SEALED, Block, PrefixIndex
+from kvstored.index import Block, PrefixIndex
+from kvstored.policy.one_tier import store_chain
 
 
 def zero_clock() -> Clock:
@@ -38,27 +39,7 @@ class PolicyCache:
         hits = self.index.match(keys)
         if hits:
             self.policy.hit(hits)
-        for block in hits:
-            block.pins += 1
-        parent = hits[-1] if hits else None
-        new: list[Block] = []
-        for key in keys[len(hits):]:
-            if not self.policy.admit(key, len(self.index) >= self.capacity):
-                break
-            while len(self.index) >= self.capacity:
-                victim = self.policy.victim()
-                assert victim is not None and victim.evictable
-                self.index.remove(victim)
-                self.policy.removed(victim)
-            parent = self.index.insert(key, parent, 0)
-            new.append(parent)
-        for block in new:
-            block.flags |= SEALED
-            block.pins -= 1
-        if new:
-            self.policy.inserted(new)
-        for block in hits:
-            block.pins -= 1
+        store_chain(self.index, self.policy, keys, hits, self.capacity)
         return len(hits)
 
     def block(self, key: bytes) -> Block:

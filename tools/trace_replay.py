@@ -36,10 +36,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstored.index import SEALED, Block, PrefixIndex
+from kvstored.index import Block, PrefixIndex
 from kvstored.policy.cost import ModelShape, prefix_prefill_flops
 from kvstored.policy.interface import BlockPolicy
 from kvstored.policy.leafheap import LeafHeap
+from kvstored.policy.one_tier import store_chain
 from kvstored.policy.registry import DEFAULT_POLICY, POLICIES, make_policy
 from tools.workloads import SHAPES, generate
 from tools.workloads.cli import shape_params
@@ -118,31 +119,7 @@ def replay(trace: Trace, policy: BlockPolicy, capacity: int, shape: ModelShape,
         savings.add(len(hits))
         if hits:
             policy.hit(hits)
-        for block in hits:
-            block.pins += 1
-        parent = hits[-1] if hits else None
-        new: list[Block] = []
-        for key in chain[len(hits):]:
-            if not policy.admit(key, len(index) >= capacity):
-                break
-            while len(index) >= capacity:
-                victim = policy.victim()
-                if victim is None:
-                    break
-                assert victim.evictable, "a policy picked a block that is not an evictable leaf"
-                index.remove(victim)
-                policy.removed(victim)
-            if len(index) >= capacity:
-                break
-            parent = index.insert(key, parent, 0)  # pinned (pins=1) until the request is done
-            new.append(parent)
-        for block in new:
-            block.flags |= SEALED
-            block.pins -= 1
-        if new:
-            policy.inserted(new)
-        for block in hits:
-            block.pins -= 1
+        store_chain(index, policy, chain, hits, capacity)
     return savings.result()
 
 

@@ -28,9 +28,10 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 
-from kvstored.index import SEALED, Block, PrefixIndex
+from kvstored.index import Block, PrefixIndex
 from kvstored.policy.adaptive import AdaptivePolicy
 from kvstored.policy.leafheap import index_leaf
+from kvstored.policy.one_tier import store_chain
 
 # Chosen on the generated shapes (tools.workloads, seed 0), checked on other seeds and the
 # conversation trace: BENCHMARKS.md section 3c.
@@ -81,36 +82,8 @@ class _Shadow:
         hits = self.index.match(keys)
         if hits:
             self.policy.hit(hits)
-        self._store(keys, hits)
+        store_chain(self.index, self.policy, keys, hits, self.capacity)
         return len(hits)
-
-    def _store(self, keys: Sequence[bytes], hits: list[Block]) -> None:
-        """Store ``keys[len(hits):]`` behind ``hits``, as the trace replay stores a request."""
-        index, policy = self.index, self.policy
-        for block in hits:
-            block.pins += 1
-        parent = hits[-1] if hits else None
-        new: list[Block] = []
-        for key in keys[len(hits):]:
-            if not policy.admit(key, len(index) >= self.capacity):
-                break
-            while len(index) >= self.capacity:
-                victim = policy.victim()
-                if victim is None:
-                    break
-                index.remove(victim)
-                policy.removed(victim)
-            if len(index) >= self.capacity:
-                break
-            parent = index.insert(key, parent, 0)
-            new.append(parent)
-        for block in new:
-            block.flags |= SEALED
-            block.pins -= 1
-        if new:
-            policy.inserted(new)
-        for block in hits:
-            block.pins -= 1
 
 
 def _path(block: Block) -> list[bytes]:
