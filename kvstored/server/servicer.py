@@ -344,6 +344,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 events.put_nowait(pb.LoadEvent(done=True))
 
         task = asyncio.ensure_future(run())
+        # a client gone in the turn its load failed leaves the error to nobody: retrieved here
+        task.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             while True:
                 event = await events.get()

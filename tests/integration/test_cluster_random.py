@@ -56,6 +56,7 @@ from random_model import content, daemon_trouble, fill_block, make_prompts, read
 import kvstored
 from conftest import ROOT, Daemon, start_daemon, wait_serving
 from kvstored import Namespace
+from kvstored_client.contract.errors import Reason
 from kvstored_client.results import StreamOutcome
 
 TIMEOUT_S = 5.0                  # the clients' timeout_s
@@ -474,6 +475,10 @@ class Worker:
                 kind = "kvctl flush: SSD full"
         elif near and isinstance(exc, (kvstored.DaemonNotRunning, kvstored.DeadlineExceeded)):
             kind = type(exc).__name__
+        elif near and name in ("save", "save_blocks") and isinstance(exc, kvstored.LeaseExpired) \
+                and exc.reason == Reason.RESERVATION_EXPIRED:
+            # frozen while the save waited for room: its reservation's time ran out meanwhile
+            kind = "reservation expired across a freeze"
         elif near and isinstance(exc, kvstored.FailedPrecondition) and "unknown session" in text:
             kind = "unknown session"
         elif near and isinstance(exc, kvstored.NotFound) and "unknown namespace" in text:

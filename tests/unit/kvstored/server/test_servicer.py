@@ -15,7 +15,7 @@ import pytest
 from kvstored.handover import Arrival
 from kvstored.index import Tier
 from kvstored.server.servicer import KVStoreServicer
-from kvstored_client.contract.errors import NotFound
+from kvstored_client.contract.errors import FailedPrecondition, NotFound
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 
@@ -248,6 +248,41 @@ def test_a_progress_stream_cancelled_as_its_step_ends_leaves_no_unretrieved_erro
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
         await stream.aclose()
+        gc.collect()
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [ctx for ctx in logged if "never retrieved" in ctx.get("message", "")], logged
+
+
+def test_a_load_stream_cancelled_as_its_load_fails_leaves_no_unretrieved_error() -> None:
+    """Found by tests/integration/test_sdk_random.py (a client closed while its load_blocks
+    stream started). Was: when the call was cancelled in the same turn as the load failed (its
+    session closed meanwhile), the daemon logged "Task exception was never retrieved"."""
+    import gc
+
+    logged: list[dict[str, Any]] = []
+    failing = asyncio.Event()
+
+    class Store:
+        async def load_blocks(self, *args: Any, **kwargs: Any) -> Any:
+            await failing.wait()
+            raise FailedPrecondition("unknown session 's'")
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
+        servicer = KVStoreServicer(Store(), None, 30.0, 64, asyncio.Event())  # type: ignore[arg-type]
+        stream = servicer.LoadBlocksStream(pb.LoadBlocksRequest(session_id="s"), Context())  # type: ignore[arg-type]
+        waiting = asyncio.ensure_future(anext(stream))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        failing.set()      # the load fails ...
+        waiting.cancel()   # ... as the client goes away
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        await stream.aclose()
+        for _ in range(5):
+            await asyncio.sleep(0)
         gc.collect()
 
     asyncio.run(main())
