@@ -96,6 +96,8 @@ class Handover:
                     self._buffers, [self._block_ids[i] for i, _, _, _ in self._copying],
                     [b.offset for _, b, _, _ in self._copying], not_after=self._copy_until))
                 self._inflight = inflight
+                # its error is the copier's to raise, unless a cancelled close() left it to nobody
+                inflight.add_done_callback(lambda f: f.cancelled() or f.exception())
                 try:
                     await asyncio.shield(inflight)
                 finally:
