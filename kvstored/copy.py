@@ -130,6 +130,8 @@ class CopyEngine:
             fut = asyncio.get_running_loop().run_in_executor(
                 self._pool, _run, self._arena, buffers, np.array(block_ids, dtype=np.int64), list(offsets), to_arena,
                 notify, not_after)
+            # its error is ours to raise, unless we were cancelled first: then nobody's
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             try:
                 await asyncio.shield(fut)
             except asyncio.CancelledError:

@@ -41,6 +41,7 @@ from random_model import content, daemon_trouble, fill_block, make_prompts, read
 import kvstored
 from conftest import Daemon, start_daemon
 from kvstored import Namespace
+from kvstored_client.contract.errors import Reason
 
 TIMEOUT_S = 4.0                  # the clients' timeout_s: a daemon that stops answering costs this
 RESTART_GRACE_S = 2 * TIMEOUT_S  # errors of a restart still allowed this long after it
@@ -320,6 +321,10 @@ class Worker:
             kind = "unregistered meanwhile"   # by another thread, while this call was on its way
         elif near and isinstance(exc, (kvstored.DaemonNotRunning, kvstored.DeadlineExceeded)):
             kind = type(exc).__name__
+        elif near and name in ("save", "save_blocks") and isinstance(exc, kvstored.LeaseExpired) \
+                and exc.reason == Reason.RESERVATION_EXPIRED:
+            # frozen while the save waited for room: its reservation's time ran out meanwhile
+            kind = "reservation expired across a freeze"
         elif near and isinstance(exc, kvstored.FailedPrecondition) and "unknown session" in text:
             kind = "unknown session"
         elif near and isinstance(exc, kvstored.NotFound) and "unknown namespace" in text:

@@ -222,3 +222,46 @@ def test_a_batch_cut_into_runs_moves_exactly_the_bytes_of_its_blocks(tmp_path: P
     finally:
         engine.close()
         arena.close()
+
+
+def test_a_copy_failing_after_its_caller_was_cancelled_leaves_no_unretrieved_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by tests/integration/test_sdk_random.py under load. Was: a load cancelled while its
+    copy into the engine's buffers waited on the worker, whose copy then failed (the call's
+    deadline had passed), left that error to nobody: the daemon logged "Future exception was
+    never retrieved"."""
+    import gc
+
+    import kvstored.copy
+    from kvstored_client.contract.errors import DeadlineExceeded
+
+    running, fail = threading.Event(), threading.Event()
+
+    def late_failure(*args: object) -> None:
+        running.set()
+        fail.wait(5)
+        raise DeadlineExceeded("the call's deadline passed before layer 0 of its blocks could be copied")
+
+    monkeypatch.setattr(kvstored.copy, "_run", late_failure)
+    logged: list[dict[str, object]] = []
+    buffers = SimpleNamespace(busy=0, tensors=[])
+
+    async def main() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
+        engine = CopyEngine(object(), workers=1)  # type: ignore[arg-type]
+        try:
+            copy = asyncio.ensure_future(engine.from_arena(buffers, [3], [0]))  # type: ignore[arg-type]
+            await asyncio.to_thread(running.wait, 5)
+            copy.cancel()      # the call ends (its client went away) while the copy runs ...
+            await asyncio.sleep(0)
+            fail.set()         # ... and the copy then fails
+            with pytest.raises(asyncio.CancelledError):
+                await copy
+            assert buffers.busy == 0, "the buffers stay marked busy after their copy ended"
+        finally:
+            engine.close()
+        gc.collect()
+
+    asyncio.run(main())
+    gc.collect()
+    assert not [ctx for ctx in logged if "never retrieved" in str(ctx.get("message", ""))], logged
