@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -179,6 +180,20 @@ LONG_BLOCKS = 2048   # a 32k-token prompt at 16 tokens a block
 PACE_S = 0.003       # between the paced calls: a 2,048-block lookup takes the daemon ~1 ms here
 
 
+def _sha256_chain_floor(tokens: np.ndarray) -> bytes:
+    """The least a chain of sha256 block hashes costs in Python: the tokens encoded once
+    (vectorised), then one join and one sha256 per block; no memo, no checks."""
+    from kvstored_client.contract.hashing import _encode_uints
+
+    encoded, ends = _encode_uints(tokens)
+    parent, begin = b"\0" * 32, 0
+    sha256 = hashlib.sha256
+    for end in ends[BLOCK - 1:: BLOCK].tolist():
+        parent = sha256(b"".join((b"\x83\x58\x20", parent, b"\x90", encoded[begin:end], b"\xf6"))).digest()
+        begin = end
+    return parent
+
+
 def smallcall(a: argparse.Namespace) -> dict[str, Any]:
     """Each small call through the SDK over gRPC, over the fast path, and lookups answered from
     the daemon's presence table (three clients of one daemon), the 32k-token lookup by
@@ -186,6 +201,7 @@ def smallcall(a: argparse.Namespace) -> dict[str, Any]:
     for scale."""
     import kvstored
     from kvstored_client.connection import PRESENCE_ENV
+    from kvstored_client.contract.hashing import ChainHasher
     from tools.bench import baregrpc
 
     table = kvstored.Client(a.socket)
@@ -217,6 +233,15 @@ def smallcall(a: argparse.Namespace) -> dict[str, Any]:
             f"kvstored lookup(new {LONG_BLOCKS * BLOCK // 1024}k-token prompt, hashed in the SDK) over {how}":
                 lambda client=client, fresh=fresh: client.lookup(new_prompt + next(fresh)),
         }
+    # The hashing alone, beside the interpreter's floor for it: one sha256 of each block's
+    # message (parent hash and the block's tokens, CBOR-encoded), nothing else, in a Python loop.
+    # A chain cannot be hashed in parallel, so no SDK hashing in Python goes below that floor.
+    hasher, hasher_fresh = ChainHasher(BLOCK), itertools.count(1)   # with its memo, as a client keeps it
+    calls[f"SDK hashing of a new {LONG_BLOCKS * BLOCK // 1024}k-token prompt alone (ChainHasher, no call)"] = \
+        lambda: hasher.hashes(new_prompt + next(hasher_fresh))
+    floor_fresh = itertools.count(1)
+    calls[f"floor: a bare sha256 chain over the same {LONG_BLOCKS:,} blocks (Python loop, no memo)"] = \
+        lambda: _sha256_chain_floor(new_prompt + next(floor_fresh))
     # Back to back, the table's long lookups wait for room on the socket that takes them one-way:
     # the daemon's handling of the previous ones (as long as an RPC lookup's). Paced, the SDK's
     # own cost: each call after a pause long enough for the daemon to be done (not timed).

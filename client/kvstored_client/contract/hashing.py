@@ -20,12 +20,19 @@ import xxhash
 ALGORITHMS = ("sha256_cbor", "xxh3_128")
 DEFAULT_ALGO = "sha256_cbor"
 DEFAULT_SEED = "0"
+MEMO_GROUP = 8   # blocks per memo entry of ChainHasher
 
 Extras = tuple[Any, ...] | None
 
 
 def _sha256_digest(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
+
+
+def _hasher_fn(algo: str) -> Callable[[bytes], Any]:
+    """The algorithm's constructor: ``_hasher_fn(algo)(data).digest()`` is its digest."""
+    _digest_fn(algo)   # (refuses an unknown algorithm)
+    return hashlib.sha256 if algo == "sha256_cbor" else xxhash.xxh3_128
 
 
 def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
@@ -101,19 +108,20 @@ def block_hashes(
 
 class ChainHasher:
     """:func:`block_hashes` with a bounded memo of recent blocks, for a client that sees the same
-    prefixes again and again: a block already hashed under the same parent costs a dict lookup
-    instead of its encoding and hash. Results are identical with or without the memo."""
+    prefixes again and again: a group of MEMO_GROUP blocks already hashed under the same parent
+    costs a dict lookup instead of their encoding and hashes (a prompt's last, partial group is
+    hashed anew). Results are identical with or without the memo."""
 
     def __init__(self, block_size: int = 16, seed: str = DEFAULT_SEED, algo: str = DEFAULT_ALGO,
                  memo_blocks: int = 1 << 17) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be positive")
-        self._digest = _digest_fn(algo)
+        self._hasher = _hasher_fn(algo)
         self._block_size = block_size
         self._root = none_hash(seed, algo)
         self._prefix = b"\x83" + (b"\x58\x20" if algo == "sha256_cbor" else b"\x50")  # array(3), bytes
         self._tok_header = _array_header(block_size)
-        self._memo: dict[bytes, bytes] = {}
+        self._memo: dict[bytes, tuple[bytes, ...]] = {}
         self._memo_blocks = memo_blocks
 
     def hashes(self, token_ids: Sequence[int] | np.ndarray, extras: Sequence[Extras] | None = None, *,
@@ -135,33 +143,43 @@ class ChainHasher:
         out: list[bytes] = []
         parent = self._root
         memo = self._memo
+        group = MEMO_GROUP
+        span = 4 * bs * group   # a group's bytes in ``raw``
         raw = b""
         if self._memo_blocks:
             raw = tokens[: n_blocks * bs].astype("<u4").tobytes()
-            step = 4 * bs
-            for i in range(n_blocks):
-                known = memo.get(parent + raw[i * step:(i + 1) * step] + (tails[i] if tails else b""))
+            for g in range(n_blocks // group):
+                known = memo.get(parent + raw[g * span:(g + 1) * span]
+                                 + (b"".join(tails[g * group:(g + 1) * group]) if tails else b""))
                 if known is None:
                     break
-                out.append(known)
-                parent = known
+                out.extend(known)
+                parent = known[-1]
         first = len(out)
         if first == n_blocks:
             return out
         encoded, ends = _encode_uints(tokens[first * bs: n_blocks * bs])
         block_ends = ends[bs - 1:: bs].tolist()
-        digest, prefix, header = self._digest, self._prefix, self._tok_header
+        # (the loop is the interpreter's: each name it uses is a local)
+        hasher, prefix, header, memo_on, last = self._hasher, self._prefix, self._tok_header, \
+            bool(self._memo_blocks), group - 1
         begin = 0
+        group_parent = parent
         for i, end in enumerate(block_ends, start=first):
-            tail = tails[i] if tails is not None else b"\xf6"  # CBOR null: no extras
-            h = digest(b"".join((prefix, parent, header, encoded[begin:end], tail)))
-            if self._memo_blocks:
-                if len(memo) >= self._memo_blocks:
-                    memo.clear()  # bounded; a cold start costs one prompt's hashing, nothing else
-                memo[parent + raw[i * 4 * bs:(i + 1) * 4 * bs] + (tails[i] if tails else b"")] = h
-            out.append(h)
-            parent = h
+            # (b"\xf6": CBOR null, no extras)
+            parent = hasher(b"".join((prefix, parent, header, encoded[begin:end],
+                                      tails[i] if tails else b"\xf6"))).digest()
+            out.append(parent)
             begin = end
+            if memo_on and i % group == last:
+                # one entry per whole group of blocks (its parent and tokens -> its hashes): an
+                # entry per block cost about as much as the hash itself
+                if len(memo) * group >= self._memo_blocks:
+                    memo.clear()  # bounded; a cold start costs one prompt's hashing, nothing else
+                g = i // group
+                memo[group_parent + raw[g * span:(g + 1) * span]
+                     + (b"".join(tails[g * group:(g + 1) * group]) if tails else b"")] = tuple(out[-group:])
+                group_parent = parent
         return out
 
 

@@ -92,3 +92,26 @@ def test_memo_gives_identical_chains() -> None:
         toks = np.concatenate([system, rng.integers(0, 150_000, size=int(rng.integers(0, 100)))])
         assert hasher.hashes(toks) == block_hashes(toks)
         assert hasher.hashes(toks, cache_salt="t") == block_hashes(toks, cache_salt="t")
+
+
+def test_memo_tells_apart_blocks_that_differ_only_in_their_extras() -> None:
+    """The memo holds groups of blocks: a group seen before with other extras (a multimodal
+    input's hash, a LoRA) or under another salt must not be answered from it."""
+    from kvstored_client.contract.hashing import MEMO_GROUP, ChainHasher
+
+    hasher = ChainHasher(memo_blocks=1 << 10)
+    rng = np.random.default_rng(7)
+    toks = rng.integers(0, 150_000, size=16 * (2 * MEMO_GROUP + 3))
+    n = len(toks) // 16
+    plain: list[tuple[object, ...] | None] = [None] * n
+    image = list(plain)
+    image[MEMO_GROUP + 1] = ("img-1",)
+    other = list(plain)
+    other[MEMO_GROUP + 1] = ("img-2",)
+    for _ in range(2):   # the second round answered from the memo
+        for extras in (plain, image, other):
+            for lora in (None, "adapter"):
+                got = hasher.hashes(toks, extras, lora_name=lora)
+                assert got == block_hashes(toks, extras=extras, lora_name=lora)
+    assert hasher.hashes(toks, image)[:MEMO_GROUP + 1] == hasher.hashes(toks, other)[:MEMO_GROUP + 1]
+    assert hasher.hashes(toks, image)[MEMO_GROUP + 1] != hasher.hashes(toks, other)[MEMO_GROUP + 1]
