@@ -73,6 +73,7 @@ class PresenceReader:
             raise TableUnusable(f"{fast_socket}: {exc.strerror or exc}") from None
         self._poll = select.poll()
         self._poll.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLRDHUP)
+        self._poll_lock = threading.Lock()   # a poll object serves one poll() at a time
 
     def _connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -127,7 +128,8 @@ class PresenceReader:
         if sock is None or self._pid != os.getpid():
             return sock is not None   # (a forked child's first tell() connects anew)
         try:
-            return not self._poll.poll(0)
+            with self._poll_lock:
+                return not self._poll.poll(0)
         except (OSError, ValueError):
             return False
 
@@ -148,6 +150,7 @@ class PresenceReader:
             self._sock = self._connect()
             self._poll = select.poll()
             self._poll.register(self._sock, select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLRDHUP)
+            self._poll_lock = threading.Lock()
         with self._lock:
             if self._sock is None:
                 raise ConnectionResetError(0, "the presence table's connection is closed")

@@ -136,3 +136,32 @@ def test_a_batch_fills_the_table_slot_for_slot_as_one_block_at_a_time(tmp_path: 
     assert one.overflowed == many.overflowed
     one.close()
     many.close()
+
+
+def test_threads_sharing_a_reader_may_ask_whether_its_daemon_is_there_at_once(
+        tmp_path: Path, listener: tuple[str, socket.socket]) -> None:
+    """Found by tests/integration/test_sdk_random.py. Was: the reader's one poll object was
+    shared by the client's threads, and two lookups asking at once made one of them raise
+    RuntimeError ("concurrent poll() invocation") out of ``Client.lookup``."""
+    import threading
+
+    table = PresenceTable(tmp_path / "t.presence", 64, 0o600)
+    reader = PresenceReader(str(table.path), table.instance_id, listener[0], 5.0)
+    errors: list[BaseException] = []
+    answers: list[bool] = []
+
+    def ask() -> None:
+        try:
+            answers.extend(reader.alive() for _ in range(20_000))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert len(answers) == 80_000 and all(answers), "a daemon that is there was seen gone"
+    reader.close()
+    table.close()
