@@ -137,6 +137,10 @@ class CopyEngine:
                 _run(self._arena, buffers, np.array(block_ids, dtype=np.int64), offsets, to_arena, notify, not_after)
             finally:
                 buffers.busy -= 1
+            if notify is not None:
+                # its reports are queued on the loop (call_soon_threadsafe): they run before the
+                # caller goes on (say, to end the stream that reports them), as after a worker's copy
+                await asyncio.sleep(0)
             return
         buffers.busy += 1
         try:

@@ -392,16 +392,20 @@ class Connection:
             self._namespace_ids[ns] = entry
         return entry
 
-    def _settle_releases(self) -> None:
+    def _settle_releases(self, one_way: bool = True) -> None:
         """Wait for the releases sent in the background, so a call that acts on what is leased
-        (evict, migrate) sees them done: the daemon may serve calls out of order."""
+        (evict, migrate) sees them done: the daemon may serve calls out of order. ``one_way``:
+        those sent one-way on the fast path too (not at close: the session's end releases all)."""
         fast = self._fast
-        if fast is not None:
+        if fast is not None and one_way:
             with self._lock:
                 session_id = self._session_id
             # a ping each: a release of lease 0, which is never a lease (refused, and ignored)
-            fast.settle("Release", pb.ReleaseRequest(session_id=session_id or "", lease_id=0),
-                        pb.ReleaseResponse, self._timeout)
+            try:
+                fast.settle("Release", pb.ReleaseRequest(session_id=session_id or "", lease_id=0),
+                            pb.ReleaseResponse, self._timeout)
+            except grpc.RpcError as exc:   # no answer within timeout_s: the call would get none
+                raise self._error(exc) from None
         with self._releases_lock:
             pending, self._pending_releases = self._pending_releases, []
         for fut in pending:
@@ -457,7 +461,7 @@ class Connection:
         afterwards raise ClientClosed; closing again does nothing."""
         if self._closed:
             return
-        self._settle_releases()
+        self._settle_releases(one_way=False)
         with self._lock:
             self._closed = True
             done, call = self._session_done, self._session_call

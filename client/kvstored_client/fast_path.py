@@ -193,7 +193,8 @@ class FastChannel:
         """Return once the daemon has served the one-way frames sent with ``settle`` on
         connections idle now: a call (``method``, whose answer or failure is ignored) on each of
         them, which the daemon starts after the frames before it. (A connection in use settles
-        with its call's answer.)"""
+        with its call's answer.) A daemon that does not answer within ``timeout_s`` raises
+        :class:`FrameCallError` (DEADLINE_EXCEEDED), as the call after this would."""
         if os.getpid() != self._pid:
             return
         with self._lock:
@@ -203,8 +204,13 @@ class FastChannel:
         for sock in todo:
             try:
                 self.call(method, request, response_type, timeout_s, on=sock)
-            except (FrameCallError, Unreachable):
-                pass   # answered with a failure, or the connection is gone (and its daemon with it)
+            except FrameCallError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    with self._lock:   # (the others stay to settle)
+                        self._idle.extend(s for s in todo[todo.index(sock) + 1:])
+                    raise
+            except Unreachable:
+                pass   # the connection is gone, and its daemon with it
 
     def _read(self, sock: socket.socket, n: int, deadline: float | None, started: bool) -> bytes:
         """Exactly ``n`` more bytes, by ``deadline`` (``started``: a read since the call's first
