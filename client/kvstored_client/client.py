@@ -59,6 +59,15 @@ def copy_rows(arena: np.ndarray, offsets: Sequence[int], rows: np.ndarray, to_ar
     """Row ``i`` of ``rows`` to (or from) the arena slot at ``offsets[i]``, one copy per run of
     slots side by side: a batch of small blocks otherwise paid a Python step per block."""
     width = rows.shape[1]
+    if len(offsets) == 1:   # one block: a plain slice (bounds-checked), without the runs' numpy steps
+        offset = int(offsets[0])
+        if offset < 0 or offset + width > arena.size:
+            raise ValueError(f"the daemon named arena slots outside its {arena.size}-byte arena")
+        if to_arena:
+            arena[offset: offset + width] = rows[0]
+        else:
+            rows[0] = arena[offset: offset + width]
+        return
     offs = np.asarray(offsets, dtype=np.int64)   # a reply's repeated field read whole
     if offs.size and (offs.min() < 0 or offs.max() + width > arena.size):
         # the strided views below are not bounds-checked: a slot past the arena would be memory

@@ -65,6 +65,7 @@ class FastChannel:
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
         self._generation = 0   # a reset's: connections taken before it are not given back
+        self._unsettled: set[socket.socket] = set()   # idle ones carrying one-way frames to settle
         self._ids = itertools.count(1)
         self._pid = os.getpid()
 
@@ -89,8 +90,10 @@ class FastChannel:
                 return
         sock.close()
 
-    def call(self, method: str, request: Message, response_type: type[M], timeout_s: float | None) -> M:
-        """``method``'s answer to ``request`` within ``timeout_s`` (None: no deadline)."""
+    def call(self, method: str, request: Message, response_type: type[M], timeout_s: float | None,
+             on: socket.socket | None = None) -> M:
+        """``method``'s answer to ``request`` within ``timeout_s`` (None: no deadline); ``on``:
+        an idle connection taken out of the pool by the caller (see :meth:`settle`)."""
         body = request.SerializeToString()
         if len(body) > frames.MAX_PAYLOAD_BYTES:
             raise FrameCallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -103,13 +106,16 @@ class FastChannel:
             self._pid = os.getpid()
             self._lock = threading.Lock()
             self._idle = []
+            self._unsettled = set()
             self._generation += 1
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         request_id = next(self._ids)
         frame = frames.REQUEST.pack(len(body), frames.METHOD_IDS[method], request_id, timeout_s or 0.0) + body
         with self._lock:
-            sock = self._idle.pop() if self._idle else None
+            sock = on if on is not None else self._idle.pop() if self._idle else None
             generation = self._generation
+            if sock is not None:   # answered, the call shows its connection's one-way frames served
+                self._unsettled.discard(sock)
         if sock is not None:
             try:
                 if sock.gettimeout() != timeout_s:   # (a syscall or two each time: only when it changes)
@@ -160,10 +166,11 @@ class FastChannel:
             status = status_pb2.Status(code=code, message="(the daemon's status did not parse)")
         raise FrameCallError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, payload)
 
-    def send_one_way(self, frame: bytes) -> bool:
+    def send_one_way(self, frame: bytes, settle: bool = False) -> bool:
         """Send ``frame`` (a one-way request: never answered) on an idle connection, the one this
         thread's next call is likely to take, so that the daemon serves it before that call;
-        False when none is idle (nothing sent); OSError when the connection fails."""
+        False when none is idle (nothing sent); OSError when the connection fails. ``settle``:
+        :meth:`settle` makes sure it was served."""
         if os.getpid() != self._pid:
             return False   # (call() makes a forked child's connections its own)
         with self._lock:
@@ -176,8 +183,34 @@ class FastChannel:
         except OSError:
             sock.close()
             raise
+        if settle:
+            with self._lock:
+                self._unsettled.add(sock)
         self._give(sock, generation)
         return True
+
+    def settle(self, method: str, request: Message, response_type: type[Message], timeout_s: float | None) -> None:
+        """Return once the daemon has served the one-way frames sent with ``settle`` on
+        connections idle now: a call (``method``, whose answer or failure is ignored) on each of
+        them, which the daemon starts after the frames before it. (A connection in use settles
+        with its call's answer.) A daemon that does not answer within ``timeout_s`` raises
+        :class:`FrameCallError` (DEADLINE_EXCEEDED), as the call after this would."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            todo = [sock for sock in self._idle if sock in self._unsettled]
+            for sock in todo:
+                self._idle.remove(sock)
+        for sock in todo:
+            try:
+                self.call(method, request, response_type, timeout_s, on=sock)
+            except FrameCallError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    with self._lock:   # (the others stay to settle)
+                        self._idle.extend(s for s in todo[todo.index(sock) + 1:])
+                    raise
+            except Unreachable:
+                pass   # the connection is gone, and its daemon with it
 
     def _read(self, sock: socket.socket, n: int, deadline: float | None, started: bool) -> bytes:
         """Exactly ``n`` more bytes, by ``deadline`` (``started``: a read since the call's first
@@ -200,6 +233,7 @@ class FastChannel:
         """Forget the connections (their daemon went away): the next call opens a new one."""
         with self._lock:
             idle, self._idle = self._idle, []
+            self._unsettled.clear()
             self._generation += 1
         for sock in idle:
             sock.close()

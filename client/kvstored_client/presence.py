@@ -26,7 +26,6 @@ from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 SCALAR_KEYS = 4   # chains this short are fingerprinted in plain Python (numpy's per-call cost is more)
 _FP_MASK = np.uint64(~layout.STATE_MASK & ((1 << 64) - 1))
-_LOOKUP_ONE_WAY = frames.METHOD_IDS["Lookup"] | frames.ONE_WAY
 
 
 class TableUnusable(Exception):
@@ -136,8 +135,7 @@ class PresenceReader:
     @staticmethod
     def frame(request: pb.LookupRequest) -> bytes:
         """``request`` as a one-way frame."""
-        body = request.SerializeToString()
-        return frames.REQUEST.pack(len(body), _LOOKUP_ONE_WAY, 0, 0.0) + body
+        return frames.one_way_frame("Lookup", request)
 
     def tell(self, frame: bytes) -> None:
         """Send ``frame`` (see :meth:`frame`) to the daemon on the table's own connection;

@@ -110,6 +110,7 @@ def test_a_frozen_daemon_gives_a_deadline_error_over_frames_then_serves_again(da
     c = kvstored.Client(d.socket, timeout_s=1.0, namespace=Namespace(model="frozen", block_bytes=512))
     tokens = np.arange(64)
     c.save(tokens, np.ones((4, 512), np.uint8))
+    assert c.load(tokens).blocks == 4   # its lease went back one-way: stats below settles it first
     assert c.transport == "frames"
     os.kill(d.proc.pid, signal.SIGSTOP)
     try:
@@ -170,3 +171,33 @@ def test_a_forked_child_calls_on_connections_of_its_own(daemon_factory: Factory)
         finally:
             _, status = os.waitpid(pid, 0)
         assert parent_ok and os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_loads_lease_is_released_before_the_calls_that_would_see_it(daemon_factory: Factory) -> None:
+    """A load over frames gives its lease back without waiting for an answer; every later call
+    that acts on leases must still find it given back: the same thread's next call, an evict
+    over gRPC right after, and stats after loads on other threads."""
+    import threading
+
+    d = daemon_factory()
+    with kvstored.Client(d.socket) as c:
+        assert c.transport == "frames"
+        tokens, rows = np.arange(64), np.arange(4 * 512, dtype=np.uint32).view(np.uint8).reshape(4, -1)
+        for _ in range(20):
+            assert c.save(tokens, rows).stored == 4
+            assert np.array_equal(c.load(tokens).data, rows)
+            assert c.evict() == 4   # (over gRPC) a block still leased would have stayed
+            assert c.lookup(tokens).blocks == 0
+        c.save(tokens, rows)
+
+        def loads() -> None:
+            for _ in range(10):
+                assert c.load(tokens).blocks == 4
+
+        threads = [threading.Thread(target=loads) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert c.stats()["active_leases"] == 0
+        assert c.evict() == 4

@@ -40,6 +40,12 @@ METHODS: dict[int, tuple[str, type[Message], type[Message]]] = {
 METHOD_IDS = {name: method_id for method_id, (name, _, _) in METHODS.items()}
 
 
+def one_way_frame(method: str, request: Message) -> bytes:
+    """``request`` to ``method`` as a one-way frame (no request id, no deadline: never answered)."""
+    body = request.SerializeToString()
+    return REQUEST.pack(len(body), METHOD_IDS[method] | ONE_WAY, 0, 0.0) + body
+
+
 def fast_socket_path(grpc_socket: str) -> str:
     """Where a daemon serving gRPC on ``grpc_socket`` puts its fast socket: the same directory
     (so the same permission rules), ``NAME.sock`` -> ``NAME.fast.sock``."""

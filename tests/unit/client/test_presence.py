@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstored.presence import PresenceTable
+from kvstored.presence import SMALL_BATCH, PresenceTable
 from kvstored_client.contract import presence as layout
 from kvstored_client.presence import PresenceReader, TableUnusable
 
@@ -127,7 +127,9 @@ def test_a_batch_fills_the_table_slot_for_slot_as_one_block_at_a_time(tmp_path: 
     many = PresenceTable(tmp_path / "many.presence", buckets, 0o600)
     rng = np.random.default_rng(buckets)
     for round_ in range(6):
-        chain = keys(int(rng.integers(1, 40)), salt=round_ % 3)   # rounds 3-5 revisit 0-2's keys
+        # small batches (placed a block at a time) and large ones (by numpy) alike
+        size = int(rng.integers(1, 40)) if round_ % 2 else int(rng.integers(1, SMALL_BATCH + 1))
+        chain = keys(size, salt=round_ % 3)   # rounds 3-5 revisit 0-2's keys
         states = rng.choice([0, layout.DRAM, layout.SSD, layout.PROMOTING], len(chain)).tolist()
         for key, state in zip(chain, states):
             one.set(3, key, state)

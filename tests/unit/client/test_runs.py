@@ -68,9 +68,10 @@ def test_copy_rows_moves_exactly_each_rows_bytes(case: str, to_arena: bool) -> N
     assert np.array_equal(arena, want_arena) and np.array_equal(rows, want_rows)
 
 
+@pytest.mark.parametrize("blocks", [1, 2], ids=["one block", "two blocks"])
 @pytest.mark.parametrize("offset", [-128, 15 * 128 + 29], ids=["before", "past the end"])
-def test_copy_rows_refuses_a_slot_outside_the_arena(offset: int) -> None:
+def test_copy_rows_refuses_a_slot_outside_the_arena(offset: int, blocks: int) -> None:
     arena = np.zeros(16 * 128, np.uint8)
     with pytest.raises(ValueError, match="outside its 2048-byte arena"):
-        copy_rows(arena, [0, offset], np.ones((2, 100), np.uint8), to_arena=True)
+        copy_rows(arena, [0, offset][-blocks:], np.ones((blocks, 100), np.uint8), to_arena=True)
     assert not arena.any()

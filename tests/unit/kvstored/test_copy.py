@@ -189,10 +189,16 @@ def _reference(arena: np.ndarray, tensors: list[TensorMemory], ids: list[int], o
                     t.host[e: e + r.width] = arena[s: s + r.width]
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["on the loop", "on a worker thread"])
 @pytest.mark.parametrize("to_arena", [True, False], ids=["save", "load"])
 @pytest.mark.parametrize("case", list(BATCHES))
-def test_a_batch_cut_into_runs_moves_exactly_the_bytes_of_its_blocks(tmp_path: Path, case: str,
-                                                                      to_arena: bool) -> None:
+def test_a_batch_cut_into_runs_moves_exactly_the_bytes_of_its_blocks(tmp_path: Path, case: str, to_arena: bool,
+                                                                      inline: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstored.copy as copy_mod
+
+    if not inline:   # (these batches are small: on the loop unless the limit says otherwise)
+        monkeypatch.setattr(copy_mod, "INLINE_COPY_BYTES", 0)
     ids, slots = BATCHES[case]
     offsets = [s * SLOT for s in slots]
     rng = np.random.default_rng(30)
@@ -243,8 +249,9 @@ def test_a_copy_failing_after_its_caller_was_cancelled_leaves_no_unretrieved_err
         raise DeadlineExceeded("the call's deadline passed before layer 0 of its blocks could be copied")
 
     monkeypatch.setattr(kvstored.copy, "_run", late_failure)
+    monkeypatch.setattr(kvstored.copy, "INLINE_COPY_BYTES", 0)   # on a worker thread
     logged: list[dict[str, object]] = []
-    buffers = SimpleNamespace(busy=0, tensors=[])
+    buffers = SimpleNamespace(busy=0, tensors=[], cuda=None, block_bytes=64)
 
     async def main() -> None:
         asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
@@ -265,3 +272,31 @@ def test_a_copy_failing_after_its_caller_was_cancelled_leaves_no_unretrieved_err
     asyncio.run(main())
     gc.collect()
     assert not [ctx for ctx in logged if "never retrieved" in str(ctx.get("message", ""))], logged
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["on the loop", "on a worker thread"])
+def test_every_tensor_is_reported_before_the_copy_returns(tmp_path: Path, inline: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load's stream ends once its copy returns: a layer reported after that was never heard
+    of (the engine's wait_layer failed with 'the load ended early')."""
+    import kvstored.copy as copy_mod
+
+    if not inline:
+        monkeypatch.setattr(copy_mod, "INLINE_COPY_BYTES", 0)
+    arena = Arena(str(tmp_path), SLOTS * SLOT, prefault=False)
+    engine = CopyEngine(arena)
+    try:
+        tensors = _tensors(np.random.default_rng(1))
+        buffers = SimpleNamespace(tensors=tensors, cuda=None, busy=0,
+                                  block_bytes=sum(t.region.width * t.region.height for t in tensors))
+        reported: list[int] = []
+
+        async def main() -> list[int]:
+            await engine.from_arena(buffers, np.asarray([1, 2], np.uint32), [0, SLOT],  # type: ignore[arg-type]
+                                    reported.append)
+            return list(reported)
+
+        assert asyncio.run(main()) == [0, 1]
+    finally:
+        engine.close()
+        arena.close()

@@ -404,6 +404,7 @@ def test_a_save_cancelled_mid_copy_does_not_write_into_a_reused_slot(tmp_path: P
         return real_run(*args, **kwargs)
 
     monkeypatch.setattr(copy_mod, "_run", slow_run)
+    monkeypatch.setattr(copy_mod, "INLINE_COPY_BYTES", 0)   # on the worker thread, as large batches go
     engine = shm.empty((4, BLOCK), "uint8")
     engine.numpy()[:] = 0xAA
     try:
@@ -456,6 +457,7 @@ def _gated_copy(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def
             finished.set()
 
     monkeypatch.setattr(copy_mod, "_run", gated_run)
+    monkeypatch.setattr(copy_mod, "INLINE_COPY_BYTES", 0)   # on the worker thread, as large batches go
     return started, gate, finished, seen
 
 
