@@ -52,7 +52,7 @@ class DramConfig:
     # Keep blocks without a slower-tier copy under this share of the arena, so that eviction
     # usually finds a clean block it can drop at once.
     writeback_watermark: float = 0.75
-    policy: str = DEFAULT_POLICY     # eviction order of the arena (per slot size): lru | lfu | credit | adaptive
+    policy: str = DEFAULT_POLICY     # eviction order of the arena (per slot size): see POLICIES
     # A save that finds DRAM full of blocks not yet on SSD (which may not leave uncopied) waits up
     # to this long for the write-back to copy some, then stores what fits.
     room_wait_s: float = 5.0
@@ -67,7 +67,7 @@ class SSDConfig:
     high_watermark: float = 0.95     # above this share of capacity, evict ...
     low_watermark: float = 0.85      # ... down to this share
     admission: str = "always"        # demote from DRAM: always | never | hit_before | cost
-    policy: str = DEFAULT_POLICY     # eviction order and admission of the SSD tier: lru | lfu | credit | adaptive
+    policy: str = DEFAULT_POLICY     # eviction order and admission of the SSD tier: see POLICIES
     read_threads: int = 2
     sync: bool = True                # fsync each group commit (off: faster, loses recent writes on power loss)
     # Blocks sealed longer ago than this are on SSD (when ssd.admission accepts them): a kill -9

@@ -83,12 +83,16 @@ class AdaptivePolicy:
         self._ret = [0.0, 0.0]            # decayed returns of those
         self._built_scale = 0.0           # the scale the heap's priorities were computed at
         self._since_build = 0
-        self._heap = Lane(lane, self._priority, can_evict)
+        self._heap = self._lane(lane, can_evict)
         # Two generations of departed keys (hash -> record), each up to ghost_entries: a bounded
         # FIFO of small ints without per-entry links; the older half is dropped whole.
         self._ghost: dict[int, int] = {}
         self._old_ghost: dict[int, int] = {}
         self._ghost_entries = ghost_entries
+
+    def _lane(self, lane: int, can_evict: Callable[[Block], bool]) -> Lane:
+        """The records and the heap of leaves (a subclass may order them more ways)."""
+        return Lane(lane, self._priority, can_evict)
 
     def __len__(self) -> int:
         return len(self._heap)

@@ -13,6 +13,10 @@ prefix, folded into the parent when it stops being tracked) and
 :mod:`kvstored.policy.leafheap` (only tracked leaves in the heap, lazy deletion, ties to the entry
 pushed first, ``can_evict`` decides whether a candidate may go now).
 
+A lane may order its leaves more than one way (``orders``: a policy that weighs experts against
+each other, each with its own order over the same records): one heap per order, each fed the same
+leaves; ``peek(order)`` and ``current(block, order)`` name the order (0 by default).
+
 One difference: a block may sit in the heap more than once (it stops being a leaf and becomes one
 again before its old entry surfaces); the entry that surfaces first stands for it, the others are
 dropped when they surface after it left, and a rebuild keeps one each.
@@ -50,14 +54,16 @@ class Lane:
 
     ``priority(last_use, reuses)`` orders the leaves (least first); it may change over time (a
     learned weight): :meth:`reprioritise` then recomputes the heap. ``can_evict``: may a tracked
-    leaf go now (default: it may leave the index).
+    leaf go now (default: it may leave the index). ``orders``: more priorities over the same
+    leaves, orders 1, 2, ... (a heap each; their priorities must not fall over time).
     """
 
-    __slots__ = ("_can_evict", "_get_n", "_get_t", "_heap", "_n_name", "_owner", "_priority", "_seq",
-                 "_t_name", "_tracked")
+    __slots__ = ("_can_evict", "_get_n", "_get_t", "_heap", "_heaps", "_n_name", "_orders", "_owner",
+                 "_priority", "_seq", "_t_name", "_tracked")
 
     def __init__(self, lane: int, priority: Callable[[float, int], float],
-                 can_evict: Callable[[Block], bool] = index_leaf) -> None:
+                 can_evict: Callable[[Block], bool] = index_leaf,
+                 orders: Sequence[Callable[[float, int], float]] = ()) -> None:
         if not 0 <= lane < LANES:
             raise ValueError(f"lane must be in 0..{LANES - 1}")
         # which policy of the lane tracks a block (a DRAM tier has one per slot size): tags go
@@ -69,7 +75,9 @@ class Lane:
         self._get_n = operator.attrgetter(self._n_name)
         self._priority = priority
         self._can_evict = can_evict
-        self._heap: list[tuple[Priority, int, Block]] = []
+        self._orders = (priority, *orders)
+        self._heaps: list[list[tuple[Priority, int, Block]]] = [[] for _ in self._orders]
+        self._heap = self._heaps[0]
         self._seq = itertools.count()
         self._tracked = 0
 
@@ -94,10 +102,10 @@ class Lane:
     def last_use(self, block: Block) -> float | None:
         return self._get_t(block) if self._get_n(block) & _OWNER == self._owner else None
 
-    def current(self, block: Block) -> Priority:
-        """A tracked block's priority now."""
+    def current(self, block: Block, order: int = 0) -> Priority:
+        """A tracked block's priority now (in ``order``)."""
         n = self._get_n(block)
-        return (self._priority(self._get_t(block), (n >> _BASE_SHIFT & _BASE_MAX) + (n >> _HITS_SHIFT)), 0.0)
+        return (self._orders[order](self._get_t(block), (n >> _BASE_SHIFT & _BASE_MAX) + (n >> _HITS_SHIFT)), 0.0)
 
     def stored(self, blocks: Sequence[Block], now: float, bases: Sequence[int]) -> None:
         """Track ``blocks`` (a parent's run before its children's, any order across runs), stored
@@ -162,14 +170,15 @@ class Lane:
         return n & _OWNER == self._owner and not n & (_KIDS_MASK << _KIDS_SHIFT)
 
     def _push(self, block: Block) -> None:
-        heap = self._heap
-        heapq.heappush(heap, (self.current(block), next(self._seq), block))
-        if len(heap) > 4 * self._tracked + 1024:
+        for order, heap in enumerate(self._heaps):
+            heapq.heappush(heap, (self.current(block, order), next(self._seq), block))
+        if len(self._heap) > 4 * self._tracked + 1024:
             self.reprioritise()
 
-    def peek(self) -> Block | None:
-        """The tracked leaf of least priority that may go now, or None. Does not remove it."""
-        heap = self._heap
+    def peek(self, order: int = 0) -> Block | None:
+        """The tracked leaf of least priority (in ``order``) that may go now, or None. Does not
+        remove it."""
+        heap = self._heaps[order]
         held: list[tuple[Priority, int, Block]] = []
         found: Block | None = None
         while heap:
@@ -177,7 +186,7 @@ class Lane:
             if not self._leaf(block):
                 heapq.heappop(heap)   # untracked, or no leaf any more
                 continue
-            current = self.current(block)
+            current = self.current(block, order)
             if current != prio:       # used since pushed, or the weights moved: back in at its place
                 heapq.heapreplace(heap, (current, next(self._seq), block))
                 continue
@@ -190,12 +199,14 @@ class Lane:
         return found
 
     def reprioritise(self) -> None:
-        """Rebuild the heap: one entry per tracked leaf, at its current priority (O(heap))."""
-        seen: set[Block] = set()
-        entries = []
-        for _, seq, block in self._heap:
-            if block not in seen and self._leaf(block):
-                seen.add(block)
-                entries.append((self.current(block), seq, block))
-        heapq.heapify(entries)
-        self._heap = entries
+        """Rebuild the heaps: one entry per tracked leaf, at its current priority (O(heap))."""
+        for order, heap in enumerate(self._heaps):
+            seen: set[Block] = set()
+            entries = []
+            for _, seq, block in heap:
+                if block not in seen and self._leaf(block):
+                    seen.add(block)
+                    entries.append((self.current(block, order), seq, block))
+            heapq.heapify(entries)
+            self._heaps[order] = entries
+        self._heap = self._heaps[0]

@@ -12,8 +12,9 @@ from kvstored.policy.credit import CreditPolicy
 from kvstored.policy.duel import DuelPolicy
 from kvstored.policy.interface import BlockPolicy
 from kvstored.policy.leafheap import index_leaf
+from kvstored.policy.lecar import LecarPolicy
 
-POLICIES = ("lru", "lfu", "credit", "adaptive", "duel")
+POLICIES = ("lru", "lfu", "credit", "adaptive", "duel", "lecar")
 DEFAULT_POLICY = "adaptive"
 GHOST_PER_BLOCK = 3  # ghost entries per block of capacity, for the policies that keep ghosts
 
@@ -40,4 +41,7 @@ def make_policy(name: str, clock: Callable[[], float], capacity_blocks: int,
     if name == "duel":
         return DuelPolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
                           capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane)
+    if name == "lecar":
+        return LecarPolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
+                           capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane)
     raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")
