@@ -463,11 +463,7 @@ class Client(Connection):
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
         coerce.set_block_ids(request, coerce.block_id_sequence(block_ids), buffers, self._packed_keys)
         if not wait:
-            try:
-                call = self._stub.LoadBlocksStream(request, timeout=self._timeout)
-            except ValueError:   # the channel was closed meanwhile
-                self._check_open()
-                raise
+            call = self._start_stream(self._stub.LoadBlocksStream, request, self._timeout)
             return LoadHandle(call, spec.block_size, buffers.num_tensors, self._error)
         resp = self._call(self._stub.LoadBlocks, request)
         return loaded(resp, spec.block_size)
@@ -522,11 +518,7 @@ class Client(Connection):
             raise InvalidArgument("block_ids name blocks of registered buffers: give buffers too")
         coerce.set_block_ids(request, [] if block_ids is None else block_ids, buffers, self._packed_keys)
         started = time.monotonic()
-        try:
-            call = self._stub.StreamBlocks(request, timeout=self._timeout)
-        except ValueError:   # closed channel
-            self._check_open()
-            raise
+        call = self._start_stream(self._stub.StreamBlocks, request, self._timeout)
         return BlockStream(self, session, call, arena, spec.block_size, spec.block_bytes, started,
                            lambda: self._ns(ns)[1].block_bytes, request.stream_id)
 
@@ -541,7 +533,7 @@ class Client(Connection):
         request = pb.StreamBlocksRequest(session_id=session, namespace_id=ns_id, peers=True, end_only=True)
         self._keys(request.keys, spec, tokens, hashes, cache_salt)
         try:
-            for event in self._stub.StreamBlocks(request, timeout=self._timeout):
+            for event in self._start_stream(self._stub.StreamBlocks, request, self._timeout):
                 if event.HasField("end"):
                     e = event.end
                     return StreamOutcome(e.blocks, e.requested, e.blocks * spec.block_size, e.stop, e.detail)
@@ -588,7 +580,7 @@ class Client(Connection):
                        "detail": "", "done": True}
                 return
             request.namespace_id = ns_id
-        for p in self._until_idle(self._stub.Migrate(request, timeout=None), "migration",
+        for p in self._until_idle(self._start_stream(self._stub.Migrate, request, None), "migration",
                                   max(self._timeout, PROGRESS_IDLE_MIN_S)):
             yield {"total_blocks": p.total_blocks, "pushed_blocks": p.pushed_blocks,
                    "failed_blocks": p.failed_blocks, "dropped_blocks": p.dropped_blocks,
@@ -670,8 +662,8 @@ class Client(Connection):
         stays written). A daemon from before FlushStream flushes in one call under ``timeout_s``
         and reports once, at the end."""
         self._check_open()
-        progress = self._until_idle(self._stub.FlushStream(pb.FlushRequest(model=model), timeout=None), "flush",
-                                    max(self._timeout, PROGRESS_IDLE_MIN_S))
+        progress = self._until_idle(self._start_stream(self._stub.FlushStream, pb.FlushRequest(model=model), None),
+                                    "flush", max(self._timeout, PROGRESS_IDLE_MIN_S))
         try:
             first = next(progress)
         except StopIteration:

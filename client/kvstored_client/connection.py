@@ -178,6 +178,16 @@ class Connection:
         if self._closed:
             raise ClientClosed(f"this client of {self.socket} is closed; make a new one")
 
+    def _start_stream(self, method: Callable[..., T], request: Any, timeout: float | None) -> T:
+        """``method(request, timeout=timeout)``: a streaming call started; ClientClosed, not
+        grpc's ValueError, when another thread closed this client since the last check."""
+        try:
+            return method(request, timeout=timeout)
+        except ValueError:   # grpc's "Cannot invoke RPC on closed channel!"
+            if self._closed:
+                raise self._closed_during_call() from None
+            raise
+
     def _closed_during_call(self) -> ClientClosed:
         return ClientClosed(f"this client of {self.socket} was closed during the call")
 

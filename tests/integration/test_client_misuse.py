@@ -349,6 +349,29 @@ def test_load_blocks_without_waiting_racing_close_is_client_closed(daemon, monke
         buf.close()
 
 
+@pytest.mark.parametrize("call", ["migrate", "pull"])
+def test_a_streaming_call_racing_close_is_client_closed(daemon, monkeypatch, call) -> None:  # type: ignore[no-untyped-def]
+    """close() from another thread while migrate or pull is past its checks. Found by
+    tests/integration/test_cluster_random.py (seed 12): migrate raised grpc's raw ValueError
+    ("Cannot invoke RPC: Channel closed!")."""
+    c = kvstored.Client(daemon.socket)
+    step = "_settle_releases" if call == "migrate" else "_keys"   # its last step before the RPC
+    real = getattr(c, step)
+
+    def closing_meanwhile(*args, **kwargs):  # type: ignore[no-untyped-def]
+        got = real(*args, **kwargs)
+        monkeypatch.setattr(c, step, real)   # (close may take that step too)
+        c.close()
+        return got
+
+    monkeypatch.setattr(c, step, closing_meanwhile)
+    with pytest.raises(kvstored.ClientClosed):
+        if call == "migrate":
+            list(c.migrate(to="nobody", model="m"))
+        else:
+            c.pull(np.arange(32))
+
+
 def test_a_prompt_of_no_whole_block_saves_with_an_empty_kv(client) -> None:  # type: ignore[no-untyped-def]
     """Was: a kv (or out) of 0 rows raised numpy's ValueError / torch's RuntimeError ("cannot
     reshape ... of size 0"), not an SDK error, although such a prompt has no block to store."""
