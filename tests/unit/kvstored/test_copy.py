@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from unretrieved import unretrieved_errors
 
 from kvstored.copy import CopyEngine
 from kvstored.tensor_memory import TensorMemory
@@ -236,8 +237,6 @@ def test_a_copy_failing_after_its_caller_was_cancelled_leaves_no_unretrieved_err
     copy into the engine's buffers waited on the worker, whose copy then failed (the call's
     deadline had passed), left that error to nobody: the daemon logged "Future exception was
     never retrieved"."""
-    import gc
-
     import kvstored.copy
     from kvstored_client.contract.errors import DeadlineExceeded
 
@@ -250,11 +249,9 @@ def test_a_copy_failing_after_its_caller_was_cancelled_leaves_no_unretrieved_err
 
     monkeypatch.setattr(kvstored.copy, "_run", late_failure)
     monkeypatch.setattr(kvstored.copy, "INLINE_COPY_BYTES", 0)   # on a worker thread
-    logged: list[dict[str, object]] = []
     buffers = SimpleNamespace(busy=0, tensors=[], cuda=None, block_bytes=64)
 
     async def main() -> None:
-        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
         engine = CopyEngine(object(), workers=1)  # type: ignore[arg-type]
         try:
             copy = asyncio.ensure_future(engine.from_arena(buffers, [3], [0]))  # type: ignore[arg-type]
@@ -267,11 +264,8 @@ def test_a_copy_failing_after_its_caller_was_cancelled_leaves_no_unretrieved_err
             assert buffers.busy == 0, "the buffers stay marked busy after their copy ended"
         finally:
             engine.close()
-        gc.collect()
 
-    asyncio.run(main())
-    gc.collect()
-    assert not [ctx for ctx in logged if "never retrieved" in str(ctx.get("message", ""))], logged
+    assert unretrieved_errors(main) == []
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["on the loop", "on a worker thread"])

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+from unretrieved import unretrieved_errors
 
 from kvstored.handover import Arrival
 from kvstored.index import Tier
@@ -222,14 +223,9 @@ def test_a_progress_stream_cancelled_as_its_step_ends_leaves_no_unretrieved_erro
     the call was cancelled in the same turn as the progress step ended (a flush's last round, or
     its error), the step's exception was never retrieved and the daemon logged "Task exception
     was never retrieved" with a traceback, as if it had crashed."""
-    import gc
-
     from kvstored.server.servicer import _with_heartbeat
 
-    logged: list[dict[str, Any]] = []
-
     async def main() -> None:
-        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
         last_round = asyncio.Event()
 
         async def progress() -> Any:
@@ -248,20 +244,14 @@ def test_a_progress_stream_cancelled_as_its_step_ends_leaves_no_unretrieved_erro
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
         await stream.aclose()
-        gc.collect()
 
-    asyncio.run(main())
-    gc.collect()
-    assert not [ctx for ctx in logged if "never retrieved" in ctx.get("message", "")], logged
+    assert unretrieved_errors(main) == []
 
 
 def test_a_load_stream_cancelled_as_its_load_fails_leaves_no_unretrieved_error() -> None:
     """Found by tests/integration/test_sdk_random.py (a client closed while its load_blocks
     stream started). Was: when the call was cancelled in the same turn as the load failed (its
     session closed meanwhile), the daemon logged "Task exception was never retrieved"."""
-    import gc
-
-    logged: list[dict[str, Any]] = []
     failing = asyncio.Event()
 
     class Store:
@@ -270,7 +260,6 @@ def test_a_load_stream_cancelled_as_its_load_fails_leaves_no_unretrieved_error()
             raise FailedPrecondition("unknown session 's'")
 
     async def main() -> None:
-        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: logged.append(ctx))
         servicer = KVStoreServicer(Store(), None, 30.0, 64, asyncio.Event())  # type: ignore[arg-type]
         stream = servicer.LoadBlocksStream(pb.LoadBlocksRequest(session_id="s"), Context())  # type: ignore[arg-type]
         waiting = asyncio.ensure_future(anext(stream))
@@ -283,11 +272,8 @@ def test_a_load_stream_cancelled_as_its_load_fails_leaves_no_unretrieved_error()
         await stream.aclose()
         for _ in range(5):
             await asyncio.sleep(0)
-        gc.collect()
 
-    asyncio.run(main())
-    gc.collect()
-    assert not [ctx for ctx in logged if "never retrieved" in ctx.get("message", "")], logged
+    assert unretrieved_errors(main) == []
 
 
 def test_load_blocks_writes_no_engine_block_once_the_callers_deadline_has_passed(tmp_path: Any) -> None:
