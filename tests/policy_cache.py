@@ -42,6 +42,15 @@ class PolicyCache:
         store_chain(self.index, self.policy, keys, hits, self.capacity)
         return len(hits)
 
+    def eviction_order(self) -> list[bytes]:
+        """Evict every block the policy will give up, one victim at a time; their keys in order."""
+        order = []
+        while (victim := self.policy.victim()) is not None:
+            order.append(victim.key)
+            self.index.remove(victim)
+            self.policy.removed(victim)
+        return order
+
     def block(self, key: bytes) -> Block:
         block = self.index.get(key)
         assert block is not None

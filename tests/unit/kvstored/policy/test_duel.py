@@ -78,12 +78,7 @@ def test_decisions_depend_only_on_what_it_was_told() -> None:
     def run() -> list[bytes]:
         cache = new_cache(20, window=50.0)
         scan_polluted_loop(cache, 12)
-        order = []
-        while (victim := cache.policy.victim()) is not None:
-            order.append(victim.key)
-            cache.index.remove(victim)
-            cache.policy.removed(victim)
-        return order
+        return cache.eviction_order()
 
     assert run() == run()
 

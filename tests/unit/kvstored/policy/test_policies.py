@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import pytest
@@ -13,6 +14,7 @@ from kvstored.index import SEALED, Block, PrefixIndex
 from kvstored.policy.classic import LFUPolicy, LRUPolicy
 from kvstored.policy.credit import DEFAULT_TAU_S, CreditPolicy
 from kvstored.policy.interface import BlockPolicy
+from kvstored.policy.one_tier import store_chain
 from kvstored.policy.registry import DEFAULT_POLICY, POLICIES, make_policy
 
 
@@ -25,21 +27,10 @@ class FakeClock:
 
 
 def store(index: PrefixIndex, policy: BlockPolicy, keys: Sequence[bytes]) -> list[Block]:
-    """Store a chain as the replay does: match, admit and insert the rest, seal, tell the policy."""
-    hits = index.match(keys)
-    parent = hits[-1] if hits else None
-    new: list[Block] = []
-    for key in keys[len(hits):]:
-        if not policy.admit(key, False):
-            break
-        parent = index.insert(key, parent, 0)
-        new.append(parent)
-    for block in new:
-        block.flags |= SEALED
-        block.pins -= 1
-    if new:
-        policy.inserted(new)
-    return hits + new
+    """Store a chain as the replay does, in a cache with room for it: match, admit and insert the
+    rest, seal, tell the policy; the chain's blocks now cached."""
+    store_chain(index, policy, keys, index.match(keys), capacity=sys.maxsize)
+    return index.match(keys)
 
 
 def evict(index: PrefixIndex, policy: BlockPolicy) -> Block | None:
