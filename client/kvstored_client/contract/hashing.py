@@ -48,25 +48,26 @@ def none_hash(seed: str = DEFAULT_SEED, algo: str = DEFAULT_ALGO) -> bytes:
     return _digest_fn(algo)(cbor2.dumps(str(seed), canonical=True))
 
 
-_CBOR_UINT_HEAD = np.array([0, 0, 0x18, 0x19, 0, 0x1A], dtype=np.uint32)
+# CBOR's head byte of an unsigned int by its encoded width (1: the value itself, 2, 3, 5 bytes)
+_CBOR_UINT_HEAD = np.array([0, 0, 0x18, 0x19, 0, 0x1A], dtype=np.uint8)
 
 
 def _encode_uints(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
     """CBOR-encode each token as an unsigned int (canonical: the shortest form); returns the bytes
-    and each token's end offset."""
+    and each token's end offset. Each token is laid out as 5 bytes (head, then its value's
+    big-endian bytes) and the bytes its width does not use are masked out in one pass."""
     t = tokens.astype(np.uint32)
-    width = np.where(t < 24, 1, np.where(t < 256, 2, np.where(t < 65536, 3, 5)))
-    ends = np.cumsum(width)
-    starts = ends - width
-    out = np.empty(int(ends[-1]) if t.size else 0, dtype=np.uint8)
-    out[starts] = np.where(width == 1, t, _CBOR_UINT_HEAD[width]).astype(np.uint8)
-    for w in (2, 3, 5):  # the value's big-endian bytes after the head byte
-        sel = width == w
-        if sel.any():
-            at, v = starts[sel], t[sel]
-            for k in range(1, w):
-                out[at + k] = ((v >> np.uint32(8 * (w - 1 - k))) & np.uint32(0xFF)).astype(np.uint8)
-    return out.tobytes(), ends
+    n = t.size
+    width = 1 + (t >= 24).astype(np.intp) + (t >= 256) + 2 * (t >= 65536)   # 1, 2, 3 or 5
+    wide = np.empty((n, 5), dtype=np.uint8)
+    wide[:, 1:] = t.astype(">u4").view(np.uint8).reshape(n, 4)
+    wide[:, 0] = np.where(width == 1, wide[:, 4], _CBOR_UINT_HEAD[width])
+    keep = np.empty((n, 5), dtype=bool)
+    keep[:, 0] = True
+    keep[:, 1] = keep[:, 2] = width == 5
+    keep[:, 3] = width >= 3
+    keep[:, 4] = width >= 2
+    return wide[keep].tobytes(), np.cumsum(width)
 
 
 def _array_header(n: int) -> bytes:
@@ -160,26 +161,28 @@ class ChainHasher:
             return out
         encoded, ends = _encode_uints(tokens[first * bs: n_blocks * bs])
         block_ends = ends[bs - 1:: bs].tolist()
-        # (the loop is the interpreter's: each name it uses is a local)
-        hasher, prefix, header, memo_on, last = self._hasher, self._prefix, self._tok_header, \
-            bool(self._memo_blocks), group - 1
+        # (the loop is the interpreter's: each name it uses is a local; nothing else is in it)
+        hasher, prefix, header, append = self._hasher, self._prefix, self._tok_header, out.append
         begin = 0
-        group_parent = parent
-        for i, end in enumerate(block_ends, start=first):
-            # (b"\xf6": CBOR null, no extras)
-            parent = hasher(b"".join((prefix, parent, header, encoded[begin:end],
-                                      tails[i] if tails else b"\xf6"))).digest()
-            out.append(parent)
-            begin = end
-            if memo_on and i % group == last:
-                # one entry per whole group of blocks (its parent and tokens -> its hashes): an
-                # entry per block cost about as much as the hash itself
+        if tails:
+            for end, tail in zip(block_ends, tails[first:]):
+                parent = hasher(b"".join((prefix, parent, header, encoded[begin:end], tail))).digest()
+                append(parent)
+                begin = end
+        else:
+            for end in block_ends:   # (b"\xf6": CBOR null, no extras)
+                parent = hasher(b"".join((prefix, parent, header, encoded[begin:end], b"\xf6"))).digest()
+                append(parent)
+                begin = end
+        if self._memo_blocks:
+            # one entry per whole group of blocks (its parent and tokens -> its hashes): an entry
+            # per block cost about as much as the hash itself
+            for g in range(first // group, n_blocks // group):
                 if len(memo) * group >= self._memo_blocks:
                     memo.clear()  # bounded; a cold start costs one prompt's hashing, nothing else
-                g = i // group
-                memo[group_parent + raw[g * span:(g + 1) * span]
-                     + (b"".join(tails[g * group:(g + 1) * group]) if tails else b"")] = tuple(out[-group:])
-                group_parent = parent
+                memo[(out[g * group - 1] if g else self._root) + raw[g * span:(g + 1) * span]
+                     + (b"".join(tails[g * group:(g + 1) * group]) if tails else b"")] = \
+                    tuple(out[g * group:(g + 1) * group])
         return out
 
 

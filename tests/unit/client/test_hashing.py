@@ -64,6 +64,13 @@ def test_fast_encoder_matches_cbor2(tokens: list[int], block_size: int, algo: st
     assert block_hashes(tokens, block_size, algo=algo) == reference_block_hashes(tokens, block_size, algo=algo)
 
 
+def test_fast_encoder_matches_cbor2_at_every_width_boundary() -> None:
+    edges = [0, 1, 23, 24, 25, 255, 256, 257, 65535, 65536, 65537, 2**32 - 2, 2**32 - 1]
+    tokens = [t for e in edges for t in (e, edges[-1 - edges.index(e)])] * 3
+    for block_size in (1, 5, 16):
+        assert block_hashes(tokens, block_size) == reference_block_hashes(tokens, block_size)
+
+
 def test_numpy_and_list_inputs_agree() -> None:
     toks = np.random.default_rng(0).integers(0, 150_000, size=300)
     assert block_hashes(toks) == block_hashes(toks.tolist()) == block_hashes(toks.astype(np.uint32))
