@@ -520,7 +520,7 @@ class Client(Connection):
         started = time.monotonic()
         call = self._start_stream(self._stub.StreamBlocks, request, self._timeout)
         return BlockStream(self, session, call, arena, spec.block_size, spec.block_bytes, started,
-                           lambda: self._ns(ns)[1].block_bytes, request.stream_id)
+                           lambda: self._ns(ns, learn_block_bytes=True)[1].block_bytes, request.stream_id)
 
     def pull(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None,
              namespace: Namespace | None = None, cache_salt: str | None = None) -> StreamOutcome:

@@ -387,11 +387,14 @@ class Connection:
             self._arena = np.frombuffer(self._arena_map, dtype=np.uint8)
         return self._arena
 
-    def _ns(self, namespace: Namespace | None) -> tuple[int, Namespace]:
+    def _ns(self, namespace: Namespace | None, *, learn_block_bytes: bool = False) -> tuple[int, Namespace]:
+        """The namespace's id and the daemon's spec of it, opened once per session. The spec's
+        ``block_bytes`` is 0 while no block has fixed it; ``learn_block_bytes`` asks the daemon
+        again then (the hot calls do not: they learn it from their replies)."""
         self._check_open()
         ns = namespace or self.namespace
         entry = self._namespace_ids.get(ns)
-        if entry is None or entry[1].block_bytes == 0:
+        if entry is None or (learn_block_bytes and entry[1].block_bytes == 0):
             try:
                 ns.validate()
                 spec = namespace_to_pb(ns)

@@ -55,3 +55,22 @@ def test_a_metrics_address_in_use_is_a_startup_error(tmp_path: Path) -> None:
         d = start_daemon(tmp_path, "--set", f"server.metrics=127.0.0.1:{port}", wait=False)
         assert d.proc.wait(timeout=60) == 1
         assert "cannot serve server.metrics" in d.log()
+
+
+def test_lookups_in_a_namespace_nothing_was_saved_in_open_it_once(tmp_path: Path) -> None:
+    """Its block size is unknown until a save fixes it; a lookup does not need it, so a client
+    that only looks up (a scheduler on a cold node) does not ask the daemon again each call."""
+    (port,) = free_ports(1)
+    d = start_daemon(tmp_path, "--set", f"server.metrics=127.0.0.1:{port}")
+    try:
+        with kvstored.Client(d.socket) as c, kvstored.Client(d.socket, fast_path=False) as grpc_only:
+            tokens = np.arange(16 * 4)
+            for client in (c, grpc_only):
+                for _ in range(20):
+                    assert client.lookup(tokens).blocks == 0
+            opened = scrape(port)[("kvstored_rpc_duration_seconds_count", (("method", "OpenNamespace"),))]
+            assert opened <= 2, f"{opened} OpenNamespace calls for 40 lookups by two clients"
+            c.save(tokens, np.ones((4, 4096), np.uint8))   # fixes the size: streams learn it
+            assert [len(b.data) for b in grpc_only.stream(tokens, peers=False)] == [4096] * 4
+    finally:
+        d.stop()
