@@ -20,7 +20,7 @@ import xxhash
 ALGORITHMS = ("sha256_cbor", "xxh3_128")
 DEFAULT_ALGO = "sha256_cbor"
 DEFAULT_SEED = "0"
-MEMO_GROUP = 8   # blocks per memo entry of ChainHasher
+MEMO_GROUP = 32   # blocks per memo entry of ChainHasher (a repeat re-hashes at most 31 blocks)
 
 Extras = tuple[Any, ...] | None
 

@@ -90,13 +90,13 @@ def test_bad_algo_and_block_size() -> None:
 
 
 def test_memo_gives_identical_chains() -> None:
-    from kvstored_client.contract.hashing import ChainHasher
+    from kvstored_client.contract.hashing import MEMO_GROUP, ChainHasher
 
-    hasher = ChainHasher(memo_blocks=64)
+    hasher = ChainHasher(memo_blocks=4 * MEMO_GROUP)
     rng = np.random.default_rng(5)
-    system = rng.integers(0, 150_000, size=16 * 10)
+    system = rng.integers(0, 150_000, size=16 * (2 * MEMO_GROUP + 3))
     for _ in range(20):  # shared prefixes, new suffixes, a memo that fills and clears
-        toks = np.concatenate([system, rng.integers(0, 150_000, size=int(rng.integers(0, 100)))])
+        toks = np.concatenate([system, rng.integers(0, 150_000, size=int(rng.integers(0, 16 * 2 * MEMO_GROUP)))])
         assert hasher.hashes(toks) == block_hashes(toks)
         assert hasher.hashes(toks, cache_salt="t") == block_hashes(toks, cache_salt="t")
 
