@@ -108,6 +108,18 @@ def test_the_router_unit_verifies(tmp_path: Path) -> None:
     assert "kvstored-router.service" not in out.stderr, out.stderr
 
 
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_the_huge_page_mount_unit_verifies(tmp_path: Path) -> None:
+    unit = (ROOT / "systemd" / "dev-shm-kvstored.mount").read_text()
+    assert "Where=/dev/shm/kvstored" in unit and "huge=within_size" in unit
+    (tmp_path / "dev-shm-kvstored.mount").write_text(unit)
+    env = {**os.environ, "SYSTEMD_LOG_LEVEL": "warning"}
+    out = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "dev-shm-kvstored.mount")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "dev-shm-kvstored.mount" not in out.stderr, out.stderr
+
+
 def _unit_values(key: str) -> list[str]:
     """The space-separated values of every ``key=`` line of systemd/kvstored.service."""
     unit = (ROOT / "systemd" / "kvstored.service").read_text()

@@ -270,6 +270,14 @@ async def serve(cfg: Config) -> int:
             raise StartupError(str(exc)) from None
         except OSError as exc:
             raise StartupError(f"cannot create the DRAM arena in {cfg.dram.shm_dir}: {exc}") from None
+        huge = arena.huge_page_bytes()
+        if huge is not None and cfg.dram.prefault:
+            if huge >= arena.capacity // 2:
+                log.info("DRAM arena on huge pages (%d of %d MiB)", huge >> 20, arena.capacity >> 20)
+            else:
+                log.info("DRAM arena on 4 KiB pages (%d of %d MiB on huge pages): copies in and out of it run "
+                         "faster from a tmpfs mounted with huge=within_size as dram.shm_dir (README, Huge pages)",
+                         huge >> 20, arena.capacity >> 20)
         if cfg.ssd.enabled:
             starting.step(f"opening the SSD tier: {cfg.ssd.capacity >> 20} MiB in {cfg.ssd_path}")
             try:

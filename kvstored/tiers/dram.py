@@ -115,6 +115,12 @@ class Arena:
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.buf[offset: offset + nbytes]
 
+    def huge_page_bytes(self) -> int | None:
+        """Bytes of the arena mapped here with huge pages (2 MiB; the shared-memory directory's
+        tmpfs decides: ``huge=within_size``), from ``/proc/self/smaps``; None where it does not
+        say. Copies into and out of 4 KiB pages run slower (TLB misses)."""
+        return mapped_huge_bytes(self.buf.ctypes.data)
+
     def close(self) -> None:
         del self.buf
         try:
@@ -123,6 +129,31 @@ class Arena:
             pass  # a view is still alive somewhere; the mapping dies with the process
         self.path.unlink(missing_ok=True)
         os.close(self._lock_fd)
+
+
+def mapped_huge_bytes(address: int, smaps: str = "/proc/self/smaps") -> int | None:
+    """``ShmemPmdMapped`` + ``FilePmdMapped`` of the mapping holding ``address`` in ``smaps``
+    (bytes); None when the file or the fields are missing."""
+    try:
+        with open(smaps) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    inside, total, seen = False, 0, False
+    for line in lines:
+        head, _, rest = line.partition(" ")
+        if "-" in head and ":" not in head:   # a mapping's first line: "lo-hi perms offset dev inode path"
+            if inside:
+                break
+            lo, _, hi = head.partition("-")
+            try:
+                inside = int(lo, 16) <= address < int(hi, 16)
+            except ValueError:
+                inside = False
+        elif inside and head in ("ShmemPmdMapped:", "FilePmdMapped:"):
+            total += int(rest.split()[0]) << 10
+            seen = True
+    return total if seen else None
 
 
 PREFAULT_CHUNK = 1 << 30   # reserve and populate the arena a GiB at a time, reporting after each

@@ -87,6 +87,8 @@ def test_sigterm_finishes_in_flight_calls_and_exits_0(daemon) -> None:  # type: 
         assert isinstance(exc, kvstored.KVStoreError), repr(exc)
     assert not os.path.exists(daemon.socket)
     assert "stopped" in daemon.log()
+    # and at the start it said which pages its arena got (README, Huge pages)
+    assert "DRAM arena on huge pages" in daemon.log() or "DRAM arena on 4 KiB pages" in daemon.log()
 
 
 def test_a_save_copying_at_sigterm_is_stored_not_cut_off(tmp_path: Path) -> None:

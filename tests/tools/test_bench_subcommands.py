@@ -23,6 +23,7 @@ OPTIONS = {
     "ssd": ["--dir", "--blocks", "--runs", "--daemon-blocks", "--small-blocks", "--read-threads"],
     "lookup": ["--policy", "--blocks", "--calls", "--repeats"],
     "copy": ["--batch", "--layers", "--calls"],
+    "pages": ["--dirs", "--arena-mib", "--batch", "--rounds", "--calls"],
     "gc": ["--blocks", "--new", "--runs"],
     "model": ["--tokens", "--runs"],
     "peers": ["--blocks", "--block-bytes", "--run-bytes", "--runs", "--no-mooncake", "--mooncake-python"],
@@ -88,6 +89,17 @@ def test_copy_prints_each_block_size_and_layout() -> None:
     assert [line.split(":")[0].split() for line in lines] == [
         ["256", "KiB", "x", "2,", "1", "tensor(s)"], ["256", "KiB", "x", "2,", "4", "tensor(s)"],
         ["2048", "KiB", "x", "2,", "1", "tensor(s)"], ["2048", "KiB", "x", "2,", "4", "tensor(s)"]], out
+
+
+def test_pages_prints_every_copy_of_every_directory(tmp_path: Path) -> None:
+    out = bench("pages", "--dirs", f"{tmp_path},/dev/shm", "--arena-mib", "8", "--batch", "2", "--rounds", "1",
+                "--calls", "1").stdout
+    assert f"arena in {tmp_path}: 8 MiB," in out and "arena in /dev/shm: 8 MiB," in out, out
+    for where in (f"arena in {tmp_path}", "arena in /dev/shm", "heap (the process's own memory)"):
+        for op in ("put", "get"):
+            for block in ("2048", "256"):
+                assert any(" ".join(line.split()).startswith(f"{op} {block} KiB x 2, {where}: median")
+                           and "GB/s" in line for line in out.splitlines()), (op, block, where, out)
 
 
 def test_gc_prints_every_pause() -> None:

@@ -48,6 +48,7 @@ SUBCOMMANDS = {
     "ssd": ("tools.bench.ssd", "SSD tier vs raw O_DIRECT disk; a daemon's load/stream from SSD"),
     "lookup": ("tools.bench.lookup", "the store's lookup hot path in-process, per eviction policy"),
     "copy": ("tools.bench.copy_engine", "the daemon's copy engine in-process: batches of blocks, whole or per layer"),
+    "pages": ("tools.bench.arena_pages", "copies into/out of the arena on 4 KiB vs huge pages, beside heap memory"),
     "gc": ("tools.bench.gc_pause", "the garbage collector's pause over a large index, before/after the freeze"),
     "model": ("tools.bench.model", "TTFT of a real model: restored from DRAM vs fresh prefill"),
     "peers": ("tools.bench.peer_channel", "peer block channel (plain, mutual TLS) vs raw TCP vs Mooncake TCP"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,50 @@ def test_a_prefault_reports_its_advance_and_a_stop_during_it_leaves_no_file(tmp_
     with pytest.raises(KeyboardInterrupt):
         Arena(str(tmp_path), 4 << 20, progress=stop_at_the_fifth)
     assert list(tmp_path.iterdir()) == [], "an arena file was left behind"
+
+
+SMAPS = """\
+7f0000000000-7f0000400000 rw-s 00000000 00:2f 5                          /dev/shm/kvstored-1-ab
+Rss:                4096 kB
+ShmemPmdMapped:     2048 kB
+FilePmdMapped:         0 kB
+VmFlags: rd wr sh mr mw me ms sd
+7f0000400000-7f0000800000 rw-p 00000000 00:00 0
+Rss:                4096 kB
+ShmemPmdMapped:     4096 kB
+"""
+
+
+def test_huge_pages_are_counted_for_the_mapping_that_holds_the_address(tmp_path: Path) -> None:
+    from kvstored.tiers.dram import mapped_huge_bytes
+
+    smaps = tmp_path / "smaps"
+    smaps.write_text(SMAPS)
+    assert mapped_huge_bytes(0x7F0000001000, str(smaps)) == 2048 << 10
+    assert mapped_huge_bytes(0x7F0000400000, str(smaps)) == 4096 << 10
+    assert mapped_huge_bytes(0x7F0000800000, str(smaps)) is None   # no mapping holds it
+    assert mapped_huge_bytes(0x7F0000001000, str(tmp_path / "missing")) is None
+
+
+def test_an_arena_on_a_tmpfs_mounted_for_huge_pages_is_on_huge_pages(tmp_path: Path) -> None:
+    """The arena in a tmpfs with huge=within_size (README, Huge pages) is mapped with 2 MiB
+    pages; in a plain directory the count is still reported."""
+    arena = Arena(str(tmp_path), 8 << 20, prefault=True)
+    try:
+        assert arena.huge_page_bytes() is not None
+    finally:
+        arena.close()
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) to make a mount namespace with a tmpfs of its own")
+    mount = tmp_path / "huge"
+    mount.mkdir()
+    script = ("import sys; from kvstored.tiers.dram import Arena; a = Arena(sys.argv[1], 64 << 20); "
+              "print(a.huge_page_bytes()); a.close()")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                            f"mount -t tmpfs -o size=128m,huge=within_size none {mount} && "
+                            f"exec {sys.executable} -c '{script}' {mount}"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode and "mount" in probe.stderr + probe.stdout and not probe.stdout.strip():
+        pytest.skip(f"no tmpfs can be mounted here (a mount namespace needs CAP_SYS_ADMIN): {probe.stderr.strip()}")
+    assert probe.returncode == 0, probe.stderr
+    assert int(probe.stdout) >= 32 << 20   # (a fragmented host may give some 4 KiB pages)
