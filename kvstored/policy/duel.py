@@ -205,7 +205,12 @@ class DuelPolicy(AdaptivePolicy):
         best = max(range(len(self._shadows)), key=lambda i: self._shadows[i].score)
         if best != self._leader and self._shadows[best].score > lead * self._margin:
             self._leader = best
-            self.scale = self._candidates[best]
+        self._steer(self._candidates[self._leader])
+
+    def _steer(self, target: float) -> None:
+        """Move the tier's scale towards the leading candidate's ``target`` after a sampled
+        access: here at once (a subclass may move it gradually)."""
+        self.scale = target
 
     # -- BlockPolicy (the rest as adaptive's, at the duel's scale) ----------------------------
 
