@@ -1,5 +1,5 @@
 """Policies by name, as the configuration names them; ``DEFAULT_POLICY`` is the one that held up
-across the replayed workloads (``python -m tools.trace_replay``, BENCHMARKS.md section 3b)."""
+best across the replayed workloads (``python -m tools.trace_replay``, BENCHMARKS.md section 3e)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvstored.policy.leafheap import index_leaf
 from kvstored.policy.lecar import LecarPolicy
 
 POLICIES = ("lru", "lfu", "credit", "adaptive", "duel", "lecar", "glide")
-DEFAULT_POLICY = "adaptive"
+DEFAULT_POLICY = "glide"
 GHOST_PER_BLOCK = 3  # ghost entries per block of capacity, for the policies that keep ghosts
 
 
