@@ -1,6 +1,7 @@
 """Adaptive credit: ``credit``'s order with the credit scaled by a weight learned from ghost hits.
 
-The default policy. ``credit`` (last use + ``tau * ln w(reuse class)``) wins where reused blocks
+The default before ``glide`` (which runs this order at a scale set by shadow replay instead).
+``credit`` (last use + ``tau * ln w(reuse class)``) wins where reused blocks
 come back more often than new ones (the conversation trace) and loses where they do not (agent
 loops, drifting documents): there it keeps finished work for minutes and refuses the new blocks
 that come back seconds later. Here a leaf's priority is

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from kvstored.index import Block, PrefixIndex
 from kvstored.policy.adaptive import AdaptivePolicy
@@ -72,18 +73,25 @@ class _Shadow:
         self.policy = _FixedScale(clock, 3 * capacity, scale)
         self.score = 0.0
 
-    def lookup(self, keys: Sequence[bytes], deepest: bytes) -> int:
-        """A lookup matched the path ``keys`` (root first; ``deepest`` = its last key) in the live
-        tier: hit what this shadow holds, store the rest. Returns the shadow's hit length."""
+    def lookup(self, deepest: bytes, length: int, path: Callable[[], Sequence[bytes]]) -> int:
+        """A lookup matched a path of ``length`` blocks ending in ``deepest`` in the live tier
+        (``path()``: its keys, root first): hit what this shadow holds, store the rest. Returns
+        the shadow's hit length. The keys are asked for only when the path is not all here."""
         block = self.index.get(deepest)
         if block is not None:   # only leaves leave: the whole path is here
             self.policy.hit([block])
-            return len(keys)
+            return length
+        keys = path()
         hits = self.index.match(keys)
         if hits:
             self.policy.hit(hits)
         store_chain(self.index, self.policy, keys, hits, self.capacity)
         return len(hits)
+
+
+def _keys(blocks: Sequence[Block]) -> list[bytes]:
+    """The keys of ``blocks``, in order."""
+    return [b.key for b in blocks]
 
 
 def _path(block: Block) -> list[bytes]:
@@ -186,12 +194,20 @@ class DuelPolicy(AdaptivePolicy):
         self._memo = block
         self._memo_sampled = sampled
 
-    def _access(self, keys: Sequence[bytes], already: int) -> None:
-        """Feed the sampled path ``keys`` to every shadow; each gains what its hits save past the
-        first ``already`` blocks (counted by an earlier call of the same request); the leader
-        changes when another shadow's decayed saving passes it by the margin."""
+    def _access(self, deepest: Block, path: Callable[[], Sequence[bytes]], already: int) -> None:
+        """Feed the sampled path ending in ``deepest`` (``path()``: its keys, root first) to every
+        shadow; each gains what its hits save past the first ``already`` blocks (counted by an
+        earlier call of the same request); the leader changes when another shadow's decayed
+        saving passes it by the margin. The keys are built only if a shadow lacks the path: a
+        sampled chain the shadows hold costs O(1), not O(prefix)."""
         keep = self._keep
-        deepest = keys[-1]
+        length = deepest.depth + 1
+        built: list[Sequence[bytes]] = []
+
+        def keys() -> Sequence[bytes]:
+            if not built:
+                built.append(path())
+            return built[0]
         if self.sample_rate > 1 and self._stored >= self._capacity:
             # SHARDS' adjustment: a shadow holds the tier's capacity times the share of blocks
             # the sample actually got (a few chains may weigh more or less than one in R)
@@ -199,13 +215,18 @@ class DuelPolicy(AdaptivePolicy):
             for shadow in self._shadows:
                 shadow.capacity = cap
         for shadow in self._shadows:
-            h = shadow.lookup(keys, deepest)
+            h = shadow.lookup(deepest.key, length, keys)
             shadow.score = shadow.score * keep + (_saved(h) - _saved(already) if h > already else 0.0)
         lead = self._shadows[self._leader].score
         best = max(range(len(self._shadows)), key=lambda i: self._shadows[i].score)
         if best != self._leader and self._shadows[best].score > lead * self._margin:
             self._leader = best
-            self.scale = self._candidates[best]
+        self._steer(self._candidates[self._leader])
+
+    def _steer(self, target: float) -> None:
+        """Move the tier's scale towards the leading candidate's ``target`` after a sampled
+        access: here at once (a subclass may move it gradually)."""
+        self.scale = target
 
     # -- BlockPolicy (the rest as adaptive's, at the duel's scale) ----------------------------
 
@@ -218,7 +239,7 @@ class DuelPolicy(AdaptivePolicy):
         sampled = self._sampled(deepest, blocks if from_root else None)
         self._remember(deepest, sampled)
         if sampled:
-            self._access([b.key for b in blocks] if from_root else _path(deepest), 0)
+            self._access(deepest, partial(_keys, blocks) if from_root else partial(_path, deepest), 0)
 
     def inserted(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
         super().inserted(blocks, reuses)
@@ -232,5 +253,5 @@ class DuelPolicy(AdaptivePolicy):
             self._stored += i - start
             if sampled:
                 self._stored_sampled += i - start
-                self._access(_path(last), first.depth)
+                self._access(last, partial(_path, last), first.depth)
             start = i

@@ -1,5 +1,5 @@
 """Policies by name, as the configuration names them; ``DEFAULT_POLICY`` is the one that held up
-across the replayed workloads (``python -m tools.trace_replay``, BENCHMARKS.md section 3b)."""
+best across the replayed workloads (``python -m tools.trace_replay``, BENCHMARKS.md section 3e)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from kvstored.policy.adaptive import AdaptivePolicy
 from kvstored.policy.classic import LFUPolicy, LRUPolicy
 from kvstored.policy.credit import CreditPolicy
 from kvstored.policy.duel import DuelPolicy
+from kvstored.policy.glide import GlidePolicy
 from kvstored.policy.interface import BlockPolicy
 from kvstored.policy.leafheap import index_leaf
 from kvstored.policy.lecar import LecarPolicy
 
-POLICIES = ("lru", "lfu", "credit", "adaptive", "duel", "lecar")
-DEFAULT_POLICY = "adaptive"
+POLICIES = ("lru", "lfu", "credit", "adaptive", "duel", "lecar", "glide")
+DEFAULT_POLICY = "glide"
 GHOST_PER_BLOCK = 3  # ghost entries per block of capacity, for the policies that keep ghosts
 
 
@@ -43,5 +44,8 @@ def make_policy(name: str, clock: Callable[[], float], capacity_blocks: int,
                           capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane)
     if name == "lecar":
         return LecarPolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
+                           capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane)
+    if name == "glide":
+        return GlidePolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
                            capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane)
     raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")

@@ -1,4 +1,4 @@
-"""A daemon on the default eviction policy (adaptive) serves what it keeps with the right bytes
+"""A daemon on the default eviction policy (glide) serves what it keeps with the right bytes
 and evicts to stay within its tier: reused prompts survive a stream of one-off saves."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def rows(n: int, width: int, seed: int) -> np.ndarray:
 
 
 def test_the_default_policy_serves_and_evicts(daemon_factory) -> None:  # type: ignore[no-untyped-def]
-    assert DEFAULT_POLICY == "adaptive"
+    assert DEFAULT_POLICY == "glide"
     # the test daemon has a 64 MiB arena in 1 MiB pages; blocks of 256 KiB -> 256 slots
     d = daemon_factory("--set", "ssd.enabled=false")
     client = kvstored.Client(d.socket)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvstored.policy.registry import DEFAULT_POLICY
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -15,13 +17,13 @@ def test_a_generated_trace_replays_through_both_tiers() -> None:
     policy that is not blind to the tree), some of them from DRAM, and the two tiers' policies
     both ran: a DRAM tier smaller than the SSD tier means blocks came up from SSD."""
     out = subprocess.run([sys.executable, "-m", "tools.store_replay", "--shape", "chat", "--requests", "400",
-                          "--capacities", "10", "--policies", "lru,credit,adaptive"],
+                          "--capacities", "10", "--policies", f"lru,credit,{DEFAULT_POLICY}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     row = re.compile(r"^\| 10% \| [^|]+ \| ([^|]+) \| ([\d,]+) \| [^|]+ \| ([\d.]+) \| ([^|]*) \|", re.M)
     rows = {re.sub(r"\*|\(default\)", "", m.group(1)).strip(): m for m in row.finditer(out.stdout)}
-    assert set(rows) == {"per-block LRU", "lru", "credit", "adaptive"}, out.stdout
-    for name in ("lru", "credit", "adaptive"):
+    assert set(rows) == {"per-block LRU", "lru", "credit", DEFAULT_POLICY}, out.stdout
+    for name in ("lru", "credit", DEFAULT_POLICY):
         hits, ratio, share = int(rows[name].group(2).replace(",", "")), float(rows[name].group(3)), rows[name].group(4)
         assert hits > 0 and 0.8 < ratio < 3.0, out.stdout
         assert 0 < int(share.strip(" %")) < 100, out.stdout   # hits from both tiers

@@ -1,5 +1,5 @@
 """Policy records on the blocks: each policy of a lane knows its own blocks, the two lanes (tiers)
-are independent, and the default policy costs the index next to nothing on top of its slots."""
+are independent, and the default policy costs the index a few bytes a block on top of its slots."""
 
 from __future__ import annotations
 
@@ -52,9 +52,11 @@ def test_policies_of_one_lane_know_their_own_blocks_and_lanes_are_independent() 
 
 def test_the_default_policy_keeps_its_records_on_the_blocks() -> None:
     """Was: 190 B of dicts and records per block beside the index (461 B together at 1M blocks);
-    now the records are two slots a lane on the block, counted with the index."""
+    now the live tier's records are two slots a lane on the block, counted with the index, and
+    the default's shadow caches hold a sample of the chains (one in 64 at this size, the largest
+    rate), so the policy adds a few bytes a block in all."""
     index = PrefixIndex(1)
-    chains = [chain(index, str(c), 2048) for c in range(5)]
+    chains = [chain(index, str(c), 64) for c in range(4096)]   # 262,144 blocks: sampled 1 in 64
     gc.collect()
     tracemalloc.start()
     try:
@@ -67,4 +69,4 @@ def test_the_default_policy_keeps_its_records_on_the_blocks() -> None:
     finally:
         tracemalloc.stop()
     assert len(policy) == len(index)
-    assert (after - before) / len(index) < 8, f"{(after - before) / len(index):.1f} B per block"
+    assert (after - before) / len(index) < 12, f"{(after - before) / len(index):.1f} B per block"

@@ -49,7 +49,8 @@ def cached(store: BlockStore, ns: int, keys: list[bytes]) -> int:
 # Does a block hit twice survive a burst of never-hit blocks that fills the arena twice over?
 SURVIVES = {"lru": False, "lfu": True, "credit": True, "adaptive": False,  # adaptive: LRU until it learns
             "duel": False,  # duel: LRU until its credit shadow is ahead
-            "lecar": False}  # lecar: LRU until regrets weigh against it
+            "lecar": False,  # lecar: LRU until regrets weigh against it
+            "glide": False}  # glide: LRU until its credit shadow is ahead, then a step at a time
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -339,9 +340,9 @@ def test_ssd_policy_is_its_own(tmp_path: Path, policy: str) -> None:
             clock.now += 1.0
             _to_ssd_only(store, s, ns, chain(1, 1000 * i))
         assert store.stats().tiers[1].used_bytes <= 0.95 * 8 * BLOCK
-        # duel is leaf-only LRU until its shadow caches show credit ahead, lecar until LRU's
-        # choices cost it misses: too few blocks here
-        assert cached(store, ns, hot) == int(policy not in ("lru", "duel", "lecar"))
+        # duel and glide are leaf-only LRU until their shadow caches show credit ahead, lecar until
+        # LRU's choices cost it misses: too few blocks here
+        assert cached(store, ns, hot) == int(policy not in ("lru", "duel", "lecar", "glide"))
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -1012,9 +1013,9 @@ def test_a_block_hit_on_ssd_keeps_the_hit_when_it_comes_up_to_dram(tmp_path: Pat
             assert save(store, s, ns, chain(1, 1000 * i)) == 1
         resident = [b is not None and b.in_dram for b in map(state.index.get, hot)]
         # LFU and credit keep the whole prefix the hit went through (its ancestors too); LRU, and
-        # adaptive, duel and lecar before they have learned anything (all start as LRU), have
-        # evicted it to SSD by now
-        assert resident == [policy not in ("lru", "adaptive", "duel", "lecar")] * 3, resident
+        # adaptive, duel, lecar and glide before they have learned anything (all start as LRU),
+        # have evicted it to SSD by now
+        assert resident == [policy not in ("lru", "adaptive", "duel", "lecar", "glide")] * 3, resident
 
 
 @pytest.mark.parametrize("policy", POLICIES)

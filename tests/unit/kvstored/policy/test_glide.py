@@ -1,0 +1,91 @@
+"""The glide policy: LRU until its shadow caches show that credit saves more, then a scale that
+moves towards credit a step per sampled access (not at once), and back when recency leads; its
+decisions are a function of what it was told and the clock."""
+
+from __future__ import annotations
+
+import pytest
+from policy_cache import PolicyCache, scan_polluted_loop, zero_clock
+
+from kvstored.policy.glide import GlidePolicy
+from kvstored.policy.registry import make_policy
+
+
+def new_cache(capacity: int, **kwargs: float) -> PolicyCache:
+    """A one-tier cache under the glide policy."""
+    return PolicyCache(capacity, lambda clock, n: GlidePolicy(clock, ghost_entries=3 * n, capacity_blocks=n,
+                                                              **kwargs))  # type: ignore[arg-type]
+
+
+def test_a_fresh_policy_is_lru() -> None:
+    cache = new_cache(4)
+    assert cache.policy.scale == 0.0
+    cache.access(b"r")
+    cache.access(b"r")          # reused: credit would keep it over newer blocks
+    for key in (b"a", b"b", b"c"):
+        cache.access(key)
+    assert cache.policy.admit(b"d", full=True)   # LRU admits everything
+    assert cache.policy.victim() is cache.block(b"r")   # the least recent, reused or not
+
+
+def test_the_scale_moves_towards_credit_a_step_at_a_time_and_then_keeps_the_hot_keys() -> None:
+    cache = new_cache(20, window=50.0, step=0.01)
+    scales = []
+    for r in range(60):
+        scan_polluted_loop(cache, 1, start=r)
+        scales.append(cache.policy.scale)
+    assert cache.policy.target == 1.0            # the credit shadow leads
+    assert 0.0 < scales[2] < 1.0                 # a lead moves it part of the way first
+    assert scales == sorted(scales)              # then further, never back, while it lasts
+    assert cache.policy.scale == 1.0
+    assert scan_polluted_loop(cache, 5, start=60) == [10] * 5   # the live tier keeps the hot keys
+
+
+def test_a_brief_lead_moves_the_order_only_a_little() -> None:
+    """A duel would switch the whole tier to credit on the first lead; here a lead that ends
+    soon leaves the scale low, and it goes back to LRU."""
+    cache = new_cache(20, window=50.0, step=0.001)
+    scan_polluted_loop(cache, 3)
+    assert cache.policy.target == 1.0
+    assert 0.0 < cache.policy.scale < 0.2
+    # The hot keys are never used again; each new key comes back once, 8 keys later (LRU keeps
+    # them all, credit does not while the old hot keys hold their credit).
+    for i in range(600):
+        cache.access(b"new%d" % i)
+        if i >= 8:
+            cache.access(b"new%d" % (i - 8))
+    assert cache.policy.target == 0.0
+    assert cache.policy.scale == 0.0
+
+
+def test_it_goes_back_to_recency_when_credit_stops_paying() -> None:
+    cache = new_cache(20, window=50.0, step=0.01)
+    scan_polluted_loop(cache, 60)
+    assert cache.policy.scale == 1.0
+    second_hits = []
+    for i in range(1500):
+        cache.access(b"new%d" % i)
+        if i >= 8:
+            second_hits.append(cache.access(b"new%d" % (i - 8)))
+    assert cache.policy.target == 0.0 and cache.policy.scale == 0.0
+    assert all(second_hits[-100:])
+
+
+def test_the_registry_builds_it_with_duels_sample() -> None:
+    large = make_policy("glide", zero_clock(), 1_000_000)
+    assert isinstance(large, GlidePolicy) and large.sample_rate == 64 and large.scale == 0.0
+
+
+def test_decisions_depend_only_on_what_it_was_told() -> None:
+    def run() -> list[bytes]:
+        cache = new_cache(20, window=50.0, step=0.01)
+        scan_polluted_loop(cache, 12)
+        return cache.eviction_order()
+
+    assert run() == run()
+
+
+def test_bad_parameters_are_refused() -> None:
+    for kwargs in ({"step": 0.0}, {"step": -0.1}, {"candidates": ()}, {"window": 0.0}, {"margin": -0.1}):
+        with pytest.raises(ValueError):
+            GlidePolicy(zero_clock(), 8, capacity_blocks=8, **kwargs)  # type: ignore[arg-type]
