@@ -38,9 +38,10 @@ PRESENT_PROMOTING = presence_layout.PROMOTING
 class Observer(Protocol):
     """Told of every change of a block's presence (see PrefixIndex.changed): the presence table."""
 
-    def set(self, namespace_id: int, key: bytes, state: int) -> None: ...
+    def set(self, namespace_id: int, key: bytes, state: int, offset: int = -1) -> None: ...
 
-    def set_many(self, namespace_id: int, keys: list[bytes], states: list[int]) -> None: ...
+    def set_many(self, namespace_id: int, keys: list[bytes], states: list[int],
+                 offsets: list[int] | None = None) -> None: ...
 
 
 _cached = functools.partial(operator.is_not, None)   # a look-up that found a block, tested in C
@@ -137,14 +138,18 @@ class PrefixIndex:
         """``block``'s flags or slot changed: the observer learns its presence now. Called by
         whatever sets or clears SEALED, ON_SSD or PROMOTING or gives a sealed block a slot or
         takes it, before the loop runs anything else (so no call sees the observer behind the
-        index); harmless when nothing changed."""
+        index); harmless when nothing changed. The observer also learns the block's slot, whose
+        bytes SDKs may then read without a lease while it stays PRESENT_DRAM there: so a block
+        turns PRESENT_DRAM only once its slot's bytes are final, and stops before its slot is
+        given back or written again (see DramResidency.release)."""
         if self.observer is not None:
-            self.observer.set(self.namespace_id, block.key, block.presence)
+            self.observer.set(self.namespace_id, block.key, block.presence, block.offset)
 
     def changed_many(self, blocks: Sequence[Block]) -> None:
         """:meth:`changed` for each of ``blocks``."""
         if self.observer is not None:
-            self.observer.set_many(self.namespace_id, [b.key for b in blocks], [b.presence for b in blocks])
+            self.observer.set_many(self.namespace_id, [b.key for b in blocks], [b.presence for b in blocks],
+                                   [b.offset for b in blocks])
 
     def __len__(self) -> int:
         return len(self._blocks)

@@ -10,6 +10,11 @@ that has no free slot for a block is marked overflowed for good (the SDK then as
 any miss there): the table is sized from the configured capacities instead of grown, since a
 larger one would have to be filled from the whole index on the loop, seconds for millions of
 blocks.
+
+Beside each slot of a block in DRAM it publishes where the block's bytes are (see the layout's
+where words), so that the SDK can copy them without a lease: :meth:`PresenceTable.set` is told
+the block's arena offset and clears the word before anything else of the slot changes (the
+index tells it before the arena slot is given back or written again).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ _FP_MASK = np.uint64(((1 << 64) - 1) & ~layout.STATE_MASK)
 # Up to this many blocks a batch is placed one block at a time: numpy's fixed cost (~20 calls)
 # was most of a one-block seal's time in the daemon, where each block alone costs ~2-3 us.
 SMALL_BATCH = 16
+_SERIALS = (1 << layout.SERIAL_BITS) - 1   # serials run 1 .. this, then again
 
 
 def planned_buckets(dram_bytes: int, ssd_bytes: int) -> int:
@@ -70,26 +76,35 @@ class PresenceTable:
                                                               self.instance_id, 1)
         self._view = view = memoryview(self._map)
         slots_end = layout.HEADER.size + buckets * layout.SLOTS * 8
+        where_end = slots_end + buckets * layout.SLOTS * 8
         self._slots = view[layout.HEADER.size: slots_end].cast("Q")
         self._rows = np.frombuffer(self._map, np.uint64, buckets * layout.SLOTS,
                                    layout.HEADER.size).reshape(buckets, layout.SLOTS)
-        self._overflow = view[slots_end:]
+        self._where = view[slots_end: where_end].cast("Q")
+        self._where_rows = np.frombuffer(self._map, np.uint64, buckets * layout.SLOTS,
+                                         slots_end).reshape(buckets, layout.SLOTS)
+        self._overflow = view[where_end:]
+        self._serial = 0   # the last publication's (see _publish)
         self.overflowed = 0   # buckets marked overflowed
 
-    def set(self, namespace_id: int, key: bytes, state: int) -> None:
-        """Record the presence ``state`` of a block (0: not readable)."""
-        self._put(layout.fingerprint(namespace_id, key), state)
+    def set(self, namespace_id: int, key: bytes, state: int, offset: int = -1) -> None:
+        """Record the presence ``state`` of a block (0: not readable) and, in state DRAM, the
+        arena ``offset`` of its bytes, final now (-1: none to publish; see the layout's where
+        words)."""
+        self._put(layout.fingerprint(namespace_id, key), state, offset)
 
-    def set_many(self, namespace_id: int, keys: list[bytes], states: list[int]) -> None:
-        """:meth:`set` for each of ``keys`` (distinct, all of one size), with the same outcome
-        slot for slot. A batch of blocks all new to the table (a seal's, a restore's) is placed
-        by numpy, in order, each into the first free slot of its bucket left by those before it;
-        any other, and a small one, one block at a time."""
+    def set_many(self, namespace_id: int, keys: list[bytes], states: list[int],
+                 offsets: list[int] | None = None) -> None:
+        """:meth:`set` for each of ``keys`` (distinct, all of one size) with its state and
+        offset, with the same outcome slot for slot. A batch of blocks all new to the table (a
+        seal's, a restore's) is placed by numpy, in order, each into the first free slot of its
+        bucket left by those before it; any other, and a small one, one block at a time."""
         if not keys:
             return
+        offs = offsets if offsets is not None else [-1] * len(keys)
         if len(keys) <= SMALL_BATCH:
-            for key, st in zip(keys, states):
-                self._put(layout.fingerprint(namespace_id, key), st)
+            for key, st, off in zip(keys, states, offs):
+                self._put(layout.fingerprint(namespace_id, key), st, off)
             return
         fps = layout.fingerprints(namespace_id, b"".join(keys), len(keys[0]))
         state = np.asarray(states, np.uint64)
@@ -97,8 +112,8 @@ class PresenceTable:
         rows = self._rows[buckets]                       # a snapshot: nothing is written yet
         known = ((rows & _FP_MASK) == fps[:, None]).any(axis=1)
         if known.any():   # (a block leaving the table may free a slot for one after it)
-            for fp, st in zip(fps.tolist(), states):
-                self._put(fp, st)
+            for fp, st, off in zip(fps.tolist(), states, offs):
+                self._put(fp, st, off)
             return
         new = np.flatnonzero(state != 0)
         if new.size:
@@ -112,61 +127,100 @@ class PresenceTable:
             nth = np.cumsum(free, axis=1)
             fits = nth[:, -1] > rank
             slot = np.argmax(free & (nth == (rank + 1)[:, None]), axis=1)
-            # each an aligned 8-byte store (numpy copies a uint64 element as one)
-            self._rows[nb[fits], slot[fits]] = fps[new[fits]] | state[new[fits]]
+            # each an aligned 8-byte store (numpy copies a uint64 element as one); the where
+            # words after all the slots (a free slot's is 0)
+            placed = new[fits]
+            self._rows[nb[fits], slot[fits]] = fps[placed] | state[placed]
+            at = np.asarray(offs, np.int64)[placed]
+            publish = (state[placed] == layout.DRAM) & (at >= 0)
+            if publish.any():
+                count = int(np.count_nonzero(publish))
+                serials = (np.arange(self._serial, self._serial + count, dtype=np.uint64)
+                           % np.uint64(_SERIALS)) + np.uint64(1)
+                self._serial = (self._serial + count - 1) % _SERIALS + 1
+                self._where_rows[nb[fits][publish], slot[fits][publish]] = \
+                    (serials << np.uint64(layout.OFFSET_BITS)) \
+                    | (at[publish] // layout.WHERE_UNIT).astype(np.uint64)
             for bucket in np.unique(nb[~fits]).tolist():
                 if not self._overflow[bucket]:
                     self._overflow[bucket] = 1
                     self.overflowed += 1
 
-    def _put(self, fp: int, state: int) -> None:
+    def _put(self, fp: int, state: int, offset: int) -> None:
         bucket = (fp >> layout.BUCKET_SHIFT) & (self.buckets - 1)
-        slots = self._slots
+        slots, where = self._slots, self._where
         base = bucket * layout.SLOTS
         row = slots[base: base + layout.SLOTS].tolist()
+        new = fp | state if state else 0
         for old in (fp | layout.DRAM, fp | layout.SSD, fp | layout.PROMOTING):
             if old in row:
-                new = fp | state if state else 0
+                i = base + row.index(old)
+                published = where[i]
+                if published and (new != old or layout.where_offset(published) != offset):
+                    where[i] = 0   # first: a reader's second look sees the publication over
+                    published = 0
                 if old != new:
-                    slots[base + row.index(old)] = new   # one aligned 8-byte store
+                    slots[i] = new   # one aligned 8-byte store
+                if not published and state == layout.DRAM and offset >= 0:
+                    where[i] = self._publish(offset)
                 return
         if not state:
             return
         if 0 in row:
-            slots[base + row.index(0)] = fp | state
+            i = base + row.index(0)
+            slots[i] = new
+            if state == layout.DRAM and offset >= 0:
+                where[i] = self._publish(offset)   # after the slot word (its where word is 0)
         elif not self._overflow[bucket]:
             self._overflow[bucket] = 1
             self.overflowed += 1
 
-    def verify(self, blocks: Iterable[tuple[int, bytes, int]]) -> list[str]:
-        """How the table differs from ``blocks`` (namespace id, key, presence: every block of
-        the index), one line a difference; [] when it matches (an overflowed bucket may lack
-        blocks, never hold a wrong one)."""
-        expected: dict[int, int] = {}
-        for namespace_id, key, state in blocks:
+    def _publish(self, offset: int) -> int:
+        """A where word for ``offset`` under the next serial."""
+        self._serial = self._serial % _SERIALS + 1
+        return layout.where(offset, self._serial)
+
+    def verify(self, blocks: Iterable[tuple[int, bytes, int, int]]) -> list[str]:
+        """How the table differs from ``blocks`` (namespace id, key, presence, arena offset or
+        -1: every block of the index), one line a difference; [] when it matches (an overflowed
+        bucket may lack blocks, never hold a wrong one). A block in DRAM with an offset must
+        have its where word name that offset; every other slot's where word must be 0."""
+        expected: dict[int, tuple[int, int]] = {}
+        for namespace_id, key, state, offset in blocks:
             if state:
-                expected[layout.fingerprint(namespace_id, key)] = state
+                expected[layout.fingerprint(namespace_id, key)] = (state, offset)
         problems: list[str] = []
-        slots = self._slots
+        slots, where = self._slots, self._where
         seen: set[int] = set()
         for i in range(len(slots)):
-            value = slots[i]
+            value, word = slots[i], where[i]
             if not value:
+                if word:
+                    problems.append(f"slot {i}: free, but its where word is {word:#x}")
                 continue
             fp, state = value & ~layout.STATE_MASK, value & layout.STATE_MASK
             seen.add(fp)
-            if expected.get(fp) != state:
+            want_state, offset = expected.get(fp, (0, -1))
+            if want_state != state:
                 problems.append(f"slot {i}: fingerprint {fp:#x} state {state}, the index says "
-                                f"{expected.get(fp, 'not readable')}")
-        for fp, state in expected.items():
+                                f"{want_state or 'not readable'}")
+            elif state == layout.DRAM and offset >= 0:
+                if not word or layout.where_offset(word) != offset:
+                    problems.append(f"slot {i}: fingerprint {fp:#x} in DRAM at offset {offset}, its "
+                                    f"where word is {word:#x}")
+            elif word:
+                problems.append(f"slot {i}: fingerprint {fp:#x} state {state} (no bytes to read "
+                                f"without a lease), but its where word is {word:#x}")
+        for fp, (state, _) in expected.items():
             if fp not in seen and not self._overflow[layout.bucket_of(fp, self.buckets)]:
                 problems.append(f"fingerprint {fp:#x} (state {state}) missing from its bucket")
         return problems
 
     def close(self) -> None:
         """Unmap it and remove the file (unless another daemon has made its own there since)."""
-        del self._rows   # (its export of the map: the last reference)
+        del self._rows, self._where_rows   # (their exports of the map: the last references)
         self._slots.release()
+        self._where.release()
         self._overflow.release()
         self._view.release()
         self._map.close()

@@ -15,6 +15,7 @@ from kvstored import config
 from kvstored.copy import CopyEngine
 from kvstored.peers.chain_streams import ChainStreamer
 from kvstored.peers.exchange import PeerExchange
+from kvstored.presence import PresenceTable
 from kvstored.store import BlockStore
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import SSDTier
@@ -23,10 +24,10 @@ from kvstored_client.contract.hashing import block_hashes
 
 @contextlib.contextmanager
 def open_store(tmp_path: Path, values: dict[str, dict[str, object]],
-               ssd: bool = False) -> Iterator[tuple[BlockStore, Clock]]:
+               ssd: bool = False, presence: PresenceTable | None = None) -> Iterator[tuple[BlockStore, Clock]]:
     """A store configured by ``values`` (an arena in ``tmp_path``, not pre-faulted; with ``ssd``,
-    an SSD tier in ``tmp_path / "ssd"``), on a manual clock, its sessions named s1, s2, ...;
-    everything is closed on exit. No write-back task runs unless a test starts one
+    an SSD tier in ``tmp_path / "ssd"``; ``presence``: its presence table), on a manual clock,
+    its sessions named s1, s2, ...; everything is closed on exit. No write-back task runs unless a test starts one
     (``store.writeback_loop()``), so ``dram.room_wait_s`` defaults to :data:`ROOM_WAIT_S` here."""
     cfg = config.build({**values, "dram": {"room_wait_s": ROOM_WAIT_S, **values.get("dram", {})}})
     arena = Arena(str(tmp_path), cfg.dram.capacity, prefault=False)
@@ -34,7 +35,8 @@ def open_store(tmp_path: Path, values: dict[str, dict[str, object]],
     tier = SSDTier(str(tmp_path / "ssd"), 8 << 20, sync=False) if ssd else None
     clock = Clock()
     ids = iter(range(1, 1000))
-    store = BlockStore(cfg, arena, copy, tier, clock=clock, new_session_id=lambda: f"s{next(ids)}")
+    store = BlockStore(cfg, arena, copy, tier, clock=clock, new_session_id=lambda: f"s{next(ids)}",
+                       presence=presence)
     try:
         yield store, clock
     finally:

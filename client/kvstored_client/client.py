@@ -38,6 +38,7 @@ from kvstored_client.contract.hashing import ChainHasher
 from kvstored_client.contract.namespace import Namespace
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 from kvstored_client.contract.runs import runs, smallest_step
+from kvstored_client.presence import ORDERED_LOADS, PresenceReader
 from kvstored_client.results import (
     LoadResult,
     LookupResult,
@@ -108,6 +109,8 @@ class Client(Connection):
         self._cache_salt = cache_salt
         self._hashers: dict[tuple[int, str, str], ChainHasher] = {}
         self._stream_ids = itertools.count(1)   # next() is atomic under the GIL: threads may share it
+        self.table_loads = 0   # loads read without a lease, from the presence table (see load)
+        self.table_saves = 0   # saves answered from the presence table: every block cached (see save)
 
     # -- keys ---------------------------------------------------------------------------------
     def _keys(self, into: pb.BlockKeys, spec: Namespace, tokens: Any, hashes: Sequence[bytes] | None,
@@ -181,26 +184,32 @@ class Client(Connection):
             # was there); the lookup goes to the daemon one-way, for its policy and promotions,
             # and a send that fails means the daemon is gone: the call says how, as it always did.
             found = reader.lookup(ns_id, request.keys.packed_hashes, spec.digest_size)
-            if found is not None:
-                frame = reader.frame(request)
-                try:
-                    # on the connection this thread's next call takes (served before it), unless
-                    # none is idle; the table's own connection says whether its daemon is there
-                    if not reader.alive():
-                        raise ConnectionResetError(0, "the presence table's daemon is gone")
-                    if self._fast is None or not self._fast.send_one_way(frame):
-                        reader.tell(frame)
-                except OSError:
-                    self._presence_gone(reader)
-                else:
-                    hits, ssd = found
-                    tiers = {"dram": hits - ssd} if hits > ssd else {}
-                    if ssd:
-                        tiers["ssd"] = ssd
-                    return LookupResult(hits * spec.block_size, hits, tiers, {})
+            if found is not None and self._tell(reader, request):
+                hits, ssd = found
+                tiers = {"dram": hits - ssd} if hits > ssd else {}
+                if ssd:
+                    tiers["ssd"] = ssd
+                return LookupResult(hits * spec.block_size, hits, tiers, {})
         resp = self._call(self._stub.Lookup, request)
         return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, per_tier(reply_tiers(resp)),
                             {h.node_id: h.blocks for h in resp.peer_hits})
+
+    def _tell(self, reader: PresenceReader, request: pb.LookupRequest) -> bool:
+        """Send a lookup the table answered to the daemon one-way (for its policy and its
+        promotions); False, the table dropped, when its daemon is gone: the caller takes the
+        call, which says how, as it always did."""
+        frame = reader.frame(request)
+        try:
+            # on the connection this thread's next call takes (served before it), unless none is
+            # idle; the table's own connection says whether its daemon is there
+            if not reader.alive():
+                raise ConnectionResetError(0, "the presence table's daemon is gone")
+            if self._fast is None or not self._fast.send_one_way(frame):
+                reader.tell(frame)
+        except OSError:
+            self._presence_gone(reader)
+            return False
+        return True
 
     def save(self, tokens: Any, kv: Any, *, hashes: Sequence[bytes] | None = None,
              namespace: Namespace | None = None, cache_salt: str | None = None,
@@ -212,7 +221,9 @@ class Client(Connection):
         ``push_to`` (a peer node id) the daemon also pushes the chain to that node in the
         background, in order, skipping what it holds. With ``start``, ``kv`` holds the rows of
         blocks ``start`` on: the first ``start`` blocks must be cached already, and if they are
-        not, nothing is stored (``stored`` is 0, ``present`` says how many were).
+        not, nothing is stored (``stored`` is 0, ``present`` says how many were). A save whose
+        blocks the daemon's presence table shows all cached (no ``push_to``) takes no call
+        (``table_saves`` counts them).
         """
         # first: a new session after a restart renews the namespace ids; and the arena goes with it
         session, arena = self._session_arena()
@@ -226,6 +237,15 @@ class Client(Connection):
             raise InvalidArgument(f"kv has {rows.shape[0]} rows for {n_blocks - start} blocks")
         if n_blocks <= start:
             return SaveResult(0, 0, spec.block_size)
+        if not push_to and spec.block_bytes == rows.shape[1] and n_blocks <= self._hello.max_batch_blocks \
+                and self._packed_keys and (reader := self._presence_reader()) is not None:
+            # Every block cached already (the daemon's table says so, read while it was there):
+            # nothing to reserve or seal, and the answer a Reserve would give (a save's blocks
+            # already cached are not a use of them for the policies)
+            found = reader.lookup(ns_id, reserve.keys.packed_hashes, spec.digest_size)
+            if found is not None and found[0] == n_blocks and reader.alive():
+                self.table_saves += 1
+                return SaveResult(n_blocks, 0, spec.block_size)
         reserve.block_bytes = rows.shape[1]
         resp = self._call(self._stub.Reserve, reserve)
         if spec.block_bytes == 0:
@@ -264,14 +284,21 @@ class Client(Connection):
         of blocks ``start`` on are read; ``blocks`` still counts the whole cached prefix. Raises
         LeaseExpired if the read outlived its lease; bad ``out``/``dtype`` raise InvalidArgument
         (nothing stays leased).
+
+        Blocks the daemon's presence table shows in DRAM are read without a call (x86-64 only):
+        copied, then checked still to be those blocks' bytes (the table's where words, read
+        again), and the lookup told to the daemon one-way as a table lookup's is; any other
+        case, or a block that changed meanwhile, takes the leased lookup. ``table_loads`` counts
+        the loads read without a lease; the switches of table lookups turn it off too
+        (``fast_path=False``, ``KVSTORED_PRESENCE_TABLE=0``; see ``lookup_transport``).
         """
         # first: a new session after a restart renews the namespace ids; and the arena goes with it
         session, arena = self._session_arena()
         assert arena is not None, "an arena comes with the session when asked for"
         ns_id, spec = self._ns(namespace)
         start = coerce.block_start(start)
-        lookup = pb.LookupRequest(namespace_id=ns_id, lease=True, session_id=session, packed_reply=True)
-        self._keys(lookup.keys, spec, tokens, hashes, cache_salt)
+        lookup = pb.LookupRequest(namespace_id=ns_id, packed_reply=True)
+        n = self._keys(lookup.keys, spec, tokens, hashes, cache_salt)
         out_rows = None if out is None else coerce.writable_rows(out)
         try:
             row_type = None if dtype is None else np.dtype(dtype)
@@ -284,6 +311,13 @@ class Client(Connection):
         if out_rows is not None and spec.block_bytes and out_rows.shape[1] != spec.block_bytes:
             raise InvalidArgument(f"out has rows of {out_rows.shape[1]} bytes; blocks of this namespace have "
                                   f"{spec.block_bytes}")
+        if ORDERED_LOADS and spec.block_bytes and 0 < n <= self._hello.max_batch_blocks and self._packed_keys \
+                and (reader := self._presence_reader()) is not None:
+            done = self._load_from_table(reader, lookup, spec, start, out, out_rows, row_type)
+            if done is not None:
+                return done
+        lookup.lease = True
+        lookup.session_id = session
         started = time.monotonic()
         resp = self._call(self._stub.Lookup, lookup)
         hit = resp.hit_blocks
@@ -324,6 +358,40 @@ class Client(Connection):
                 self._call(self._stub.Release, pb.ReleaseRequest(session_id=session, lease_id=resp.lease_id))
             except KVStoreError as exc:
                 raise LeaseExpired(f"the read took longer than its lease: {exc}") from None
+        return LoadResult(hit * spec.block_size, hit, data)
+
+    def _load_from_table(self, reader: PresenceReader, lookup: pb.LookupRequest, spec: Namespace, start: int,
+                         out: Any, out_rows: np.ndarray | None, row_type: np.dtype[Any] | None) -> LoadResult | None:
+        """``load`` without a lease (see there), or None: the caller takes the leased lookup."""
+        arena = self._table_arena(reader)
+        if arena is None:
+            return None
+        located = reader.locate(lookup.namespace_id, lookup.keys.packed_hashes, spec.digest_size, start)
+        if located is None:
+            return None
+        hit = located.hits
+        wanted = max(hit - start, 0)
+        block_bytes = spec.block_bytes
+        if out_rows is not None:
+            if out_rows.shape[0] < wanted:
+                return None   # the leased path says what is wrong, as it always did
+            rows = out_rows
+            data = out[:wanted]
+        else:
+            if row_type is not None and block_bytes % row_type.itemsize:
+                return None
+            rows = np.empty((wanted, block_bytes), dtype=np.uint8)
+            data = rows if row_type is None else rows.view(row_type)
+        if wanted:
+            try:
+                copy_rows(arena, located.offsets, rows[:wanted], to_arena=False)
+            except ValueError:
+                return None   # (offsets outside the arena: not this daemon's table after all)
+            if not reader.confirm(located):
+                return None   # a block changed while it was copied: the lease holds them still
+        if not self._tell(reader, lookup):
+            return None
+        self.table_loads += 1
         return LoadResult(hit * spec.block_size, hit, data)
 
     # -- engine buffers -------------------------------------------------------------------------

@@ -104,6 +104,7 @@ class Connection:
         self._opening: threading.Event | None = None   # set when the thread opening a session is done
         self._arena: np.ndarray | None = None
         self._arena_map: mmap.mmap | None = None
+        self._arena_path = ""   # the file self._arena maps
         self._namespace_ids: dict[Namespace, tuple[int, Namespace]] = {}
         self._releases_lock = threading.Lock()
         self._pending_releases: list[grpc.Future] = []
@@ -142,7 +143,7 @@ class Connection:
             return
         try:
             self._presence = PresenceReader(hello.presence_table, hello.instance_id, hello.fast_socket,
-                                            self._timeout)
+                                            self._timeout, hello.arena_path)
         except TableUnusable:
             self._presence_retry_at = time.monotonic() + FAST_RETRY_S
 
@@ -159,6 +160,15 @@ class Connection:
             return None
         self._open_presence(hello)
         return self._presence
+
+    def _table_arena(self, reader: PresenceReader) -> np.ndarray | None:
+        """This session's arena when it is the one ``reader``'s table names offsets in (the
+        same daemon's); None otherwise (a restart between the two: the load takes the lease)."""
+        with self._lock:
+            if self._session_id is None or self._arena is None or self._arena_path != reader.arena_path \
+                    or not reader.arena_path:
+                return None
+            return self._arena
 
     def _presence_gone(self, reader: PresenceReader) -> None:
         """``reader``'s daemon is gone: lookups take the call until a table is opened again."""
@@ -385,6 +395,7 @@ class Connection:
             finally:
                 os.close(fd)
             self._arena = np.frombuffer(self._arena_map, dtype=np.uint8)
+            self._arena_path = self._hello.arena_path
         return self._arena
 
     def _ns(self, namespace: Namespace | None, *, learn_block_bytes: bool = False) -> tuple[int, Namespace]:

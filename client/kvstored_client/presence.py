@@ -8,15 +8,23 @@ the caller's next call is likely to take (else on the table's own): the daemon r
 for its eviction policy and starts promoting SSD-only blocks as for any lookup, before that
 call. The table is read first, then the daemon's presence checked and the lookup sent, so an
 answer given was read while its daemon was still there.
+
+:meth:`PresenceReader.locate` and :meth:`PresenceReader.confirm` are the two halves of a load
+without a lease (a seqlock read of the table's where words, see the layout): where each block's
+bytes are, then, after the caller copied them, whether every block was that block throughout.
+Only on x86-64, whose loads are not reordered with each other (:data:`ORDERED_LOADS`); elsewhere
+loads take the lease.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import platform
 import select
 import socket
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,6 +34,26 @@ from kvstored_client.contract.proto import kvstored_pb2 as pb
 
 SCALAR_KEYS = 4   # chains this short are fingerprinted in plain Python (numpy's per-call cost is more)
 _FP_MASK = np.uint64(~layout.STATE_MASK & ((1 << 64) - 1))
+# Loads kept in program order by the hardware (x86-64's TSO), which a read without a lease needs;
+# AArch64 and others would need barriers Python cannot issue.
+ORDERED_LOADS = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """Where the blocks of a load are, as :meth:`PresenceReader.locate` read them: ``hits``
+    (blocks of the longest cached prefix), and for blocks ``start`` to ``hits`` their slot
+    indices, the slot words (fingerprint and state DRAM) and where words read, and the arena
+    offsets those name."""
+
+    hits: int
+    slots: list[int]
+    values: list[int]
+    words: list[int]
+
+    @property
+    def offsets(self) -> list[int]:
+        return [(w & layout.OFFSET_MASK) * layout.WHERE_UNIT for w in self.words]
 
 
 class TableUnusable(Exception):
@@ -36,7 +64,9 @@ class PresenceReader:
     """The table at ``path`` of daemon ``instance_id``, whose fast socket is ``fast_socket``;
     :class:`TableUnusable` when it cannot be opened, is another daemon's, or the socket refuses."""
 
-    def __init__(self, path: str, instance_id: int, fast_socket: str, timeout_s: float) -> None:
+    def __init__(self, path: str, instance_id: int, fast_socket: str, timeout_s: float,
+                 arena_path: str = "") -> None:
+        self.arena_path = arena_path   # the arena of the same daemon (its Hello's), whose offsets the table names
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
@@ -57,11 +87,14 @@ class PresenceReader:
         self.buckets = buckets
         self._mask = buckets - 1
         slots_end = layout.HEADER.size + buckets * layout.SLOTS * 8
+        where_end = slots_end + buckets * layout.SLOTS * 8
         # views keep the map alive (never closed here: another thread may be reading it)
         self._slots = np.frombuffer(table, np.uint64, buckets * layout.SLOTS, layout.HEADER.size)
         self._rows = self._slots.reshape(buckets, layout.SLOTS)
-        self._overflow = np.frombuffer(table, np.uint8, buckets, slots_end)
+        self._where = np.frombuffer(table, np.uint64, buckets * layout.SLOTS, slots_end)
+        self._overflow = np.frombuffer(table, np.uint8, buckets, where_end)
         self._words = memoryview(table)[layout.HEADER.size: slots_end].cast("Q")
+        self._where_words = memoryview(table)[slots_end: where_end].cast("Q")
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self._fast_socket = fast_socket
@@ -119,6 +152,78 @@ class PresenceReader:
                     return None
                 return i, ssd
         return n, ssd
+
+    def locate(self, namespace_id: int, packed: bytes, size: int, start: int) -> Located | None:
+        """Where to read blocks ``start`` on of the longest cached prefix of the ``size``-byte
+        keys in ``packed`` without a lease: each must be in DRAM with its where word set (blocks
+        before ``start`` need only be cached). None when the table cannot say so: a block to read
+        is on SSD, being promoted or not published, or the first miss falls in an overflowed
+        bucket. Reads each slot word before its where word (see :meth:`confirm`)."""
+        n = len(packed) // size
+        if n <= SCALAR_KEYS:
+            return self._locate_few(namespace_id, packed, size, n, start)
+        fps = layout.fingerprints(namespace_id, packed, size)
+        buckets = ((fps >> np.uint64(layout.BUCKET_SHIFT)) & np.uint64(self._mask)).astype(np.intp)
+        rows = self._rows[buckets]                       # (n, 8): every slot word, then...
+        match = (rows & _FP_MASK) == fps[:, None]
+        present = match.view(np.uint64).ravel() != 0
+        hits = n if present.all() else int(present.argmin())
+        if hits < n and self._overflow[buckets[hits]]:
+            return None
+        if hits <= start:
+            return Located(hits, [], [], [])
+        column = match[start:hits].argmax(axis=1)
+        slots = buckets[start:hits] * layout.SLOTS + column
+        values = rows[np.arange(start, hits), column]
+        if ((values & np.uint64(layout.STATE_MASK)) != layout.DRAM).any():
+            return None
+        words = self._where[slots]                       # ...the where words, after them
+        if not words.all():
+            return None
+        return Located(hits, slots.tolist(), values.tolist(), words.tolist())
+
+    def _locate_few(self, namespace_id: int, packed: bytes, size: int, n: int, start: int) -> Located | None:
+        words, where, mask, shift = self._words, self._where_words, self._mask, layout.BUCKET_SHIFT
+        slots: list[int] = []
+        values: list[int] = []
+        found: list[int] = []
+        hits = n
+        for i in range(n):
+            fp = layout.fingerprint(namespace_id, packed[i * size: (i + 1) * size])
+            bucket = (fp >> shift) & mask
+            base = bucket * layout.SLOTS
+            for j in range(base, base + layout.SLOTS):
+                value = words[j]
+                if value & ~layout.STATE_MASK == fp:
+                    if i >= start:
+                        if value & layout.STATE_MASK != layout.DRAM:
+                            return None
+                        word = where[j]   # after the slot word
+                        if not word:
+                            return None
+                        slots.append(j)
+                        values.append(value)
+                        found.append(word)
+                    break
+            else:
+                if self._overflow[bucket]:
+                    return None
+                hits = i
+                break
+        return Located(hits, slots, values, found)
+
+    def confirm(self, located: Located) -> bool:
+        """Whether the bytes copied after :meth:`locate` are its blocks': each slot word, then
+        each where word, read again, unchanged. (A where word read twice the same names one
+        publication throughout, during which its slot word and bytes stayed as they were; the
+        slot word read between says whose publication it was.)"""
+        slots = located.slots
+        if len(slots) <= SCALAR_KEYS:
+            words, where = self._words, self._where_words
+            return [words[j] for j in slots] == located.values and [where[j] for j in slots] == located.words
+        idx = np.asarray(slots, np.intp)
+        values = self._slots[idx]
+        return values.tolist() == located.values and self._where[idx].tolist() == located.words
 
     def alive(self) -> bool:
         """Whether the table's daemon is still there: its end of the table's connection, on

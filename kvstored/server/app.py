@@ -39,7 +39,7 @@ from kvstored.tiers.dram import Arena, ArenaTooLarge, sweep_stale_arenas
 from kvstored.tiers.ssd import InUse, SSDTier
 from kvstored_client import __version__
 from kvstored_client.contract.frames import fast_socket_path
-from kvstored_client.contract.presence import file_bytes, presence_table_path
+from kvstored_client.contract.presence import MAX_ARENA_BYTES, file_bytes, presence_table_path
 from kvstored_client.contract.proto import kvstored_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvstored")
@@ -295,7 +295,9 @@ async def serve(cfg: Config) -> int:
         if _pin_for_cuda(arena, starting):
             log.info("DRAM arena pinned for CUDA copies (cudaHostRegister)")
         copy = CopyEngine(arena)
-        if fast_path_file is not None and cfg.server.presence_table:
+        if fast_path_file is not None and cfg.server.presence_table and cfg.dram.capacity > MAX_ARENA_BYTES:
+            log.warning("no presence table: its where words name arenas of up to %d TiB", MAX_ARENA_BYTES >> 40)
+        elif fast_path_file is not None and cfg.server.presence_table:
             # before the restore: its blocks enter the table as they enter the index
             buckets = cfg.server.presence_buckets or planned_buckets(
                 cfg.dram.capacity, cfg.ssd.capacity if cfg.ssd.enabled else 0)

@@ -136,7 +136,9 @@ class DramResidency:
     def bind(self, block: Block, offset: int) -> Block:
         """Give ``block`` (slotless) the slot at ``offset``, just allocated: every slot a block
         holds is bound here and given back by :meth:`release`, so that each page knows its
-        blocks (see :meth:`page_leavers`)."""
+        blocks (see :meth:`page_leavers`). A sealed block not PROMOTING is readable in the slot
+        from here on, by SDKs without a lease too (the presence table): its bytes must be there
+        already (a promotion marks its block PROMOTING first, a rewrite clears SEALED first)."""
         assert block.offset == NO_SLOT, "a block holds one slot at most"
         block.offset = offset
         self._page_blocks[offset // self._allocator.page_bytes][block] = None
@@ -145,13 +147,16 @@ class DramResidency:
         return block
 
     def release(self, block: Block, moved: bool) -> None:
-        """Give back ``block``'s slot; its policy forgets it (``moved``: its bytes stay on SSD)."""
+        """Give back ``block``'s slot; its policy forgets it (``moved``: its bytes stay on SSD).
+        The presence table learns it first: no SDK reads the slot as this block's once another
+        may take it."""
         self.policy_for(block).removed(block, moved=moved)
-        del self._page_blocks[block.offset // self._allocator.page_bytes][block]   # KeyError: never bound
-        self._allocator.free(block.offset)
+        offset = block.offset
+        del self._page_blocks[offset // self._allocator.page_bytes][block]   # KeyError: never bound
         block.offset = NO_SLOT
         if block.flags & SEALED:
             block.index.changed(block)
+        self._allocator.free(offset)
 
     def room_for(self, sb: int) -> Room | None:
         """What to evict for a slot of ``sb`` bytes: the victim of this size's policy, or a whole

@@ -285,10 +285,12 @@ class BlockStore:
 
     # -- introspection and shutdown ---------------------------------------------------------
     def verify_presence(self) -> list[str]:
-        """How the presence table differs from the index ([]: it matches, or there is none)."""
+        """How the presence table differs from the index, the where words of blocks in DRAM
+        included ([]: it matches, or there is none)."""
         if self.presence is None:
             return []
-        return self.presence.verify((b.index.namespace_id, b.key, b.presence) for b in self.catalog.blocks())
+        return self.presence.verify((b.index.namespace_id, b.key, b.presence, b.offset)
+                                    for b in self.catalog.blocks())
 
     def stats(self) -> StoreStats:
         p, dram = self.placement, self.placement.dram

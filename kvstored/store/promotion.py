@@ -160,9 +160,11 @@ class Promotion:
                 reuses = ssd_policy.reuses(block) or 0   # its history goes up with it
                 unfolded = ssd_policy.pending_hits(block)
                 ssd_policy.removed(block, moved=True)   # up to DRAM; its SSD copy stays
-                placement.bind(block, offset)
                 done: asyncio.Future[bool] = loop.create_future()
+                # PROMOTING before it has the slot: sealed and slotted without it, the block would
+                # be announced readable there (to SDKs reading without a lease) before its bytes are
                 self._start(block, done)
+                placement.bind(block, offset)
                 read: Future[int]
                 try:
                     read = self._tier.read_into(block.index.namespace_id, block.key,

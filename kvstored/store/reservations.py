@@ -118,9 +118,11 @@ class Reservations:
             if offset is None:
                 placement.remove_if_hollow(existing)
                 return FULL
-            placement.bind(existing, offset)
+            # unsealed before it has the slot: sealed and slotted, it would be announced readable
+            # there (by the presence table, to SDKs reading without a lease) before its bytes are
             existing.flags = 0
             existing.index.changed(existing)
+            placement.bind(existing, offset)
             existing.check = None
             existing.pins += 1
             lease.new.append(existing)

@@ -110,15 +110,17 @@ def test_a_frozen_daemon_gives_a_deadline_error_over_frames_then_serves_again(da
     c = kvstored.Client(d.socket, timeout_s=1.0, namespace=Namespace(model="frozen", block_bytes=512))
     tokens = np.arange(64)
     c.save(tokens, np.ones((4, 512), np.uint8))
-    assert c.load(tokens).blocks == 4   # its lease went back one-way: stats below settles it first
+    assert c.load(tokens).blocks == 4 and c.table_loads == 1   # from the table: no lease
     assert c.transport == "frames"
     os.kill(d.proc.pid, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
-        # (a plain lookup is answered from the daemon's presence table, frozen as the daemon is)
+        # (a plain lookup and a load of blocks in DRAM are answered from the daemon's presence
+        # table, frozen as the daemon is)
         assert c.lookup(tokens).blocks == 4 and c.lookup_transport == "table"
+        assert c.load(tokens).blocks == 4 and c.table_loads == 2
         with pytest.raises(kvstored.DeadlineExceeded, match="within 1 s"):
-            c.load(tokens)
+            c.save(np.arange(64, 128), np.ones((4, 512), np.uint8))
         with pytest.raises(kvstored.DeadlineExceeded):
             c.stats()
         assert time.monotonic() - t0 < 20
@@ -173,12 +175,15 @@ def test_a_forked_child_calls_on_connections_of_its_own(daemon_factory: Factory)
         assert parent_ok and os.waitstatus_to_exitcode(status) == 0
 
 
-def test_a_loads_lease_is_released_before_the_calls_that_would_see_it(daemon_factory: Factory) -> None:
+def test_a_loads_lease_is_released_before_the_calls_that_would_see_it(daemon_factory: Factory,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A load over frames gives its lease back without waiting for an answer; every later call
     that acts on leases must still find it given back: the same thread's next call, an evict
-    over gRPC right after, and stats after loads on other threads."""
+    over gRPC right after, and stats after loads on other threads. (Without the presence table,
+    which would answer these loads without a lease.)"""
     import threading
 
+    monkeypatch.setenv("KVSTORED_PRESENCE_TABLE", "0")
     d = daemon_factory()
     with kvstored.Client(d.socket) as c:
         assert c.transport == "frames"

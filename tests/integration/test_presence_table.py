@@ -196,3 +196,23 @@ def test_an_overflowing_table_still_answers_as_the_daemon(daemon_factory: Factor
         same(table, rpc, prompts)
         table.evict(tier="dram")
         same(table, rpc, prompts)
+
+
+def test_a_save_of_blocks_all_cached_is_answered_from_the_table(pair: tuple[kvstored.Client, kvstored.Client]) -> None:
+    table, rpc = pair
+    p, longer = prompt(1, 4), prompt(1, 6)
+    kv = np.ones((6, 256), np.uint8)
+    assert table.save(p, kv[:4]).stored == 4 and table.table_saves == 0
+    again = table.save(p, kv[:4])
+    assert table.table_saves == 1 and again == rpc.save(p, kv[:4])
+    assert (again.present, again.stored) == (4, 0)
+    assert table.save(p, kv[:2], start=2) == rpc.save(p, kv[:2], start=2) and table.table_saves == 2
+    grown = table.save(longer, kv)                               # two new blocks: the call
+    assert (grown.present, grown.stored) == (4, 2) and table.table_saves == 2
+    with pytest.raises(kvstored.InvalidArgument):                # mistakes are still the daemon's to say
+        table.save(p, np.ones((4, 128), np.uint8))
+    table.evict()
+    assert table.save(p, kv[:4]).stored == 4 and table.table_saves == 2
+    with pytest.raises(kvstored.FailedPrecondition):             # a push always takes the call (no peers here)
+        table.save(p, kv[:4], push_to="nowhere")
+    assert table.table_saves == 2

@@ -2,10 +2,23 @@
 
 Layout (little-endian): a :data:`HEADER` of 64 bytes (magic, version, bucket count, the daemon's
 instance id, generation), then ``buckets`` buckets of :data:`SLOTS` uint64 slots (one cache line
-each), then one overflow byte per bucket. A slot is 0 (free) or a block's :func:`fingerprint`
-with its two low bits replaced by its state (:data:`DRAM`, :data:`SSD` or :data:`PROMOTING`;
-bit 2 is always set, so no fingerprint is a free slot); a block's slot is in bucket
-``(fingerprint >> BUCKET_SHIFT) % buckets``.
+each), then as many uint64 *where* words (word ``i`` belongs to slot ``i``), then one overflow
+byte per bucket. A slot is 0 (free) or a block's :func:`fingerprint` with its two low bits
+replaced by its state (:data:`DRAM`, :data:`SSD` or :data:`PROMOTING`; bit 2 is always set, so
+no fingerprint is a free slot); a block's slot is in bucket ``(fingerprint >> BUCKET_SHIFT) %
+buckets``.
+
+A slot's where word says where the block's bytes are in the daemon's arena while they may be
+read there without a lease: 0, or :func:`where` of the slot's arena offset and a publication
+serial (:data:`SERIAL_BITS` bits, never 0, new at every publication). The daemon sets it only
+while the slot is in state :data:`DRAM`, after the block's bytes are final and after the slot
+word, and clears it before the slot word changes and before anything may write the arena slot
+again (its slot given back, a promotion or a rewrite taking it). So a reader that finds the
+block's slot in state DRAM, reads its where word, copies the bytes, then reads the slot word and
+the where word again and finds them unchanged has copied that block's bytes (a seqlock: the
+where word read twice names one publication, whose serial is new, throughout which the slot word
+and the bytes stayed as they were). That takes loads that are not reordered with each other
+(x86-64's order; the SDK reads without a lease nowhere else).
 
 The daemon alone writes it, on its event loop, each change a single aligned 8-byte store (a slot
 set, its state changed, or cleared); aligned 8-byte stores and loads are atomic on x86-64 and
@@ -29,7 +42,7 @@ from collections.abc import Callable
 import numpy as np
 
 MAGIC = b"KVSPRES1"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<8sIIQQ32x")   # magic, version, buckets, instance id, generation
 SLOTS = 8                              # slots a bucket: 64 bytes, one cache line
 STATE_MASK = 3                         # the low bits of a slot that hold the state, not the fingerprint
@@ -43,6 +56,11 @@ _K1 = 0x9E3779B97F4A7C15
 _K2 = 0xBF58476D1CE4E5B9
 _K3 = 0x94D049BB133111EB
 _FP_BITS = _M64 & ~STATE_MASK
+WHERE_UNIT = 64            # arena offsets are multiples of this (the daemon's slot alignment)
+OFFSET_BITS = 40           # a where word's low bits: the offset in units (arenas up to 64 TiB)
+SERIAL_BITS = 64 - OFFSET_BITS
+OFFSET_MASK = (1 << OFFSET_BITS) - 1
+MAX_ARENA_BYTES = WHERE_UNIT << OFFSET_BITS
 
 
 def _splitmix(n: int) -> tuple[int, ...]:
@@ -68,7 +86,20 @@ def presence_table_path(grpc_socket: str) -> str:
 
 def file_bytes(buckets: int) -> int:
     """The file's size for ``buckets`` buckets."""
-    return HEADER.size + buckets * (SLOTS * 8 + 1)
+    return HEADER.size + buckets * (SLOTS * 16 + 1)
+
+
+def where(offset: int, serial: int) -> int:
+    """The where word of arena ``offset`` (a multiple of :data:`WHERE_UNIT`) published with
+    ``serial`` (1 to 2^SERIAL_BITS - 1): never 0. A serial comes back only after 2^24 - 1 more
+    publications: a reader would have to stall that long (minutes of a busy daemon's seals)
+    between its two reads, and find the same slot at the same offset, to be misled."""
+    return (serial << OFFSET_BITS) | (offset // WHERE_UNIT)
+
+
+def where_offset(word: int) -> int:
+    """The arena offset a (nonzero) where word names."""
+    return (word & OFFSET_MASK) * WHERE_UNIT
 
 
 def bucket_count(blocks: int) -> int:

@@ -87,7 +87,7 @@ def test_a_miss_in_an_overflowed_bucket_is_no_answer(tmp_path: Path, listener: t
     reader = PresenceReader(str(table.path), table.instance_id, listener[0], 5.0)
     assert reader.lookup(1, b"".join(chain[:8]), 32) == (8, 0)    # hits are still answers
     assert reader.lookup(1, b"".join(chain), 32) is None          # the ninth is not known
-    assert table.verify((1, k, layout.DRAM) for k in chain) == []
+    assert table.verify((1, k, layout.DRAM, -1) for k in chain) == []
     table.close()
 
 
@@ -113,11 +113,15 @@ def test_a_table_of_another_daemon_or_none_is_refused(tmp_path: Path, listener: 
 def test_verify_names_what_differs(tmp_path: Path) -> None:
     table = PresenceTable(tmp_path / "t.presence", 64, 0o600)
     a, b = keys(2)
-    table.set(1, a, layout.DRAM)
-    assert table.verify([(1, a, layout.DRAM), (1, b, 0)]) == []
-    assert len(table.verify([(1, a, layout.SSD)])) == 1
-    assert len(table.verify([(1, a, layout.DRAM), (1, b, layout.DRAM)])) == 1
+    table.set(1, a, layout.DRAM, 4096)
+    assert table.verify([(1, a, layout.DRAM, 4096), (1, b, 0, -1)]) == []
+    assert len(table.verify([(1, a, layout.SSD, -1)])) == 1
+    assert len(table.verify([(1, a, layout.DRAM, 4096), (1, b, layout.DRAM, -1)])) == 1
     assert len(table.verify([])) == 1
+    assert len(table.verify([(1, a, layout.DRAM, 8192)])) == 1     # its where word names another slot
+    table.set(1, b, layout.DRAM)                                    # in DRAM, nothing published
+    assert table.verify([(1, a, layout.DRAM, 4096), (1, b, layout.DRAM, -1)]) == []
+    assert len(table.verify([(1, a, layout.DRAM, 4096), (1, b, layout.DRAM, 64)])) == 1
     table.close()
 
 
@@ -131,9 +135,10 @@ def test_a_batch_fills_the_table_slot_for_slot_as_one_block_at_a_time(tmp_path: 
         size = int(rng.integers(1, 40)) if round_ % 2 else int(rng.integers(1, SMALL_BATCH + 1))
         chain = keys(size, salt=round_ % 3)   # rounds 3-5 revisit 0-2's keys
         states = rng.choice([0, layout.DRAM, layout.SSD, layout.PROMOTING], len(chain)).tolist()
-        for key, state in zip(chain, states):
-            one.set(3, key, state)
-        many.set_many(3, chain, states)
+        offsets = (rng.integers(0, 1 << 20, len(chain)) * layout.WHERE_UNIT).tolist()
+        for key, state, offset in zip(chain, states, offsets):
+            one.set(3, key, state, offset)
+        many.set_many(3, chain, states, offsets)
         assert one.path.read_bytes()[layout.HEADER.size:] == many.path.read_bytes()[layout.HEADER.size:]
     assert one.overflowed == many.overflowed
     one.close()
@@ -165,5 +170,57 @@ def test_threads_sharing_a_reader_may_ask_whether_its_daemon_is_there_at_once(
         t.join(60)
     assert errors == []
     assert len(answers) == 80_000 and all(answers), "a daemon that is there was seen gone"
+    reader.close()
+    table.close()
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_a_reader_locates_blocks_in_dram_and_sees_any_change_before_its_second_look(
+        tmp_path: Path, listener: tuple[str, socket.socket], n: int) -> None:
+    """The two halves of a load without a lease: where each block's bytes are, and whether every
+    block stayed that block's bytes (its where word read again names the same publication)."""
+    table = PresenceTable(tmp_path / "t.presence", 1024, 0o600)
+    chain = keys(n)
+    offsets = [(7 + 3 * i) * layout.WHERE_UNIT for i in range(n)]
+    table.set_many(5, chain, [layout.DRAM] * n, offsets)
+    reader = PresenceReader(str(table.path), table.instance_id, listener[0], 5.0)
+    packed = b"".join(chain)
+    located = reader.locate(5, packed, 32, 0)
+    assert located is not None and located.hits == n and located.offsets == offsets
+    assert reader.confirm(located)
+    later = reader.locate(5, packed, 32, n - 1)           # only the last block to read
+    assert later is not None and later.hits == n and later.offsets == offsets[-1:]
+    assert reader.locate(5, packed + bytes(32), 32, 0).hits == n   # type: ignore[union-attr]
+    last = chain[-1]
+    # evicted and saved again into the same slot meanwhile: the same offset, another publication
+    table.set(5, last, 0)
+    table.set(5, last, layout.DRAM, offsets[-1])
+    assert not reader.confirm(located)
+    located = reader.locate(5, packed, 32, 0)
+    assert located is not None and reader.confirm(located)
+    table.set(5, last, layout.DRAM, offsets[-1] + layout.WHERE_UNIT)   # moved
+    assert not reader.confirm(located)
+    table.set(5, last, layout.DRAM, offsets[-1])
+    # a block to read that is not in DRAM with its bytes published: no answer; before start: fine
+    for state, offset in ((layout.SSD, -1), (layout.PROMOTING, offsets[-1]), (layout.DRAM, -1)):
+        table.set(5, last, state, offset)
+        assert reader.locate(5, packed, 32, 0) is None
+        assert reader.locate(5, packed + keys(1, salt=9)[0], 32, n) == reader.locate(5, packed, 32, n)
+        assert reader.locate(5, packed, 32, n).hits == n   # type: ignore[union-attr]
+    table.set(5, chain[0], 0)
+    gone = reader.locate(5, packed, 32, 0)
+    assert gone is not None and gone.hits == 0 and gone.offsets == []
+    reader.close()
+    table.close()
+
+
+def test_a_miss_in_an_overflowed_bucket_locates_nothing(tmp_path: Path, listener: tuple[str, socket.socket]) -> None:
+    table = PresenceTable(tmp_path / "t.presence", 1, 0o600)   # one bucket: 8 blocks fit
+    chain = keys(10)
+    table.set_many(1, chain, [layout.DRAM] * 10, [i * layout.WHERE_UNIT for i in range(10)])
+    reader = PresenceReader(str(table.path), table.instance_id, listener[0], 5.0)
+    assert reader.locate(1, b"".join(chain[:8]), 32, 0).hits == 8   # type: ignore[union-attr]
+    assert reader.locate(1, b"".join(chain), 32, 0) is None
+    assert table.verify((1, k, layout.DRAM, i * layout.WHERE_UNIT) for i, k in enumerate(chain)) == []
     reader.close()
     table.close()

@@ -46,6 +46,7 @@ from kvstored.store import BlockStore, KeyRequest
 from kvstored.tiers.dram import Arena
 from kvstored.tiers.ssd import BlockRecord, Corrupt, MapFull, SSDError, SSDTier
 from kvstored_client import shm
+from kvstored_client.contract import presence as presence_layout
 from kvstored_client.contract.errors import KVStoreError
 from kvstored_client.contract.hashing import block_hashes
 from kvstored_client.contract.layout import TensorLayout
@@ -115,6 +116,7 @@ class Fuzz:
         self.presence = PresenceTable(self.tmp / "presence", 8, 0o600)
         self.store = BlockStore(self.cfg, self.arena, self.copy, self.ssd, clock=self.clock,
                                 new_session_id=lambda: f"s{next(ids)}", presence=self.presence)
+        self.watch_slots_handed_out()
         self.store.restore()
         self.ns_ids = [self.store.open_namespace(Namespace(model=m, block_bytes=b)).namespace_id
                        for m, b in zip(MODELS, SIZES)]
@@ -123,6 +125,25 @@ class Fuzz:
             self.fail(f"restore brought back {len(restored - self.on_ssd)} blocks that were not on SSD and "
                       f"lost {len(self.on_ssd - restored)} that were")
         self.sessions = [self.new_session() for _ in range(2)]
+
+    def watch_slots_handed_out(self) -> None:
+        """Every slot the DRAM tier hands out (to a reservation, a promotion, a landing) is named
+        by no where word of the presence table: an SDK reading without a lease must have seen
+        its last block's publication end before anything may write the slot."""
+        dram = self.store.placement.dram
+        take_free, path = dram.take_free, self.presence.path
+        n = self.presence.buckets * presence_layout.SLOTS   # slots, then as many where words
+
+        def watched(slot_bytes: int) -> int | None:
+            offset = take_free(slot_bytes)
+            if offset is not None:
+                data = path.read_bytes()
+                words = np.frombuffer(data, np.uint64, n, presence_layout.HEADER.size + n * 8).tolist()
+                if any(w and presence_layout.where_offset(w) == offset for w in words):
+                    self.fail(f"slot {offset} handed out while the presence table still publishes it")
+            return offset
+
+        dram.take_free = watched  # type: ignore[method-assign]
 
     def inject_faults(self, ssd: SSDTier) -> None:
         """Some SSD writes and reads fail (an I/O error, a full map, a checksum mismatch)."""
