@@ -295,7 +295,8 @@ class Client(Connection):
         # first: a new session after a restart renews the namespace ids; and the arena goes with it
         session, arena = self._session_arena()
         assert arena is not None, "an arena comes with the session when asked for"
-        ns_id, spec = self._ns(namespace)
+        entry = self._ns(namespace)
+        ns_id, spec = entry
         start = coerce.block_start(start)
         lookup = pb.LookupRequest(namespace_id=ns_id, packed_reply=True)
         n = self._keys(lookup.keys, spec, tokens, hashes, cache_salt)
@@ -320,6 +321,7 @@ class Client(Connection):
         lookup.session_id = session
         started = time.monotonic()
         resp = self._call(self._stub.Lookup, lookup)
+        self._learned_block_bytes(namespace, entry, resp.block_bytes)   # the next load may read the table
         hit = resp.hit_blocks
         wanted = max(hit - start, 0)
         if not wanted:   # rows as wide as the namespace's blocks (0 while its size is unknown)

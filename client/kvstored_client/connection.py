@@ -10,6 +10,7 @@ builds its calls on it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 import queue
@@ -415,6 +416,14 @@ class Connection:
             entry = (resp.namespace_id, namespace_from_pb(resp.spec))
             self._namespace_ids[ns] = entry
         return entry
+
+    def _learned_block_bytes(self, namespace: Namespace | None, entry: tuple[int, Namespace],
+                             block_bytes: int) -> None:
+        """Keep the block size a reply showed for a namespace opened before any block fixed it,
+        unless the entry was renewed meanwhile (a new session has other ids)."""
+        ns = namespace or self.namespace
+        if block_bytes and entry[1].block_bytes == 0 and self._namespace_ids.get(ns) is entry:
+            self._namespace_ids[ns] = (entry[0], dataclasses.replace(entry[1], block_bytes=block_bytes))
 
     def _settle_releases(self, one_way: bool = True) -> None:
         """Wait for the releases sent in the background, so a call that acts on what is leased

@@ -77,6 +77,24 @@ def test_a_load_of_blocks_in_dram_takes_no_call_and_gives_what_a_leased_load_giv
         table.load(prompt(4, 40), dtype=np.dtype([("a", np.uint8, 3)]))
 
 
+def test_a_reader_that_came_before_any_save_reads_the_table_once_a_load_has_seen_the_block_size(
+        daemon: Daemon) -> None:
+    """An engine that looks up before anything is saved (a cold node) opens the namespace while its
+    block size is unknown; the first load whose reply shows the size lets the next ones skip the
+    lease, without asking the daemon again."""
+    with kvstored.Client(daemon.socket) as reader, kvstored.Client(daemon.socket) as writer:
+        p = prompt(7, 3)
+        assert reader.load(p).blocks == 0 and reader.lookup(p).blocks == 0
+        writer.save(p, rows(7, 3))
+        first = reader.load(p)   # leased: the namespace's size was 0 when it was opened
+        assert first.blocks == 3 and np.array_equal(first.data, rows(7, 3))
+        before = reader.table_loads
+        for _ in range(3):
+            again = reader.load(p)
+            assert again.blocks == 3 and np.array_equal(again.data, rows(7, 3))
+        assert reader.table_loads == before + 3
+
+
 def test_blocks_the_table_cannot_vouch_for_take_the_lease(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     p, want = prompt(1, 6), rows(1, 6)
     with kvstored.Client(daemon.socket) as c:
