@@ -30,7 +30,7 @@ by 5% and as many blocks have come and gone as it holds (O(1) amortised).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstored.index import Block
 from kvstored.policy.credit import DEFAULT_CLASS_WEIGHTS, DEFAULT_TAU_S
@@ -49,6 +49,15 @@ _CLASS = (1 << 4) - 1
 _MOVED = 1 << 4       # only moved to another tier (its return is no reuse)
 _REFUSED = 1 << 5     # never stored: refused at admission
 _LEARNED = 1 << 6     # its return already counted (seen at admission, then stored)
+
+
+def learned_value(learned: Mapping[str, float], name: str, default: float) -> float:
+    """``learned[name]`` if it is a finite number >= 0 (what a policy's records hold), else
+    ``default``: a record written by another version or damaged is not taken on trust."""
+    value = learned.get(name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+        return default
+    return float(value)
 
 
 class AdaptivePolicy:
@@ -168,6 +177,16 @@ class AdaptivePolicy:
         self._since_build = 0
 
     # -- BlockPolicy ---------------------------------------------------------------------------
+
+    def learned(self) -> dict[str, float]:
+        return {"scale": self.scale, "departed_new": self._dep[0], "departed_reused": self._dep[1],
+                "returned_new": self._ret[0], "returned_reused": self._ret[1]}
+
+    def resume(self, learned: Mapping[str, float]) -> None:
+        for i, side in enumerate(("new", "reused")):
+            self._dep[i] = learned_value(learned, f"departed_{side}", self._dep[i])
+            self._ret[i] = learned_value(learned, f"returned_{side}", self._ret[i])
+        self.scale = self._built_scale = min(learned_value(learned, "scale", self.scale), self._max_scale)
 
     def admit(self, key: bytes, full: bool) -> bool:
         rec = self._ghost_get(key)

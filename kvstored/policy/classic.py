@@ -8,7 +8,7 @@ lookup costs O(1) here whatever the length of its prefix.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstored.index import Block
 from kvstored.policy.leafheap import LeafHeap, Priority, index_leaf, track_stored
@@ -41,6 +41,12 @@ class _HeapPolicy:
     def admit(self, key: bytes, full: bool) -> bool:
         return True
 
+    def learned(self) -> dict[str, float]:
+        return {}
+
+    def resume(self, learned: Mapping[str, float]) -> None:
+        pass   # nothing learned: the order is the records'
+
     def inserted(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
         self._tick += 1
         now = float(self._tick)
@@ -66,12 +72,13 @@ class _HeapPolicy:
 
 
 class LRUPolicy(_HeapPolicy):
-    """Least recently used leaf first; a hit or insert run shares one tick (ties: oldest entry)."""
+    """Least recently used leaf first; a hit or insert run shares one tick (ties: the leaf reused
+    less, as among blocks restored at one moment, then the oldest entry)."""
 
     name = "lru"
 
     def _priority(self, use: Use) -> Priority:
-        return (use.last_use, 0.0)
+        return (use.last_use, float(use.base + use.hits))
 
 
 class LFUPolicy(_HeapPolicy):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstored.index import Block
 from kvstored.policy.leafheap import LeafHeap, Priority, index_leaf, track_stored
@@ -92,6 +92,12 @@ class CreditPolicy:
             return 0
         cls, moved = ghost
         return cls if moved else min(cls + 1, self._top)
+
+    def learned(self) -> dict[str, float]:
+        return {}
+
+    def resume(self, learned: Mapping[str, float]) -> None:
+        pass   # fixed weights: nothing learned
 
     def admit(self, key: bytes, full: bool) -> bool:
         if not full:

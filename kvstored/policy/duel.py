@@ -26,11 +26,11 @@ system prompt's length), plus O(prefix) when its chain is sampled and a shadow l
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 from kvstored.index import Block, PrefixIndex
-from kvstored.policy.adaptive import AdaptivePolicy
+from kvstored.policy.adaptive import AdaptivePolicy, learned_value
 from kvstored.policy.leafheap import index_leaf
 from kvstored.policy.one_tier import store_chain
 
@@ -229,6 +229,18 @@ class DuelPolicy(AdaptivePolicy):
         self.scale = target
 
     # -- BlockPolicy (the rest as adaptive's, at the duel's scale) ----------------------------
+
+    def learned(self) -> dict[str, float]:
+        """The tier's scale and the leading shadow's (the shadows themselves start empty again)."""
+        return {"scale": self.scale, "target": self._candidates[self._leader]}
+
+    def resume(self, learned: Mapping[str, float]) -> None:
+        """Lead with the candidate nearest the recorded leader's scale (fresh shadows score the
+        same until they fill, so it leads until another saves more) at the recorded scale."""
+        target = learned_value(learned, "target", self._candidates[self._leader])
+        self._leader = min(range(len(self._candidates)), key=lambda i: abs(self._candidates[i] - target))
+        scale = learned_value(learned, "scale", self.scale)
+        self.scale = self._built_scale = min(max(scale, min(self._candidates)), max(self._candidates))
 
     def hit(self, blocks: Sequence[Block]) -> None:
         super().hit(blocks)

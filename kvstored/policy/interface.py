@@ -11,7 +11,7 @@ no resident children), so evicting it can never orphan a cached descendant.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from kvstored.index import Block
@@ -69,6 +69,16 @@ class BlockPolicy(Protocol):
         """``block`` left the index (evicted, aborted or lost) or, with ``moved``, only this tier
         (its bytes stay in another: it may come back by a move, which is not a reuse); untracked
         blocks are ignored. May be called before or after ``PrefixIndex.remove``."""
+        ...
+
+    def learned(self) -> dict[str, float]:
+        """What the policy has learned of the workload (a scale, weights), kept with the SSD tier
+        so that a restart resumes from it; {} for a policy that learns nothing."""
+        ...
+
+    def resume(self, learned: Mapping[str, float]) -> None:
+        """Start from what :meth:`learned` gave before a restart (before any block is tracked);
+        missing or unknown entries are ignored, values out of range brought into it."""
         ...
 
     def victim(self) -> Block | None:

@@ -10,8 +10,8 @@ slot size), how many tracked children hang under it, the reuses it came in with 
 small int (cached by Python, so free) for the common block (tracked, one child, no reuses).
 Semantics as :mod:`kvstored.policy.usage` (hits recorded on the deepest tracked block of a
 prefix, folded into the parent when it stops being tracked) and
-:mod:`kvstored.policy.leafheap` (only tracked leaves in the heap, lazy deletion, ties to the entry
-pushed first, ``can_evict`` decides whether a candidate may go now).
+:mod:`kvstored.policy.leafheap` (only tracked leaves in the heap, lazy deletion, ties to the block
+reused less, then to the entry pushed first, ``can_evict`` decides whether a candidate may go now).
 
 A lane may order its leaves more than one way (``orders``: a policy that weighs experts against
 each other, each with its own order over the same records): one heap per order, each fed the same
@@ -103,9 +103,11 @@ class Lane:
         return self._get_t(block) if self._get_n(block) & _OWNER == self._owner else None
 
     def current(self, block: Block, order: int = 0) -> Priority:
-        """A tracked block's priority now (in ``order``)."""
+        """A tracked block's priority now (in ``order``); of two equal ones the block reused less
+        goes first (blocks restored at one moment, with the reuse counts their records kept)."""
         n = self._get_n(block)
-        return (self._orders[order](self._get_t(block), (n >> _BASE_SHIFT & _BASE_MAX) + (n >> _HITS_SHIFT)), 0.0)
+        reuses = (n >> _BASE_SHIFT & _BASE_MAX) + (n >> _HITS_SHIFT)
+        return (self._orders[order](self._get_t(block), reuses), float(reuses))
 
     def stored(self, blocks: Sequence[Block], now: float, bases: Sequence[int]) -> None:
         """Track ``blocks`` (a parent's run before its children's, any order across runs), stored

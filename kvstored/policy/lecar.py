@@ -25,10 +25,10 @@ up or stored, not the clock. O(1) per lookup (hits land on the deepest tracked b
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvstored.index import Block
-from kvstored.policy.adaptive import AdaptivePolicy
+from kvstored.policy.adaptive import AdaptivePolicy, learned_value
 from kvstored.policy.lanes import Lane
 from kvstored.policy.leafheap import index_leaf
 
@@ -139,6 +139,17 @@ class LecarPolicy(AdaptivePolicy):
         return self._draw
 
     # -- BlockPolicy ---------------------------------------------------------------------------
+
+    def learned(self) -> dict[str, float]:
+        return {**super().learned(), "weight_credit": self.weights[CREDIT], "weight_recency": self.weights[RECENCY]}
+
+    def resume(self, learned: Mapping[str, float]) -> None:
+        if self._learn_scale:
+            super().resume(learned)
+        credit = learned_value(learned, "weight_credit", self.weights[CREDIT])
+        recency = learned_value(learned, "weight_recency", self.weights[RECENCY])
+        if credit + recency > 0:
+            self.weights[CREDIT], self.weights[RECENCY] = credit / (credit + recency), recency / (credit + recency)
 
     def admit(self, key: bytes, full: bool) -> bool:
         self._regret(key)

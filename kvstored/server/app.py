@@ -484,7 +484,7 @@ async def serve(cfg: Config) -> int:
     if ssd is not None:
         try:   # bounded like the write-back: the records keep the counts of their last write
             updated = await asyncio.wait_for(store.record_reuses(), max(cfg.server.shutdown_grace_s, 1.0))
-            log.info("kept the reuse counts of %d block(s) with their SSD records", updated)
+            log.info("kept the reuse counts of %d block(s) and what the policies learned with the SSD tier", updated)
         except TimeoutError:
             log.warning("recording reuse counts at shutdown stopped after %.0f s (server.shutdown_grace_s)",
                         max(cfg.server.shutdown_grace_s, 1.0))

@@ -312,8 +312,8 @@ class BlockStore:
         return await self.writeback.for_shutdown()
 
     async def record_reuses(self) -> int:
-        """Shutdown: keep each reused block's count with its SSD record (see
-        :meth:`WriteBack.record_reuses`); how many records were updated."""
+        """Shutdown: keep each reused block's count with its SSD record, and what the policies
+        learned (see :meth:`WriteBack.record_reuses`); how many records were updated."""
         return await self.writeback.record_reuses()
 
     def dram_only_blocks(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvstored.index import NO_SLOT, ON_SSD, SEALED, Block, PrefixIndex, Tier
 from kvstored.store.catalog import Catalog
+from kvstored.store.learned import resume_learned
 from kvstored.store.placement import Placement
 from kvstored.store.values import RestoreReport
 from kvstored.tiers.ssd import PROGRESS_EVERY, BlockRecord, Progress, SSDTier
@@ -18,10 +19,12 @@ def restore(catalog: Catalog, placement: Placement, tier: SSDTier | None,
     blocks larger than ``dram.page_bytes``, a fast hash not allowed), whose parent is missing
     or whose length is wrong are deleted from disk and counted; payload checksums are
     verified when a block is read, so a corrupt payload is still never served. Each block enters
-    the SSD policy with the reuse count its record kept.
+    the SSD policy with the reuse count its record kept, the policies resumed from what they had
+    learned (:mod:`kvstored.store.learned`).
     """
     if tier is None:
         return RestoreReport(0, 0, 0)
+    resume_learned(placement, tier.learned())
     catalog.restore_records()
     records: list[BlockRecord] = []
     dropped = 0

@@ -16,6 +16,7 @@ from kvstored.index import DEMOTING, HIT, ON_SSD, PROMOTING, SEALED, SSD_DECLINE
 from kvstored.policy.admission import admit
 from kvstored.store.background import Background
 from kvstored.store.catalog import Catalog
+from kvstored.store.learned import learned_records
 from kvstored.store.placement import Placement
 from kvstored.store.values import FlushProgress
 from kvstored.tiers.dram import Arena
@@ -25,6 +26,7 @@ from kvstored_client.contract.errors import FailedPrecondition, Reason, Resource
 log = logging.getLogger("kvstored.store")
 
 WAITED_ROUNDS = 16     # a round written for waiting saves is this share of the arena
+LEARNED_EVERY_S = 60.0   # what the policies learned is recorded this often (and at shutdown)
 _FLUSH_ROUNDS = 6000   # write-back rounds (or 10 ms waits for other write-backs) a flush takes at most
 
 
@@ -57,6 +59,7 @@ class WriteBack:
         self._tier = tier
         self._background = background
         self._backoff_until = 0.0
+        self._learned_at = clock()
         self.demotions = 0
         self.write_errors = 0
 
@@ -99,6 +102,8 @@ class WriteBack:
             queue.wanted.clear()
             if self._tier is None or self._clock() < self._backoff_until:
                 continue
+            if self._clock() - self._learned_at >= LEARNED_EVERY_S:
+                self.record_learned()   # so that a kill -9 loses at most a minute of it
             nbytes = self.due()
             if not nbytes:
                 continue
@@ -279,11 +284,23 @@ class WriteBack:
                                     "see kvctl stats)")
         yield FlushProgress(total, 0, done=True)
 
+    def record_learned(self) -> int:
+        """Queue what the policies have learned for the SSD tier to keep (see
+        :mod:`kvstored.store.learned`); how many policies' states. Done every LEARNED_EVERY_S by
+        the background task and at shutdown."""
+        self._learned_at = self._clock()
+        if self._tier is None:
+            return 0
+        records = learned_records(self._placement)
+        for name, state in records.items():
+            self._tier.put_learned(name, state)
+        return len(records)
+
     async def record_reuses(self) -> int:
         """Shutdown: write the reuse count each reused block with an SSD copy has now into its
         record (written with the count it had then), so that a restart's policies do not take
-        the most reused blocks for new ones; returns how many records were updated. A kill -9
-        keeps the counts of the last writes."""
+        the most reused blocks for new ones, and what the policies learned (:meth:`record_learned`);
+        returns how many records were updated. A kill -9 keeps the counts of the last writes."""
         if self._tier is None:
             return 0
         dram, ssd = self._placement.dram, self._placement.ssd
@@ -300,6 +317,7 @@ class WriteBack:
             if reuses and block.on_ssd:
                 self._tier.set_reuses(block.index.namespace_id, block.key, reuses)
                 updated += 1
+        self.record_learned()
         await asyncio.wrap_future(self._tier.barrier())
         return updated
 

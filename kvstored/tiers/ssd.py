@@ -152,9 +152,10 @@ def decode_meta(raw: bytes, key: bytes) -> BlockRecord:
 
 @dataclass(slots=True)
 class _Op:
-    kind: str                       # "put" | "delete" | "namespace" | "barrier" | "reuses"
+    kind: str                       # "put" | "delete" | "namespace" | "barrier" | "reuses" | "learned"
     key: bytes
-    meta: bytes                     # "namespace": the spec; "put": filled in by the writer; "reuses": the count
+    meta: bytes                     # "namespace": the spec; "put": filled in by the writer; "reuses": the count;
+                                    # "learned": a policy's state
     payload: np.ndarray | None      # "put": the block's bytes
     done: Future[Any]               # "put": its checksum; the others: None
     record: BlockRecord | None = None   # "put": its checksum is the caller's (0: not known)
@@ -191,6 +192,7 @@ class SSDTier:
                 env = self._env = self._open_env(sync)
             self._meta = self._env.open_db(b"meta")
             self._namespaces = self._env.open_db(b"namespaces")
+            self._learned = self._env.open_db(b"learned")   # what the policies learned, by tier
             used: dict[int, set[int]] = {}
             for n, item in enumerate(self.scan(), 1):
                 if progress is not None and n % PROGRESS_EVERY == 0:
@@ -245,7 +247,7 @@ class SSDTier:
                     log.warning("could not remove %s, which no block uses: %s", file, exc)
 
     def _open_env(self, sync: bool) -> lmdb.Environment:
-        return lmdb.open(str(self.path), map_size=self.map_size, max_dbs=4, writemap=False, readahead=True,
+        return lmdb.open(str(self.path), map_size=self.map_size, max_dbs=8, writemap=False, readahead=True,
                          sync=sync, metasync=sync, max_readers=126, lock=True, subdir=True)
 
     def _drop_legacy_payloads(self) -> bool:
@@ -322,6 +324,17 @@ class SSDTier:
         fut: Future[None] = Future()
         self._ops.put(_Op("namespace", namespace_id.to_bytes(8, "big"), spec_json, None, fut))
         return fut
+
+    def put_learned(self, name: str, state: bytes) -> Future[None]:
+        """Queue what the policy ``name`` (a tier's) has learned, replacing what it had recorded."""
+        fut: Future[None] = Future()
+        self._ops.put(_Op("learned", name.encode(), state, None, fut))
+        return fut
+
+    def learned(self) -> dict[str, bytes]:
+        """What :meth:`put_learned` recorded, by name."""
+        with self._env.begin() as txn:
+            return {bytes(k).decode(errors="replace"): bytes(v) for k, v in txn.cursor(db=self._learned)}
 
     def barrier(self) -> Future[None]:
         """Done once every op queued before it has been committed (or has failed: with a
@@ -469,6 +482,9 @@ class SSDTier:
             for op in batch:
                 if op.kind == "namespace":
                     txn.put(op.key, op.meta, db=self._namespaces)
+                    continue
+                if op.kind == "learned":
+                    txn.put(op.key, op.meta, db=self._learned)
                     continue
                 if op.kind == "reuses":
                     raw = txn.get(op.key, db=self._meta)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from policy_cache import PolicyCache, scan_polluted_loop
 
 from kvstored.index import SEALED, Block, PrefixIndex
 from kvstored.policy.classic import LFUPolicy, LRUPolicy
@@ -324,3 +325,45 @@ def test_a_policy_tracking_long_chains_costs_little_memory_per_block(name: str) 
     assert per_block < 300, f"{name}: {per_block:.0f} B of policy records per block"
     order = drain(index, policy)   # every victim a leaf (drain checks), the oldest chain's first
     assert len(order) == 10 * 2048 and order[0] == b"0/2047"
+
+
+# -- what a policy learned, across a restart ------------------------------------------------
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_policy_resumed_from_what_another_learned_orders_as_it_did(name: str) -> None:
+    """``learned`` is what the SSD tier keeps at a stop; a fresh policy ``resume``d from it has
+    learned the same, so a restarted tier keeps the hot keys of a scan-polluted loop from its
+    third round on, where a fresh learner (LRU at first) loses them for longer; damaged or foreign entries
+    change nothing."""
+    def cache() -> PolicyCache:
+        return PolicyCache(20, lambda clock, n: make_policy(name, clock, n))
+    taught = cache()
+    scan_polluted_loop(taught, 60)
+    state = taught.policy.learned()
+    assert all(isinstance(v, float) and math.isfinite(v) for v in state.values())
+    fresh, resumed = cache(), cache()
+    before = resumed.policy.learned()
+    resumed.policy.resume({k: math.nan for k in state} | {"unknown": 1.0})
+    resumed.policy.resume({k: "1" for k in state})
+    assert resumed.policy.learned() == before
+    resumed.policy.resume(state)
+    assert resumed.policy.learned() == state
+    if state:   # the policies that learn: they had moved towards credit
+        assert state != before
+        assert scan_polluted_loop(fresh, 3) == [0, 0, 0]
+        assert scan_polluted_loop(resumed, 3) == [0, 0, 10]   # (a hot key earns credit by its first reuse)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_blocks_stored_at_one_moment_go_least_reused_first(name: str) -> None:
+    """A restart restores every block at one moment with the reuse count its record kept: the
+    leaves nobody reused leave before the reused ones, under every policy (LRU's tie included)."""
+    index, policy = PrefixIndex(0), make_policy(name, FakeClock(), capacity_blocks=8)
+    leaves = []
+    for i, reuses in enumerate((2, 0, 5, 1)):
+        block = index.insert(b"leaf%d" % i, None, 0)
+        block.flags |= SEALED
+        block.pins = 0
+        leaves.append((reuses, block.key, block))
+    policy.inserted([b for _, _, b in leaves], [r for r, _, _ in leaves])
+    assert drain(index, policy) == [key for _, key, _ in sorted(leaves, key=lambda e: e[0])]

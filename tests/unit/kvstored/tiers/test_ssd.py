@@ -221,6 +221,21 @@ def test_writes_are_durable_across_reopen(tmp_path: Path) -> None:
         again.close()
 
 
+def test_what_the_policies_learned_is_kept_across_reopen_and_is_no_block(tmp_path: Path) -> None:
+    ssd = SSDTier(str(tmp_path), 64 << 20)
+    assert ssd.learned() == {}
+    ssd.put_learned("ssd", b'{"scale": 1.0}')
+    ssd.put_learned("dram/4096", b'{"scale": 0.5}')
+    ssd.put_learned("ssd", b'{"scale": 0.25}').result(10)   # the latest replaces the one before
+    ssd.close()
+    again = SSDTier(str(tmp_path), 64 << 20)
+    try:
+        assert again.learned() == {"ssd": b'{"scale": 0.25}', "dram/4096": b'{"scale": 0.5}'}
+        assert list(again.scan()) == [] and again.namespaces() == {}
+    finally:
+        again.close()
+
+
 def test_no_writemap(tmp_path: Path) -> None:
     ssd = SSDTier(str(tmp_path), 8 << 20)
     try:
