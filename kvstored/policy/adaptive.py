@@ -178,6 +178,9 @@ class AdaptivePolicy:
 
     # -- BlockPolicy ---------------------------------------------------------------------------
 
+    def catch_up(self) -> None:
+        pass   # nothing put off (a subclass with shadows may)
+
     def learned(self) -> dict[str, float]:
         return {"scale": self.scale, "departed_new": self._dep[0], "departed_reused": self._dep[1],
                 "returned_new": self._ret[0], "returned_reused": self._ret[1]}
@@ -196,6 +199,8 @@ class AdaptivePolicy:
         if not full:
             return True
         self._settle()
+        if not self.scale:
+            return True   # LRU admits everything: a newcomer is never older than the victim
         victim = self._heap.peek()
         if victim is None:
             return True  # nothing to compare with; the caller finds no room by itself

@@ -41,6 +41,9 @@ class _HeapPolicy:
     def admit(self, key: bytes, full: bool) -> bool:
         return True
 
+    def catch_up(self) -> None:
+        pass   # nothing put off
+
     def learned(self) -> dict[str, float]:
         return {}
 

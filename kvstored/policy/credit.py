@@ -93,6 +93,9 @@ class CreditPolicy:
         cls, moved = ghost
         return cls if moved else min(cls + 1, self._top)
 
+    def catch_up(self) -> None:
+        pass   # nothing put off
+
     def learned(self) -> dict[str, float]:
         return {}
 

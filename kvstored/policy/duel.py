@@ -134,7 +134,9 @@ class DuelPolicy(AdaptivePolicy):
     admission at that scale, the scale that of the candidate whose sampled shadow saves most.
 
     ``clock`` gives seconds (monotonic); ``ghost_entries`` bounds the remembered departed keys;
-    ``capacity_blocks`` sizes the shadows; ``can_evict`` and ``lane`` as for ``adaptive``.
+    ``capacity_blocks`` sizes the shadows; ``can_evict`` and ``lane`` as for ``adaptive``;
+    ``defer``: a call's shadow replay waits for :meth:`catch_up` (or the next call), so that a
+    store answers before it (the same decisions).
     """
 
     name = "duel"
@@ -143,7 +145,7 @@ class DuelPolicy(AdaptivePolicy):
                  can_evict: Callable[[Block], bool] = index_leaf, *, lane: int = 0,
                  candidates: Sequence[float] = CANDIDATES, min_shadow: int = DEFAULT_MIN_SHADOW,
                  max_rate: int = DEFAULT_MAX_RATE, window: float = DEFAULT_WINDOW,
-                 margin: float = DEFAULT_MARGIN) -> None:
+                 margin: float = DEFAULT_MARGIN, defer: bool = False) -> None:
         super().__init__(clock, ghost_entries, can_evict=can_evict, lane=lane)
         if not candidates or min(candidates) < 0 or min_shadow < 1 or max_rate < 1 or window < 1 or margin < 0:
             raise ValueError("need candidates >= 0, min_shadow, max_rate and window >= 1, margin >= 0")
@@ -168,6 +170,10 @@ class DuelPolicy(AdaptivePolicy):
         self._memo: Block | None = None
         self._memo_sampled = False
         self._memo_below_branch = False   # its decision came from a branch above it
+        # with ``defer``, the sampled accesses of the last call, replayed in the shadows by
+        # catch_up (the store calls it once the reply is out) or else first thing in the next call
+        self._defer = defer
+        self._pending: list[tuple[Block, int, int, int]] = []   # deepest, already, the two counts
 
     def _learn(self, rec: int) -> None:
         pass   # the scale comes from the duel, not from ghost hits
@@ -175,7 +181,17 @@ class DuelPolicy(AdaptivePolicy):
     @property
     def scores(self) -> tuple[float, ...]:
         """Each candidate's decayed saved prefill in its shadow (read it to see the duel)."""
+        self.catch_up()
         return tuple(s.score for s in self._shadows)
+
+    def catch_up(self) -> None:
+        """Replay the sampled accesses put off (``defer``) in the shadows now, in order."""
+        pending = self._pending
+        while pending:
+            self._pending = []
+            for deepest, already, stored, stored_sampled in pending:
+                self._access(deepest, partial(_path, deepest), already, stored, stored_sampled)
+            pending = self._pending
 
     def _sampled(self, block: Block, path: Sequence[Block] | None = None) -> bool:
         """Is ``block``'s chain in the sample? ``path``: its blocks from the root, when the caller
@@ -194,12 +210,14 @@ class DuelPolicy(AdaptivePolicy):
         self._memo = block
         self._memo_sampled = sampled
 
-    def _access(self, deepest: Block, path: Callable[[], Sequence[bytes]], already: int) -> None:
+    def _access(self, deepest: Block, path: Callable[[], Sequence[bytes]], already: int,
+                stored: int, stored_sampled: int) -> None:
         """Feed the sampled path ending in ``deepest`` (``path()``: its keys, root first) to every
         shadow; each gains what its hits save past the first ``already`` blocks (counted by an
         earlier call of the same request); the leader changes when another shadow's decayed
-        saving passes it by the margin. The keys are built only if a shadow lacks the path: a
-        sampled chain the shadows hold costs O(1), not O(prefix)."""
+        saving passes it by the margin. ``stored``, ``stored_sampled``: the tier's counts of
+        blocks stored (all, sampled) at the access. The keys are built only if a shadow lacks
+        the path: a sampled chain the shadows hold costs O(1), not O(prefix)."""
         keep = self._keep
         length = deepest.depth + 1
         built: list[Sequence[bytes]] = []
@@ -208,10 +226,10 @@ class DuelPolicy(AdaptivePolicy):
             if not built:
                 built.append(path())
             return built[0]
-        if self.sample_rate > 1 and self._stored >= self._capacity:
+        if self.sample_rate > 1 and stored >= self._capacity:
             # SHARDS' adjustment: a shadow holds the tier's capacity times the share of blocks
             # the sample actually got (a few chains may weigh more or less than one in R)
-            cap = min(self._max_shadow, max(1, self._capacity * self._stored_sampled // self._stored))
+            cap = min(self._max_shadow, max(1, self._capacity * stored_sampled // stored))
             for shadow in self._shadows:
                 shadow.capacity = cap
         for shadow in self._shadows:
@@ -230,19 +248,38 @@ class DuelPolicy(AdaptivePolicy):
 
     # -- BlockPolicy (the rest as adaptive's, at the duel's scale) ----------------------------
 
+    def admit(self, key: bytes, full: bool) -> bool:
+        if self._pending:
+            self.catch_up()
+        return super().admit(key, full)
+
+    def removed(self, block: Block, moved: bool = False) -> None:
+        if self._pending:
+            self.catch_up()
+        super().removed(block, moved)
+
+    def victim(self) -> Block | None:
+        if self._pending:
+            self.catch_up()
+        return super().victim()
+
     def learned(self) -> dict[str, float]:
         """The tier's scale and the leading shadow's (the shadows themselves start empty again)."""
+        self.catch_up()
         return {"scale": self.scale, "target": self._candidates[self._leader]}
 
     def resume(self, learned: Mapping[str, float]) -> None:
         """Lead with the candidate nearest the recorded leader's scale (fresh shadows score the
         same until they fill, so it leads until another saves more) at the recorded scale."""
+        self.catch_up()
         target = learned_value(learned, "target", self._candidates[self._leader])
         self._leader = min(range(len(self._candidates)), key=lambda i: abs(self._candidates[i] - target))
         scale = learned_value(learned, "scale", self.scale)
         self.scale = self._built_scale = min(max(scale, min(self._candidates)), max(self._candidates))
 
     def hit(self, blocks: Sequence[Block]) -> None:
+        if self._pending:
+            self.catch_up()
         super().hit(blocks)
         if not blocks:
             return
@@ -251,9 +288,15 @@ class DuelPolicy(AdaptivePolicy):
         sampled = self._sampled(deepest, blocks if from_root else None)
         self._remember(deepest, sampled)
         if sampled:
-            self._access(deepest, partial(_keys, blocks) if from_root else partial(_path, deepest), 0)
+            if self._defer:
+                self._pending.append((deepest, 0, self._stored, self._stored_sampled))
+            else:
+                self._access(deepest, partial(_keys, blocks) if from_root else partial(_path, deepest), 0,
+                             self._stored, self._stored_sampled)
 
     def inserted(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
+        if self._pending:
+            self.catch_up()
         super().inserted(blocks, reuses)
         start = 0
         for i in range(1, len(blocks) + 1):   # one access per run of a chain (a parent, then its child)
@@ -265,5 +308,8 @@ class DuelPolicy(AdaptivePolicy):
             self._stored += i - start
             if sampled:
                 self._stored_sampled += i - start
-                self._access(last, partial(_path, last), first.depth)
+                if self._defer:
+                    self._pending.append((last, first.depth, self._stored, self._stored_sampled))
+                else:
+                    self._access(last, partial(_path, last), first.depth, self._stored, self._stored_sampled)
             start = i

@@ -35,7 +35,7 @@ class GlidePolicy(DuelPolicy):
 
     ``clock`` gives seconds (monotonic); ``ghost_entries`` bounds the remembered departed keys;
     ``capacity_blocks`` sizes the shadows; ``can_evict`` and ``lane`` as for ``adaptive``; the
-    rest as for ``duel``.
+    rest (``defer`` included) as for ``duel``.
     """
 
     name = "glide"
@@ -43,11 +43,11 @@ class GlidePolicy(DuelPolicy):
     def __init__(self, clock: Callable[[], float], ghost_entries: int, capacity_blocks: int,
                  can_evict: Callable[[Block], bool] = index_leaf, *, lane: int = 0,
                  candidates: Sequence[float] = CANDIDATES, window: float = DEFAULT_WINDOW,
-                 margin: float = DEFAULT_MARGIN, step: float = DEFAULT_STEP) -> None:
+                 margin: float = DEFAULT_MARGIN, step: float = DEFAULT_STEP, defer: bool = False) -> None:
         if step <= 0:
             raise ValueError("need step > 0")
         super().__init__(clock, ghost_entries, capacity_blocks, can_evict, lane=lane, candidates=candidates,
-                         window=window, margin=margin)
+                         window=window, margin=margin, defer=defer)
         self._step = step
 
     @property

@@ -71,6 +71,12 @@ class BlockPolicy(Protocol):
         blocks are ignored. May be called before or after ``PrefixIndex.remove``."""
         ...
 
+    def catch_up(self) -> None:
+        """Do the work a policy made with ``defer`` put off (a sampling policy's shadow replay)
+        now; a store calls it once its reply is out. Without the call it is done first thing in
+        the next call: the decisions are the same either way."""
+        ...
+
     def learned(self) -> dict[str, float]:
         """What the policy has learned of the workload (a scale, weights), kept with the SSD tier
         so that a restart resumes from it; {} for a policy that learns nothing."""

@@ -109,7 +109,7 @@ class DramResidency:
         if policy is None:
             policy = self._policies[slot_bytes] = make_policy(
                 self._config.dram.policy, self._clock, max(self._allocator.capacity // slot_bytes, MIN_GHOST_BLOCKS),
-                can_evict=self.can_evict)
+                can_evict=self.can_evict, defer=True)
         return policy
 
     def keeps(self, block: Block) -> bool:

@@ -96,6 +96,25 @@ class BlockStore:
         self.buffers = EngineBuffers(config, self.catalog, self.leasing, self.reservations, self.reads, copy,
                                      self.background)
         self.peer_traffic = PeerTraffic()
+        self._catching_up = False
+        self.placement.deferred = self._catch_up_soon
+
+    def _catch_up_soon(self) -> None:
+        """The policies put work off (their shadows' replay): do it on the event loop's next turn,
+        after the reply of the request that caused it; without a running loop (a store driven
+        directly) their next call does it."""
+        if self._catching_up:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._catching_up = True
+        loop.call_soon(self._catch_up)
+
+    def _catch_up(self) -> None:
+        self._catching_up = False
+        self.placement.catch_up()
 
     # -- sessions ---------------------------------------------------------------------------
     def open_session(self, client_name: str, pid: int) -> Session:

@@ -72,6 +72,10 @@ class WriteBackQueue:
         self._blocks.pop(block, None)
 
 
+def _nothing() -> None:
+    pass
+
+
 class Placement:
     """A block's copies across the DRAM and SSD tiers, kept consistent with the index, both
     residencies' policies and the write-back queue. Counts evictions and blocks dropped."""
@@ -88,6 +92,8 @@ class Placement:
         # blocks whose last copy went, by reason (see the module docstring)
         self.dropped_by: dict[str, int] = dict.fromkeys(DROP_REASONS, 0)
         self.events: TierEvents = NO_EVENTS   # told of every copy a block gains or loses
+        # called when a policy may have put work off (see catch_up): the store runs it once idle
+        self.deferred: Callable[[], None] = _nothing
 
     @property
     def dropped(self) -> int:
@@ -97,6 +103,12 @@ class Placement:
     def count_dropped(self, reason: str, n: int = 1) -> None:
         assert reason in self.dropped_by, f"unknown drop reason {reason!r}"
         self.dropped_by[reason] += n
+
+    def catch_up(self) -> None:
+        """Let the tiers' policies do the work they put off (their shadows' replay), now."""
+        for policy in self.dram.policies().values():
+            policy.catch_up()
+        self.ssd.policy.catch_up()
 
     def hit(self, blocks: Sequence[Block]) -> None:
         """Tell the tiers' policies that a lookup hit ``blocks``, a prefix of one namespace's chain.
@@ -120,6 +132,7 @@ class Placement:
         if not last:
             self.ssd.policy.hit(blocks)
         self.dram.mark_pages(blocks)
+        self.deferred()
 
     # -- DRAM slots ---------------------------------------------------------------------------
     def alloc(self, sb: int) -> int | None:
@@ -234,6 +247,7 @@ class Placement:
         self.dram.policy_for(blocks[0]).inserted(blocks)  # one chain: one namespace, one slot size
         self.events.stored(blocks, Tier.DRAM)
         self.dram.mark_pages(blocks)
+        self.deferred()
         if self.queue.bytes > self._watermark:
             self.queue.wanted.set()
 

@@ -35,7 +35,7 @@ class SsdResidency:
         self._tier = tier
         self.policy: BlockPolicy = make_policy(config.ssd.policy, clock,
                                                max(config.ssd.capacity // GHOST_BLOCK_BYTES, MIN_GHOST_BLOCKS),
-                                               can_evict=ssd_can_evict, lane=1)
+                                               can_evict=ssd_can_evict, lane=1, defer=True)
         self._used = 0
         # blocks with an SSD copy (ON_SSD), kept as they gain and lose it: stats() (every scrape)
         # must not walk millions of blocks on the event loop to count them

@@ -89,3 +89,24 @@ def test_bad_parameters_are_refused() -> None:
     for kwargs in ({"step": 0.0}, {"step": -0.1}, {"candidates": ()}, {"window": 0.0}, {"margin": -0.1}):
         with pytest.raises(ValueError):
             GlidePolicy(zero_clock(), 8, capacity_blocks=8, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_deferred_policy_decides_as_an_immediate_one_and_replays_its_shadows_when_asked() -> None:
+    """``defer`` (the store's) puts a call's shadow replay off until ``catch_up`` or the next
+    call: the scale does not move in the call that caused it, and every decision is the same."""
+    immediate = new_cache(20, window=50.0, step=0.001)
+    deferred = new_cache(20, window=50.0, step=0.001, defer=True)
+    assert scan_polluted_loop(immediate, 3) == scan_polluted_loop(deferred, 3)
+    assert 0.0 < immediate.policy.scale < 1.0   # still moving: each sampled access moves it
+    deferred.policy.catch_up()
+    before = deferred.policy.scale
+    assert before == immediate.policy.scale
+    immediate.access(b"scan-more")
+    deferred.access(b"scan-more")
+    assert deferred.policy.scale == before < immediate.policy.scale   # the replay waits
+    deferred.policy.catch_up()
+    assert deferred.policy.scale == immediate.policy.scale and deferred.policy.scores == immediate.policy.scores
+    deferred.access(b"one-more")   # not caught up: the next call replays first
+    immediate.access(b"one-more")
+    assert deferred.policy.learned() == immediate.policy.learned()
+    assert deferred.eviction_order() == immediate.eviction_order()

@@ -1196,3 +1196,34 @@ def test_a_block_evicted_from_ssd_with_no_copy_elsewhere_counts_as_dropped(tmp_p
         assert st.tiers[1].evictions > 0
         assert st.dropped_blocks == st.tiers[1].evictions   # moves to SSD are no loss; these are
         assert st.index_blocks == 16 - st.dropped_blocks
+
+
+def test_the_default_policys_shadow_replay_runs_after_the_seal_and_lookup_are_answered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save's or a hit's shadow replay (the default policy samples every chain of a small tier)
+    is not part of the call: the store runs it on the event loop's next turn, once, however
+    many calls came in that turn."""
+    with make_store(tmp_path, "glide") as (store, _):
+        s = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        caught_up: list[int] = []
+        catch_up = store.placement.catch_up
+
+        def counted() -> None:
+            caught_up.append(1)
+            catch_up()
+        monkeypatch.setattr(store.placement, "catch_up", counted)
+
+        async def calls() -> None:
+            assert save(store, s, ns, chain(2)) == 2
+            assert caught_up == []   # not within the call
+            await asyncio.sleep(0)
+            assert caught_up == [1]
+            assert (await store.lookup(ns, KeyRequest(hashes=chain(2)))).blocks == 2
+            await asyncio.sleep(0)
+            assert caught_up == [1, 1]
+            assert save(store, s, ns, chain(1, 70_000)) == save(store, s, ns, chain(1, 80_000)) == 1
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert caught_up == [1, 1, 1]
+        asyncio.run(calls())
