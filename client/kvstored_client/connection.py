@@ -422,8 +422,10 @@ class Connection:
         """Keep the block size a reply showed for a namespace opened before any block fixed it,
         unless the entry was renewed meanwhile (a new session has other ids)."""
         ns = namespace or self.namespace
-        if block_bytes and entry[1].block_bytes == 0 and self._namespace_ids.get(ns) is entry:
-            self._namespace_ids[ns] = (entry[0], dataclasses.replace(entry[1], block_bytes=block_bytes))
+        if block_bytes and entry[1].block_bytes == 0:
+            with self._lock:   # (a new session clears the ids under it)
+                if self._namespace_ids.get(ns) is entry:
+                    self._namespace_ids[ns] = (entry[0], dataclasses.replace(entry[1], block_bytes=block_bytes))
 
     def _settle_releases(self, one_way: bool = True) -> None:
         """Wait for the releases sent in the background, so a call that acts on what is leased

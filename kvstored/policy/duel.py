@@ -158,7 +158,9 @@ class DuelPolicy(AdaptivePolicy):
         self._max_shadow = 2 * cap   # bounds the shadows' memory when the sample runs heavy
         self._stored = 0             # blocks stored in the tier, and those of sampled chains
         self._stored_sampled = 0
-        self._shadows = [_Shadow(clock, cap, s) for s in candidates]
+        # the shadows' clock: the live one, or while a put-off access is replayed, its time
+        self._replaying_at: float | None = None
+        self._shadows = [_Shadow(self._shadow_time, cap, s) for s in candidates]
         self._candidates = tuple(candidates)
         self._leader = 0
         self.scale = self._candidates[0]
@@ -173,7 +175,7 @@ class DuelPolicy(AdaptivePolicy):
         # with ``defer``, the sampled accesses of the last call, replayed in the shadows by
         # catch_up (the store calls it once the reply is out) or else first thing in the next call
         self._defer = defer
-        self._pending: list[tuple[Block, int, int, int]] = []   # deepest, already, the two counts
+        self._pending: list[tuple[Block, int, int, int, float]] = []   # deepest, already, the counts, time
 
     def _learn(self, rec: int) -> None:
         pass   # the scale comes from the duel, not from ghost hits
@@ -184,13 +186,22 @@ class DuelPolicy(AdaptivePolicy):
         self.catch_up()
         return tuple(s.score for s in self._shadows)
 
+    def _shadow_time(self) -> float:
+        at = self._replaying_at
+        return self._clock() if at is None else at
+
     def catch_up(self) -> None:
-        """Replay the sampled accesses put off (``defer``) in the shadows now, in order."""
+        """Replay the sampled accesses put off (``defer``) in the shadows now, in order, each at
+        the time it happened."""
         pending = self._pending
         while pending:
             self._pending = []
-            for deepest, already, stored, stored_sampled in pending:
-                self._access(deepest, partial(_path, deepest), already, stored, stored_sampled)
+            try:
+                for deepest, already, stored, stored_sampled, at in pending:
+                    self._replaying_at = at
+                    self._access(deepest, partial(_path, deepest), already, stored, stored_sampled)
+            finally:
+                self._replaying_at = None
             pending = self._pending
 
     def _sampled(self, block: Block, path: Sequence[Block] | None = None) -> bool:
@@ -289,7 +300,7 @@ class DuelPolicy(AdaptivePolicy):
         self._remember(deepest, sampled)
         if sampled:
             if self._defer:
-                self._pending.append((deepest, 0, self._stored, self._stored_sampled))
+                self._pending.append((deepest, 0, self._stored, self._stored_sampled, self._clock()))
             else:
                 self._access(deepest, partial(_keys, blocks) if from_root else partial(_path, deepest), 0,
                              self._stored, self._stored_sampled)
@@ -309,7 +320,7 @@ class DuelPolicy(AdaptivePolicy):
             if sampled:
                 self._stored_sampled += i - start
                 if self._defer:
-                    self._pending.append((last, first.depth, self._stored, self._stored_sampled))
+                    self._pending.append((last, first.depth, self._stored, self._stored_sampled, self._clock()))
                 else:
                     self._access(last, partial(_path, last), first.depth, self._stored, self._stored_sampled)
             start = i

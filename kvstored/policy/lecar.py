@@ -38,6 +38,7 @@ DEFAULT_FADE = 0.005          # a regret's weight after a history's length of ac
 # chosen on the generated shapes (seed 0): histories of 3x the tier's capacity (as the ghost
 # lists of credit and adaptive), the credit expert at adaptive's learned scale
 DEFAULT_HISTORY = 3.0
+_MIN_WEIGHT = 1e-6            # a resumed weight at least this (see resume)
 CREDIT, RECENCY = 0, 1        # the experts, and the Lane order each evicts by
 _MOVED = 1                    # history record: left for another tier only (its return may be no miss)
 _CLASS_SHIFT = 1
@@ -148,8 +149,12 @@ class LecarPolicy(AdaptivePolicy):
             super().resume(learned)
         credit = learned_value(learned, "weight_credit", self.weights[CREDIT])
         recency = learned_value(learned, "weight_recency", self.weights[RECENCY])
-        if credit + recency > 0:
-            self.weights[CREDIT], self.weights[RECENCY] = credit / (credit + recency), recency / (credit + recency)
+        total = credit + recency
+        if 0 < total < math.inf:   # each weight kept off 0: a weight of 0 never comes back
+            if abs(total - 1) > 1e-9:
+                credit, recency = credit / total, recency / total
+            credit, recency = max(credit, _MIN_WEIGHT), max(recency, _MIN_WEIGHT)
+            self.weights[CREDIT], self.weights[RECENCY] = credit, recency
 
     def admit(self, key: bytes, full: bool) -> bool:
         self._regret(key)

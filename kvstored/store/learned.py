@@ -15,22 +15,27 @@ DRAM_POLICY = "dram/"   # + the slot size in bytes: one DRAM policy per slot siz
 
 
 def learned_records(placement: Placement) -> dict[str, bytes]:
-    """Each policy's :meth:`~kvstored.policy.interface.BlockPolicy.learned` state, by name, encoded
-    for :meth:`~kvstored.tiers.ssd.SSDTier.put_learned` (policies that learn nothing left out)."""
+    """Each policy's :meth:`~kvstored.policy.interface.BlockPolicy.learned` state and the policy's
+    name, by tier, encoded for :meth:`~kvstored.tiers.ssd.SSDTier.put_learned` (policies that
+    learn nothing left out)."""
     policies = {SSD_POLICY: placement.ssd.policy}
     policies.update({f"{DRAM_POLICY}{size}": policy for size, policy in placement.dram.policies().items()})
-    return {name: json.dumps(state, sort_keys=True).encode()
+    return {name: json.dumps({"policy": policy.name, "state": state}, sort_keys=True).encode()
             for name, policy in policies.items() if (state := policy.learned())}
 
 
 def resume_learned(placement: Placement, records: dict[str, bytes]) -> int:
     """Start each tier's policy from what :func:`learned_records` kept (before the restored blocks
-    enter it); records that do not decode, or name no policy of this daemon, are skipped with a
-    warning. Returns how many policies resumed."""
+    enter it); records that do not decode, or name no tier of this daemon, are skipped with a
+    warning, those another policy learned (the tier's policy changed since) with a note. Returns
+    how many policies resumed."""
     resumed = 0
     for name, raw in records.items():
         try:
-            state = json.loads(raw)
+            record = json.loads(raw)
+            if not isinstance(record, dict) or not isinstance(record.get("policy"), str):
+                raise ValueError("no policy named")
+            state = record.get("state")
             if not isinstance(state, dict) or not all(_number(v) for v in state.values()):
                 raise ValueError("not a mapping of names to numbers")
             if name == SSD_POLICY:
@@ -42,6 +47,9 @@ def resume_learned(placement: Placement, records: dict[str, bytes]) -> int:
                 raise ValueError("no such tier")
         except ValueError as exc:   # (json's errors are ValueErrors too)
             log.warning("not resuming the policy recorded as %r: %s", name, exc)
+            continue
+        if record["policy"] != policy.name:
+            log.info("not resuming the %s policy of %r from what %s learned", policy.name, name, record["policy"])
             continue
         policy.resume(state)
         resumed += 1

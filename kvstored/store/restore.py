@@ -65,5 +65,6 @@ def restore(catalog: Catalog, placement: Placement, tier: SSDTier | None,
     # The capacity may have been lowered since: back under it now (a minute for a million
     # blocks here, told as the other steps are, or systemd takes the start for hung)
     placement.make_ssd_room(0, progress)
+    placement.catch_up()   # the restored blocks' shadow replay, before serving rather than in a request
     evicted = placement.ssd_evictions - before
     return RestoreReport(len(catalog), len(restored) - evicted, dropped, evicted)

@@ -103,7 +103,10 @@ class WriteBack:
             if self._tier is None or self._clock() < self._backoff_until:
                 continue
             if self._clock() - self._learned_at >= LEARNED_EVERY_S:
-                self.record_learned()   # so that a kill -9 loses at most a minute of it
+                try:   # so that a kill -9 loses at most a minute of it
+                    self.record_learned()
+                except Exception:   # a bug here must not stop write-back for good
+                    log.exception("recording what the policies learned failed")
             nbytes = self.due()
             if not nbytes:
                 continue

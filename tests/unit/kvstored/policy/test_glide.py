@@ -104,9 +104,29 @@ def test_a_deferred_policy_decides_as_an_immediate_one_and_replays_its_shadows_w
     immediate.access(b"scan-more")
     deferred.access(b"scan-more")
     assert deferred.policy.scale == before < immediate.policy.scale   # the replay waits
+    deferred.clock.now += 1000.0   # caught up later, it replays the access at its own time
     deferred.policy.catch_up()
+    deferred.clock.now -= 1000.0
     assert deferred.policy.scale == immediate.policy.scale and deferred.policy.scores == immediate.policy.scores
     deferred.access(b"one-more")   # not caught up: the next call replays first
     immediate.access(b"one-more")
     assert deferred.policy.learned() == immediate.policy.learned()
+    assert scan_polluted_loop(immediate, 3, start=10) == scan_polluted_loop(deferred, 3, start=10)
+    assert deferred.policy.scores == immediate.policy.scores
     assert deferred.eviction_order() == immediate.eviction_order()
+
+
+def test_a_put_off_access_is_replayed_in_the_shadows_at_its_own_time() -> None:
+    """Caught up long after, an access still enters the shadows as used when it happened: a
+    shadow of 2 blocks then evicts it before a block used after it, as the immediate one does."""
+    def run(defer: bool) -> tuple[float, ...]:
+        cache = new_cache(2, defer=defer)
+        for key in (b"a", b"b", b"c"):
+            cache.access(key)
+        cache.clock.now += 1000.0
+        cache.policy.catch_up()
+        cache.clock.now -= 1000.0
+        for key in (b"a", b"d", b"c"):
+            cache.access(key)
+        return cache.policy.scores
+    assert run(defer=True) == run(defer=False)

@@ -10,6 +10,7 @@ import pytest
 from policy_cache import PolicyCache, scan_polluted_loop, zero_clock
 
 from kvstored.policy.lecar import CREDIT, RECENCY, LecarPolicy
+from kvstored.policy.registry import make_policy
 
 
 def new_cache(capacity: int, **kwargs: object) -> PolicyCache:
@@ -75,3 +76,14 @@ def test_bad_parameters_are_refused() -> None:
     for kwargs in ({"learning_rate": 0.0}, {"fade": 0.0}, {"fade": 1.0}, {"history": 0.0}):
         with pytest.raises(ValueError):
             LecarPolicy(zero_clock(), 8, 8, **kwargs)  # type: ignore[arg-type]
+
+
+def test_resumed_weights_stay_positive_and_finite_whatever_the_record_says() -> None:
+    """A weight of 0 never comes back (regrets only multiply), and two huge ones summed to inf."""
+    for credit, recency in ((0.0, 1.0), (1.0, 0.0), (1e308, 1e308), (3.0, 1.0)):
+        policy = make_policy("lecar", zero_clock(), 64)
+        policy.resume({"weight_credit": credit, "weight_recency": recency})
+        weights = policy.learned()
+        w = (weights["weight_credit"], weights["weight_recency"])
+        assert all(0 < x <= 1 for x in w) and abs(sum(w) - 1) < 1e-5, (credit, recency, w)
+    assert make_policy("lecar", zero_clock(), 64).learned()["weight_credit"] == 0.5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from pathlib import Path
 
 import pytest
@@ -141,19 +142,24 @@ def test_a_restarted_store_resumes_its_policies_from_what_they_had_learned(tmp_p
 
 def test_damaged_or_foreign_policy_records_are_skipped_at_restore(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    """A record written by another version or damaged is not taken on trust: the restore goes
-    on, says which it skipped, and the policies start as fresh ones."""
+    """A record written by another version or damaged is not taken on trust, nor one another
+    policy learned (the tier's policy changed since): the restore goes on, says which it
+    skipped, and the policies start as fresh ones."""
+    caplog.set_level(logging.INFO, logger="kvstored.store")
     values: dict[str, dict[str, object]] = {"dram": {"capacity": 16 * BLOCK, "page_bytes": 4 * BLOCK,
                                                      "prefault": False}}
     with open_store(tmp_path, values, ssd=True) as (store, _):
         assert store.ssd_tier is not None
-        for name, raw in (("ssd", b"not json"), ("dram/4096", b'{"scale": "high"}'), ("dram/x", b"{}"),
-                          ("hbm", b'{"scale": 1.0}'), ("dram/8192", b'{"scale": NaN}')):
+        for name, raw in (("ssd", b"not json"), ("dram/4096", b'{"policy": "glide", "state": {"scale": "high"}}'),
+                          ("dram/x", b'{"policy": "glide", "state": {}}'), ("hbm", b'{"policy": "glide", "state": {}}'),
+                          ("dram/8192", b'{"policy": "glide", "state": {"scale": NaN}}'),
+                          ("dram/16384", b'{"policy": "adaptive", "state": {"scale": 1.0}}')):
             store.ssd_tier.put_learned(name, raw)
         store.ssd_tier.barrier().result(10)
     with open_store(tmp_path, values, ssd=True) as (store, _):
         assert store.restore().blocks == 0
         assert store.placement.ssd.policy.learned() == {"scale": 0.0, "target": 0.0}
         assert store.placement.dram.policy_of_size(BLOCK).learned() == {"scale": 0.0, "target": 0.0}
+        assert store.placement.dram.policy_of_size(4 * BLOCK).learned() == {"scale": 0.0, "target": 0.0}
     skipped = [r.getMessage() for r in caplog.records if "not resuming" in r.getMessage()]
-    assert len(skipped) == 5, skipped
+    assert len(skipped) == 6 and any("from what adaptive learned" in m for m in skipped), skipped
