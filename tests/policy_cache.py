@@ -57,6 +57,18 @@ class PolicyCache:
         return block
 
 
+def assert_fresh_policy_is_lru(cache: PolicyCache) -> None:
+    """A learning policy that has learned nothing (a cache of 4 blocks, fresh) evicts and admits
+    as leaf-only LRU: a block reused twice is still the first to go once four newer ones came."""
+    assert cache.policy.scale == 0.0
+    cache.access(b"r")
+    cache.access(b"r")          # reused: credit would keep it over newer blocks
+    for key in (b"a", b"b", b"c"):
+        cache.access(key)
+    assert cache.policy.admit(b"d", full=True)   # LRU admits everything
+    assert cache.policy.victim() is cache.block(b"r")   # the least recent, reused or not
+
+
 def scan_polluted_loop(cache: PolicyCache, rounds: int, start: int = 0) -> list[int]:
     """Ten hot keys, then thirty keys seen once, per round (the scan alone overflows a cache of
     20 under LRU); the hot keys' hits per round."""

@@ -5,7 +5,7 @@ function of what it was told and the clock."""
 from __future__ import annotations
 
 import pytest
-from policy_cache import PolicyCache, scan_polluted_loop, zero_clock
+from policy_cache import PolicyCache, assert_fresh_policy_is_lru, scan_polluted_loop, zero_clock
 
 from kvstored.policy.duel import DuelPolicy
 from kvstored.policy.registry import make_policy
@@ -18,14 +18,7 @@ def new_cache(capacity: int, **kwargs: float) -> PolicyCache:
 
 
 def test_a_fresh_policy_is_lru() -> None:
-    cache = new_cache(4)
-    assert cache.policy.scale == 0.0
-    cache.access(b"r")
-    cache.access(b"r")          # reused: credit would keep it over newer blocks
-    for key in (b"a", b"b", b"c"):
-        cache.access(key)
-    assert cache.policy.admit(b"d", full=True)   # LRU admits everything
-    assert cache.policy.victim() is cache.block(b"r")   # the least recent, reused or not
+    assert_fresh_policy_is_lru(new_cache(4))
 
 
 def test_it_takes_credit_when_its_shadow_saves_more_on_a_scan_polluted_loop() -> None:
