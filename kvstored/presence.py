@@ -141,7 +141,7 @@ class PresenceTable:
                 self._where_rows[nb[fits][publish], slot[fits][publish]] = \
                     (serials << np.uint64(layout.OFFSET_BITS)) \
                     | (at[publish] // layout.WHERE_UNIT).astype(np.uint64)
-            for bucket in np.unique(nb[~fits]).tolist():
+            for bucket in (np.unique(nb[~fits]).tolist() if not fits.all() else ()):
                 if not self._overflow[bucket]:
                     self._overflow[bucket] = 1
                     self.overflowed += 1

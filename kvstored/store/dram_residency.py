@@ -146,15 +146,16 @@ class DramResidency:
             block.index.changed(block)
         return block
 
-    def release(self, block: Block, moved: bool) -> None:
+    def release(self, block: Block, moved: bool, leaving: bool = False) -> None:
         """Give back ``block``'s slot; its policy forgets it (``moved``: its bytes stay on SSD).
         The presence table learns it first: no SDK reads the slot as this block's once another
-        may take it."""
+        may take it. ``leaving``: the block leaves the index before anything else runs, which
+        tells the table (so it is not told twice)."""
         self.policy_for(block).removed(block, moved=moved)
         offset = block.offset
         del self._page_blocks[offset // self._allocator.page_bytes][block]   # KeyError: never bound
         block.offset = NO_SLOT
-        if block.flags & SEALED:
+        if block.flags & SEALED and not leaving:
             block.index.changed(block)
         self._allocator.free(offset)
 

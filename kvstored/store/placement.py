@@ -164,7 +164,7 @@ class Placement:
         if block.sealed and not block.flags & PROMOTING:   # a promotion that failed was never announced
             self.events.removed((block,), Tier.DRAM)
         # to the SSD tier (a move, not an eviction of its bytes), or gone
-        self.dram.release(block, moved=block.on_ssd and not leaving)
+        self.dram.release(block, moved=block.on_ssd and not leaving, leaving=leaving)
 
     def evict_slot(self, block: Block) -> None:
         """Evict ``block`` from DRAM: with an SSD copy it only loses its slot, else it is dropped

@@ -93,10 +93,12 @@ class SsdResidency:
         self.policy.inserted(blocks, reuses)   # parents first, as the policies expect
 
     def dropped(self, block: Block, leaving: bool) -> None:
-        """``block`` loses its SSD copy (deleted from the tier); ``leaving``: the index too."""
+        """``block`` loses its SSD copy (deleted from the tier); ``leaving``: the index too,
+        before anything else runs (which tells the presence table)."""
         self.policy.removed(block, moved=block.in_dram and not leaving)   # still in DRAM, or gone
         block.flags &= ~ON_SSD
-        block.index.changed(block)
+        if not leaving:
+            block.index.changed(block)
         self._blocks -= 1
         self._used -= block.index.block_bytes
         if self._tier is not None:
