@@ -146,6 +146,23 @@ class DramResidency:
             block.index.changed(block)
         return block
 
+    def order_slots(self, blocks: Sequence[Block]) -> None:
+        """Deal the slots of ``blocks`` (just reserved, unsealed: nobody reads or writes them yet)
+        out again in ascending order along the list. Making room evicts a chain leaf first, so a
+        chain saved into an old chain's slots got them in descending order, and every copy into or
+        out of them took a step per block; side by side in order they are one run."""
+        offsets = [b.offset for b in blocks]
+        ordered = sorted(offsets)
+        if offsets == ordered:
+            return
+        page_bytes, page_blocks = self._allocator.page_bytes, self._page_blocks
+        for block in blocks:
+            assert not block.flags & SEALED, "a sealed block's slot is readable: it cannot move"
+            del page_blocks[block.offset // page_bytes][block]
+        for block, offset in zip(blocks, ordered):
+            block.offset = offset
+            page_blocks[offset // page_bytes][block] = None
+
     def release(self, block: Block, moved: bool, leaving: bool = False) -> None:
         """Give back ``block``'s slot; its policy forgets it (``moved``: its bytes stay on SSD).
         The presence table learns it first: no SDK reads the slot as this block's once another

@@ -41,6 +41,7 @@ class Reservations:
             outcome = self.reserve_next(lease, state, key)
             if outcome != RESERVED:
                 break
+        self._placement.dram.order_slots(lease.new)
         return self._checked(lease, session, chain, outcome)
 
     async def reserve_chain_waiting(self, session: Session, state: NamespaceState, chain: list[bytes],
@@ -71,6 +72,7 @@ class Reservations:
         finally:
             if began is not None:
                 self.room_waits.observe(loop.time() - began)
+        self._placement.dram.order_slots(lease.new)
         return self._checked(lease, session, chain, outcome)
 
     def _checked(self, lease: Lease, session: Session, chain: list[bytes], outcome: str) -> Lease:

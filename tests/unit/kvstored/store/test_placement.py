@@ -291,3 +291,30 @@ def test_a_save_from_buffers_unregistered_while_it_waits_for_room_stores_the_byt
                 assert bytes(store.arena.view(block.offset, BLOCK)) == bytes([value]) * BLOCK
         finally:
             engine.close()
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_a_chain_saved_into_an_evicted_chains_slots_gets_them_side_by_side_in_order(
+        tmp_path: Path, waiting: bool) -> None:
+    """Making room evicts a chain leaf first, so a chain reserved into an older chain's slots got
+    them in descending order: the SDK's and the engine copies took a step per block instead of one
+    copy for the chain. The slots of a reservation ascend along its chain, whatever freed them."""
+    with make_store(tmp_path, ssd=False) as (store, _):
+        sid = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        first = store.reserve(sid, ns, KeyRequest(hashes=chain(8)), BLOCK)   # the whole arena
+        assert first.offsets == sorted(first.offsets)
+        fill(store, first.offsets, chain(8))
+        store.seal(sid, first.reservation_id)
+        again = chain(4, start=10_000)
+        if waiting:
+            r = asyncio.run(store.reserve_waiting(sid, ns, KeyRequest(hashes=again), BLOCK))
+        else:
+            r = store.reserve(sid, ns, KeyRequest(hashes=again), BLOCK)
+        assert len(r.offsets) == 4 and set(r.offsets) <= set(first.offsets)   # the evicted leaves' slots
+        assert r.offsets == [r.offsets[0] + i * BLOCK for i in range(4)]   # one run, in chain order
+        fill(store, r.offsets, again)
+        assert store.seal(sid, r.reservation_id) == 4
+        loaded = asyncio.run(store.lookup(ns, KeyRequest(hashes=again), lease=True, session_id=sid))
+        assert loaded.blocks == 4
+        assert [bytes(store.arena.view(off, 1)) for off in loaded.offsets] == [bytes([k[0]]) for k in again]
