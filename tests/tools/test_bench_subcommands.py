@@ -32,6 +32,7 @@ OPTIONS = {
     "tiering": ["--tokens", "--runs", "--out"],
     "migration": ["--tokens", "--runs", "--model", "--flops", "--block-bytes", "--chunk", "--decode-ms", "--out"],
     "gpu": [],
+    "saves": ["--sizes", "--batches", "--dram-mib"],
     "burst": ["--dram-mib", "--ssd-mib", "--block-kib", "--blocks", "--seconds", "--clients", "--admission", "--dir"],
     "transports": ["--calls", "--warmup", "--runs", "--clients", "--messages", "--transports", "--out"],
     "vllm": ["--tokens", "--runs", "--shape", "--dtype", "--hidden", "--layers", "--lmcache", "--out"],
@@ -197,6 +198,17 @@ def test_burst_saves_past_dram_drops_nothing_and_measures_a_kill(tmp_path: Path)
     assert "bytes intact" in rows["after kill -9 and restart"][0], out
     assert {"disk, direct sequential write", "saves", "saves that waited for room", "lost"} <= set(rows), out
     assert list(tmp_path.iterdir()) == [], "the daemon's files were left behind"
+
+
+def test_saves_times_both_phases_for_every_size_and_batch() -> None:
+    """A save into a filling tier and into a full one (each save evicting), for every size and
+    batch asked: a row each, with both medians (the run fails if a save stores short)."""
+    out = bench("saves", "--sizes", "64KiB", "--batches", "1,4", "--dram-mib", "32").stdout
+    lines = [line for line in out.splitlines() if line.startswith("| 64 KiB |")]
+    assert [line.split("|")[2].strip() for line in lines] == ["1", "4"], out
+    for line in lines:
+        filling, full = (float(c) for c in line.split("|")[3:5])
+        assert filling > 0 and full > 0, out
 
 
 def test_transports_serves_every_message_over_every_transport_bit_exact(tmp_path: Path) -> None:

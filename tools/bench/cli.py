@@ -56,6 +56,7 @@ SUBCOMMANDS = {
     "tiering": ("tools.bench.tiering", "TTFT served from DRAM, SSD, a peer vs recomputed; the tiering break-even"),
     "migration": ("tools.bench.migration", "prefill/decode: the whole prefix after the prefill vs pipelined, TTFT"),
     "gpu": ("tools.bench.gpu", "GPU copies through the daemon vs plain cudaMemcpyAsync (CUDA hosts)"),
+    "saves": ("tools.bench.saves", "save into a filling vs a full DRAM tier: what making room costs a save"),
     "burst": ("tools.bench.burst", "saves faster than the disk: saves/s, waits for room, drops, kill -9 losses"),
     "transports": ("tools.bench.transports", "small calls over gRPC, ZeroMQ and plain frames vs the raw socket floor"),
     "vllm": ("tools.bench.vllm_ttft", "TTFT through real vLLM (CPU): cold, from kvstored DRAM/SSD, vLLM's own cache"),
