@@ -2,6 +2,7 @@
 
     python -m tools.store_replay [--trace PATH | --shape SHAPE [--requests N] [--seed S]]
                                  [--capacities 2,5,10,25,50] [--dram-share 0.25] [--policies lru,credit]
+                                 [--dram-policy NAME]
 
 ``tools.trace_replay`` replays through the prefix index and one policy; this runs the same
 requests through ``BlockStore`` itself (an arena, an SSD tier in a temporary directory, the
@@ -11,7 +12,8 @@ many blocks and the DRAM tier ``--dram-share`` of them (the tiers are inclusive:
 are on SSD too once written). Each request looks its chain up (a hit in either tier counts; one on
 SSD starts its promotion), then saves what it missed; the write-back copies what the SSD tier
 admits before the next request, as ``ssd.max_dirty_s`` (1 s) does against the trace's gaps of
-seconds. ``dram.policy`` and ``ssd.policy`` are both the policy named, on the trace's clock.
+seconds. ``dram.policy`` and ``ssd.policy`` are both the policy named, on the trace's clock
+(with ``--dram-policy``, DRAM's is that one in every run: which tier's policy a result comes from).
 Reported against per-block LRU holding the same number of blocks as the SSD tier.
 """
 
@@ -68,12 +70,13 @@ class StoreRow:
 
 
 async def replay_store(trace: Trace, policy: str, ssd_blocks: int, dram_blocks: int, shape: ModelShape,
-                       tmp: Path) -> tuple[Savings, int, int, int]:
-    """The trace through a fresh store of these capacities; savings, blocks hit in DRAM, blocks
-    hit in all, blocks dropped."""
+                       tmp: Path, dram_policy: str | None = None) -> tuple[Savings, int, int, int]:
+    """The trace through a fresh store of these capacities, both tiers under ``policy`` (DRAM
+    under ``dram_policy`` when given); savings, blocks hit in DRAM, blocks hit in all, blocks
+    dropped."""
     pages = max(1, math.ceil(dram_blocks * BLOCK / PAGE))
     cfg = config.build({
-        "dram": {"capacity": pages * PAGE, "page_bytes": PAGE, "prefault": False, "policy": policy,
+        "dram": {"capacity": pages * PAGE, "page_bytes": PAGE, "prefault": False, "policy": dram_policy or policy,
                  "shm_dir": str(tmp)},
         "ssd": {"capacity": ssd_blocks * BLOCK, "policy": policy, "sync": False, "admission": "always",
                 "high_watermark": 1.0, "low_watermark": 0.98}})
@@ -113,7 +116,7 @@ async def replay_store(trace: Trace, policy: str, ssd_blocks: int, dram_blocks: 
 
 
 def run(trace: Trace, capacities: Sequence[float], policies: Sequence[str], dram_share: float,
-        shape: ModelShape | None = None) -> list[StoreRow]:
+        shape: ModelShape | None = None, dram_policy: str | None = None) -> list[StoreRow]:
     shape = shape or ModelShape.llama3_8b()
     rows: list[StoreRow] = []
     for pct in capacities:
@@ -125,10 +128,11 @@ def run(trace: Trace, capacities: Sequence[float], policies: Sequence[str], dram
             began = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix="kvstored-replay-") as tmp:
                 savings, in_dram, hit, dropped = asyncio.run(
-                    replay_store(trace, name, ssd_blocks, dram_blocks, shape, Path(tmp)))
+                    replay_store(trace, name, ssd_blocks, dram_blocks, shape, Path(tmp), dram_policy))
             res = savings.result()
             ratio = res.saved_flops / base.saved_flops if base.saved_flops else float("nan")
-            rows.append(StoreRow(pct, ssd_blocks, dram_blocks, name, res.hit_tokens, res.saved_flops, ratio,
+            label = name if dram_policy is None else f"{name} (DRAM: {dram_policy})"
+            rows.append(StoreRow(pct, ssd_blocks, dram_blocks, label, res.hit_tokens, res.saved_flops, ratio,
                                  in_dram / hit if hit else 0.0, dropped))
             print(f"{pct:g}% {name}: {time.perf_counter() - began:.1f}s", file=sys.stderr, flush=True)
     return rows
@@ -158,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="percentages of the unique full blocks the SSD tier holds (default 2,5,10,25,50)")
     p.add_argument("--dram-share", type=float, default=0.25, help="DRAM's capacity as a share of SSD's (default 0.25)")
     p.add_argument("--policies", default=",".join(POLICIES), help=f"from {', '.join(POLICIES)} (default: all)")
+    p.add_argument("--dram-policy", default=None, choices=list(POLICIES),
+                   help="the DRAM tier's policy in every run (default: the run's policy, on both tiers)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     args = p.parse_args(argv)
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
@@ -177,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         trace = load_trace(path, args.limit)
     print(f"{len(trace.chains)} requests, {trace.unique_blocks} unique full blocks; DRAM holds "
           f"{args.dram_share:g} of the SSD tier's blocks; prefill FLOPs of Llama-3-8B\n")
-    print(format_table(run(trace, capacities, policies, args.dram_share)))
+    print(format_table(run(trace, capacities, policies, args.dram_share, dram_policy=args.dram_policy)))
     return 0
 
 
