@@ -124,6 +124,8 @@ class PresenceReader:
         n = len(packed) // size
         if n <= SCALAR_KEYS:
             return self._lookup_few(namespace_id, packed, size, n)
+        if self._lookup_few(namespace_id, packed, size, 1) == (0, 0):
+            return 0, 0   # a new prompt: its first block says so, without fingerprinting the rest
         fps = layout.fingerprints(namespace_id, packed, size)
         buckets = ((fps >> np.uint64(layout.BUCKET_SHIFT)) & np.uint64(self._mask)).astype(np.intp)
         rows = self._rows[buckets]                       # (n, 8): one gather

@@ -87,6 +87,7 @@ def test_a_miss_in_an_overflowed_bucket_is_no_answer(tmp_path: Path, listener: t
     reader = PresenceReader(str(table.path), table.instance_id, listener[0], 5.0)
     assert reader.lookup(1, b"".join(chain[:8]), 32) == (8, 0)    # hits are still answers
     assert reader.lookup(1, b"".join(chain), 32) is None          # the ninth is not known
+    assert reader.lookup(1, b"".join(keys(6, salt=9)), 32) is None   # nor a new chain's first
     assert table.verify((1, k, layout.DRAM, -1) for k in chain) == []
     table.close()
 
