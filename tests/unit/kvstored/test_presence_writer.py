@@ -154,3 +154,24 @@ def test_a_hollow_block_rewritten_is_published_only_when_its_new_bytes_are_seale
         store.seal(sid, r.reservation_id)
         assert slot in table.published()
         assert store.verify_presence() == []
+
+
+def test_a_block_leaving_the_index_with_both_copies_leaves_the_table_and_its_slot_unpublished(
+        tmp_path: Path) -> None:
+    """A block in DRAM with an SSD copy that leaves the index (``kvctl evict``, all tiers) is told
+    to the table once, at its removal: nothing of it stays there, no where word names its slot,
+    and the slot, taken by the next save, is published only with the new block's bytes."""
+    with _store(tmp_path, ssd=True) as (store, table, _):
+        sid = store.open_session("t", 1).session_id
+        ns = store.open_namespace(Namespace()).namespace_id
+        keys = chain(4)
+        slots = _save(store, sid, ns, keys, 5)
+        asyncio.run(store.flush())
+        assert set(slots) <= table.published()
+        assert store.evict() == 4
+        assert not table.published() & set(slots)
+        assert store.verify_presence() == []    # no slot of the table names a block that left
+        table.log.clear()
+        again = _save(store, sid, ns, chain(4, start=5_000), 6)
+        assert set(again) & set(slots) and table.log == again   # reused, published once sealed
+        assert store.verify_presence() == []

@@ -318,3 +318,29 @@ def test_a_chain_saved_into_an_evicted_chains_slots_gets_them_side_by_side_in_or
         loaded = asyncio.run(store.lookup(ns, KeyRequest(hashes=again), lease=True, session_id=sid))
         assert loaded.blocks == 4
         assert [bytes(store.arena.view(off, 1)) for off in loaded.offsets] == [bytes([k[0]]) for k in again]
+
+
+def test_a_chain_that_waited_for_room_still_gets_its_slots_in_order(tmp_path: Path) -> None:
+    """A save that finds DRAM full of blocks waiting for their SSD copies waits for the write-back
+    to copy some, then takes their slots: side by side in chain order, however the evictions freed
+    them, and the blocks read back as written."""
+    with make_store(tmp_path, room_wait_s=5.0) as (store, _):
+        async def main() -> None:
+            sid = store.open_session("t", 1).session_id
+            ns = store.open_namespace(Namespace()).namespace_id
+            assert await save_waiting(store, sid, ns, chain(8)) == 8   # DRAM full, nothing on SSD yet
+            writer = asyncio.ensure_future(store.writeback_loop(0.01))
+            try:
+                again = chain(4, start=10_000)
+                r = await store.reserve_waiting(sid, ns, KeyRequest(hashes=again), BLOCK)
+                assert store.reservations.room_waits.snapshot().count >= 1, "it never waited"
+                assert len(r.offsets) == 4 and r.offsets == [r.offsets[0] + i * BLOCK for i in range(4)]
+                fill(store, r.offsets, again)
+                assert store.seal(sid, r.reservation_id) == 4
+                found = await store.lookup(ns, KeyRequest(hashes=again), lease=True, session_id=sid)
+                assert [bytes(store.arena.view(o, 1)) for o in found.offsets] == [bytes([k[0]]) for k in again]
+            finally:
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writer
+        asyncio.run(main())
