@@ -20,18 +20,11 @@ import time
 import numpy as np
 
 import kvstored
+from kvstored.config import parse_size
 from tools.bench.common import MiB
 from tools.bench.local_daemon import local_daemon
 
 KiB = 1 << 10
-
-
-def _size(text: str) -> int:
-    text = text.strip()
-    for unit, factor in (("KiB", KiB), ("MiB", MiB)):
-        if text.endswith(unit):
-            return int(text[: -len(unit)]) * factor
-    return int(text)
 
 
 def phases(client: kvstored.Client, block_bytes: int, batch: int, dram_bytes: int) -> tuple[float, float]:
@@ -63,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     dram = a.dram_mib * MiB
     print("| block | batch | save p50 µs, tier filling | save p50 µs, tier full | full ÷ filling |")
     print("|---|---:|---:|---:|---:|")
-    for size in [_size(s) for s in a.sizes.split(",")]:
+    for size in [parse_size(s.strip()) for s in a.sizes.split(",")]:
         for batch in [int(b) for b in a.batches.split(",")]:
             with local_daemon("--dram-capacity", str(dram), "--set", "dram.page_bytes=32MiB", "--set",
                               "ssd.enabled=false", "--set", "dram.policy=lru", "--log-level", "warning") as client:
