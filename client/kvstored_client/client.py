@@ -111,6 +111,7 @@ class Client(Connection):
         self._stream_ids = itertools.count(1)   # next() is atomic under the GIL: threads may share it
         self.table_loads = 0   # loads read without a lease, from the presence table (see load)
         self.table_saves = 0   # saves answered from the presence table: every block cached (see save)
+        self.committed_saves = 0   # saves made in one call, through the session's spare slots (see save)
 
     # -- keys ---------------------------------------------------------------------------------
     def _keys(self, into: pb.BlockKeys, spec: Namespace, tokens: Any, hashes: Sequence[bytes] | None,
@@ -217,7 +218,10 @@ class Client(Connection):
         """Store a prompt's KV: ``kv`` has one row per whole block (numpy array or CPU tensor).
 
         Blocks already cached are skipped; when the DRAM tier cannot make room, a shorter prefix
-        is stored (``stored`` says how much). One reserve and one seal call per batch. With
+        is stored (``stored`` says how much). One call (a Commit): the rows are copied into spare
+        slots the session holds, then named (``committed_saves`` counts these saves); a save the
+        spares cannot hold (past ``dram.spare_bytes``, the namespace's first save, a daemon without
+        spares) is a Reserve and a Seal. With
         ``push_to`` (a peer node id) the daemon also pushes the chain to that node in the
         background, in order, skipping what it holds. With ``start``, ``kv`` holds the rows of
         blocks ``start`` on: the first ``start`` blocks must be cached already, and if they are
@@ -237,15 +241,22 @@ class Client(Connection):
             raise InvalidArgument(f"kv has {rows.shape[0]} rows for {n_blocks - start} blocks")
         if n_blocks <= start:
             return SaveResult(0, 0, spec.block_size)
+        seen = 0   # leading blocks the daemon's table shows cached
         if not push_to and spec.block_bytes == rows.shape[1] and n_blocks <= self._hello.max_batch_blocks \
                 and self._packed_keys and (reader := self._presence_reader()) is not None:
             # Every block cached already (the daemon's table says so, read while it was there):
             # nothing to reserve or seal, and the answer a Reserve would give (a save's blocks
             # already cached are not a use of them for the policies)
             found = reader.lookup(ns_id, reserve.keys.packed_hashes, spec.digest_size)
-            if found is not None and found[0] == n_blocks and reader.alive():
-                self.table_saves += 1
-                return SaveResult(n_blocks, 0, spec.block_size)
+            if found is not None and reader.alive():
+                if found[0] == n_blocks:
+                    self.table_saves += 1
+                    return SaveResult(n_blocks, 0, spec.block_size)
+                seen = found[0]
+        if not push_to and spec.block_bytes == rows.shape[1] and self._spares.limit_bytes:
+            done = self._save_by_commit(session, arena, ns_id, spec, reserve.keys, rows, n_blocks, start, seen)
+            if done is not None:
+                return done
         reserve.block_bytes = rows.shape[1]
         resp = self._call(self._stub.Reserve, reserve)
         if spec.block_bytes == 0:
@@ -272,6 +283,42 @@ class Client(Connection):
             self._release_later(session, resp.reservation_id)
             raise
         return SaveResult(first, sealed, spec.block_size)
+
+    def _save_by_commit(self, session: str, arena: np.ndarray, ns_id: int, spec: Namespace, keys: pb.BlockKeys,
+                        rows: np.ndarray, n_blocks: int, start: int, seen: int) -> SaveResult | None:
+        """:meth:`save` in one call: the rows of the blocks after the ``seen`` cached ones go into
+        spare slots, and one Commit names the blocks (the call also tops the spares up; the first
+        save of a size asks for them first). None when the session cannot hold the spares such a
+        save needs, or a block the table showed cached left before the Commit: the save then
+        takes a reservation."""
+        first = max(seen, start)
+        need = n_blocks - first
+        want = self._spares.wanted(spec.block_bytes, need)
+        if need <= 0 or not want:
+            return None
+        taken = self._spares.take(session, spec.block_bytes, need)
+        if taken is None:
+            granted = self._call(self._stub.Commit, pb.CommitRequest(
+                session_id=session, namespace_id=ns_id, block_bytes=spec.block_bytes, spares_wanted=want))
+            self._spares.give(session, spec.block_bytes, granted.spare_offsets)
+            taken = self._spares.take(session, spec.block_bytes, need)
+            if taken is None:
+                return None
+        try:
+            copy_rows(arena, taken, rows[first - start:], to_arena=True)
+        except BaseException:
+            self._spares.give(session, spec.block_bytes, taken)   # not named to the daemon: still spare
+            raise
+        # No answer (a deadline, an interrupt): the daemon may have bound the slots to blocks, so
+        # they are not given back (they are free again when the session ends).
+        done = self._call(self._stub.Commit, pb.CommitRequest(
+            session_id=session, namespace_id=ns_id, keys=keys, first=first, offsets=taken,
+            block_bytes=spec.block_bytes, spares_wanted=want))
+        self._spares.give(session, spec.block_bytes, done.spare_offsets)
+        if done.present_blocks < first and first > start:
+            return None   # a block the table showed cached left meanwhile: its row is the reservation's to write
+        self.committed_saves += 1
+        return SaveResult(done.present_blocks, done.stored_blocks, spec.block_size)
 
     def load(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None, out: Any = None,
              dtype: Any = None, namespace: Namespace | None = None,

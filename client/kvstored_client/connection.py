@@ -33,6 +33,7 @@ from kvstored_client.contract.wire import namespace_from_pb, namespace_to_pb
 from kvstored_client.errors import ClientClosed, from_rpc_error, reason_of
 from kvstored_client.fast_path import FastChannel, Unreachable
 from kvstored_client.presence import PresenceReader, TableUnusable
+from kvstored_client.spares import SpareSlots
 
 MAX_MESSAGE_BYTES = 64 << 20
 # gRPC backs off reconnecting after a failed connect (1 s, growing 1.6x up to 120 s): calls made
@@ -107,6 +108,7 @@ class Connection:
         self._arena_map: mmap.mmap | None = None
         self._arena_path = ""   # the file self._arena maps
         self._namespace_ids: dict[Namespace, tuple[int, Namespace]] = {}
+        self._spares = SpareSlots()   # the session's spare slots, for saves in one call (Commit)
         self._releases_lock = threading.Lock()
         self._pending_releases: list[grpc.Future] = []
         self.namespace = namespace or Namespace()
@@ -353,6 +355,7 @@ class Connection:
             self._packed_keys = opened.packed_keys
             self._takes_end_stream = opened.end_stream
             self._session_id = opened.session_id
+            self._spares.renew(opened.session_id, opened.spare_bytes)
 
     def _watch_session(self, call: Any, done: threading.Event, first: queue.Queue[Any]) -> None:
         try:

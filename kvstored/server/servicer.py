@@ -195,7 +195,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         try:
             await context.write(pb.SessionEvent(session_id=session.session_id, arena_path=str(self._arena.path),
                                                 arena_bytes=self._arena.capacity, packed_keys=True,
-                                                end_stream=True))
+                                                end_stream=True, spare_bytes=self._store.spare_bytes))
             while True:
                 reader = asyncio.ensure_future(context.read())
                 done, _ = await asyncio.wait({reader, closing}, return_when=asyncio.FIRST_COMPLETED)
@@ -282,6 +282,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if peers is not None:
             peers.push_later(request.push_to, namespace_id, chain)
         return pb.SealResponse(sealed_blocks=sealed)
+
+    @mapped
+    async def Commit(self, request: pb.CommitRequest, context: CallContext) -> pb.CommitResponse:
+        c = self._store.commit(request.session_id, request.namespace_id, _keys(request.keys), request.first,
+                               request.offsets, request.block_bytes, request.spares_wanted)
+        return pb.CommitResponse(present_blocks=c.present, stored_blocks=c.stored, spare_offsets=c.spare_offsets)
 
     @mapped
     async def Release(self, request: pb.ReleaseRequest, context: CallContext) -> pb.ReleaseResponse:

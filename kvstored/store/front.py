@@ -38,9 +38,11 @@ from kvstored.store.promotion import Promotion
 from kvstored.store.reads import Reads
 from kvstored.store.reservations import Reservations
 from kvstored.store.restore import restore
+from kvstored.store.spares import Spares
 from kvstored.store.ssd_residency import SsdResidency
 from kvstored.store.values import (
     CachedPrefix,
+    Commit,
     FlushProgress,
     KeyRequest,
     Reservation,
@@ -92,6 +94,7 @@ class BlockStore:
         self.writeback = WriteBack(config, clock, self.catalog, self.placement, arena, ssd, self.background, keep)
         self.leasing = Leasing(config, clock, self.placement, new_session_id)
         self.reservations = Reservations(config, self.leasing, self.placement)
+        self.spares = Spares(self.placement, min(config.dram.spare_bytes, arena.capacity // 16))
         self.reads = Reads(config, self.leasing, self.placement, self.promotion)
         self.buffers = EngineBuffers(config, self.catalog, self.leasing, self.reservations, self.reads, copy,
                                      self.background)
@@ -123,6 +126,7 @@ class BlockStore:
     def close_session(self, session_id: str) -> None:
         """End a session: its leases end, its reservations abort, its buffers are unregistered."""
         session = self.leasing.close_session(session_id)
+        self.spares.drop(session_id)
         if session is not None:
             for buffers_id in list(session.buffers):
                 self.buffers.drop(buffers_id)
@@ -205,6 +209,26 @@ class BlockStore:
     def seal(self, session_id: str, reservation_id: int) -> int:
         """Make a reservation's written blocks visible; returns how many were sealed."""
         return self.leasing.seal(session_id, reservation_id)
+
+    def commit(self, session_id: str, namespace_id: int, keys: KeyRequest, first: int, offsets: Sequence[int],
+               block_bytes: int, spares_wanted: int) -> Commit:
+        """A save in one call: store the blocks of ``keys`` from ``first`` on whose rows the
+        session copied into its spare slots ``offsets`` (see :meth:`Spares.commit`), then top
+        its spares of this slot size up to ``spares_wanted`` (see :meth:`Spares.top_up`; none
+        wait for room). Keys may be empty: spares only. InvalidArgument for a wrong payload size
+        or slots that are not the session's spares."""
+        session = self.leasing.working_session(session_id)
+        state, chain = self.catalog.resolve_keys(namespace_id, keys)
+        self._check_block_bytes(state, block_bytes)
+        present, stored, unused = self.spares.commit(session.session_id, state, chain, first, offsets)
+        self.leasing.saved_blocks += stored
+        new = self.spares.top_up(session.session_id, state.index.slot_bytes, spares_wanted)
+        return Commit(present, stored, unused + new)
+
+    @property
+    def spare_bytes(self) -> int:
+        """The bytes of spare slots a session may hold (see :meth:`commit`)."""
+        return self.spares.limit_bytes
 
     def reservation_chain(self, session_id: str, reservation_id: int) -> tuple[int, list[bytes]]:
         """The namespace and keys of a live reservation's chain (present blocks, then those being

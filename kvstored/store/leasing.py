@@ -36,7 +36,7 @@ class Leasing:
         self._doomed: set[int] = set()    # busy leases to end once their copy is done
         self._lookups_in_flight = 0       # leased lookups waiting for SSD reads (quiesce)
         self._stopping = False            # quiesce() began: no new copies nor leases (shutdown)
-        self.saved_blocks = 0             # blocks sealed by reservations
+        self.saved_blocks = 0             # blocks sealed by reservations (and commits: BlockStore.commit)
 
     # -- sessions ---------------------------------------------------------------------------
     @property

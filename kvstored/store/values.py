@@ -44,6 +44,16 @@ class Reservation:
 
 
 @dataclass(frozen=True, slots=True)
+class Commit:
+    """A commit's answer: blocks cached before, blocks stored, and the slots added to the
+    session's spares (the slots of rows not used, then new ones)."""
+
+    present: int
+    stored: int
+    spare_offsets: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class TierStats:
     name: str
     capacity_bytes: int

@@ -36,6 +36,7 @@ METHODS: dict[int, tuple[str, type[Message], type[Message]]] = {
     6: ("SaveBlocks", pb.SaveBlocksRequest, pb.SaveBlocksResponse),
     7: ("LoadBlocks", pb.LoadBlocksRequest, pb.LoadBlocksResponse),
     8: ("Stats", pb.StatsRequest, pb.StatsResponse),
+    9: ("Commit", pb.CommitRequest, pb.CommitResponse),
 }
 METHOD_IDS = {name: method_id for method_id, (name, _, _) in METHODS.items()}
 

@@ -93,20 +93,22 @@ class SessionRequest(_message.Message):
     def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("session_id", "closing", "arena_path", "arena_bytes", "packed_keys", "end_stream")
+    __slots__ = ("session_id", "closing", "arena_path", "arena_bytes", "packed_keys", "end_stream", "spare_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CLOSING_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     PACKED_KEYS_FIELD_NUMBER: _ClassVar[int]
     END_STREAM_FIELD_NUMBER: _ClassVar[int]
+    SPARE_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     closing: bool
     arena_path: str
     arena_bytes: int
     packed_keys: bool
     end_stream: bool
-    def __init__(self, session_id: _Optional[str] = ..., closing: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., packed_keys: _Optional[bool] = ..., end_stream: _Optional[bool] = ...) -> None: ...
+    spare_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., closing: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., packed_keys: _Optional[bool] = ..., end_stream: _Optional[bool] = ..., spare_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenNamespaceRequest(_message.Message):
     __slots__ = ("spec",)
@@ -209,6 +211,34 @@ class SealResponse(_message.Message):
     SEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     sealed_blocks: int
     def __init__(self, sealed_blocks: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("session_id", "namespace_id", "keys", "first", "offsets", "block_bytes", "spares_wanted")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPARES_WANTED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    namespace_id: int
+    keys: BlockKeys
+    first: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    block_bytes: int
+    spares_wanted: int
+    def __init__(self, session_id: _Optional[str] = ..., namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., first: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., spares_wanted: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("present_blocks", "stored_blocks", "spare_offsets")
+    PRESENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPARE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    present_blocks: int
+    stored_blocks: int
+    spare_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, present_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., spare_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_id")

@@ -64,6 +64,11 @@ class KVStoreStub:
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.SealRequest.SerializeToString,
                 response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.SealResponse.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvstored.v1.KVStore/Commit',
+                request_serializer=kvstored_dot_v1_dot_kvstored__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvstored_dot_v1_dot_kvstored__pb2.CommitResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvstored.v1.KVStore/Release',
                 request_serializer=kvstored_dot_v1_dot_kvstored__pb2.ReleaseRequest.SerializeToString,
@@ -180,6 +185,15 @@ class KVStoreServicer:
 
     def Seal(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """A save in one call: the client copied the rows into DRAM slots its session holds bound to no
+        block (its spare slots, handed out by earlier Commits); the blocks are stored and sealed at
+        once, and the spares topped up.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -323,6 +337,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Seal,
                     request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.SealRequest.FromString,
                     response_serializer=kvstored_dot_v1_dot_kvstored__pb2.SealResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvstored_dot_v1_dot_kvstored__pb2.CommitRequest.FromString,
+                    response_serializer=kvstored_dot_v1_dot_kvstored__pb2.CommitResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -562,6 +581,33 @@ class KVStore:
             '/kvstored.v1.KVStore/Seal',
             kvstored_dot_v1_dot_kvstored__pb2.SealRequest.SerializeToString,
             kvstored_dot_v1_dot_kvstored__pb2.SealResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstored.v1.KVStore/Commit',
+            kvstored_dot_v1_dot_kvstored__pb2.CommitRequest.SerializeToString,
+            kvstored_dot_v1_dot_kvstored__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,10 @@ class Servicer:
         return pb.SealResponse()
 
     @mapped
+    async def Commit(self, request: Any, context: Any) -> pb.CommitResponse:
+        return pb.CommitResponse()
+
+    @mapped
     async def SaveBlocks(self, request: Any, context: Any) -> pb.SaveBlocksResponse:
         return pb.SaveBlocksResponse()
 

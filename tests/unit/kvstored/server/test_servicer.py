@@ -125,6 +125,8 @@ class SessionContext:
 class SessionStore:
     """The store's session calls, recorded."""
 
+    spare_bytes = 0
+
     def __init__(self) -> None:
         self.opened: list[str] = []
         self.closed: list[str] = []

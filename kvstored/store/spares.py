@@ -1,0 +1,91 @@
+"""Spare slots: DRAM slots a session holds bound to no block, which its saves copy rows into
+before naming the blocks, so that a save is one call (a commit) instead of a reservation, the
+copy and a seal."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstored.index import NO_SLOT
+from kvstored.store.catalog import NamespaceState
+from kvstored.store.placement import Placement
+from kvstored_client.contract.errors import InvalidArgument
+
+
+class Spares:
+    """Each session's spare slots by slot size. A spare slot is used DRAM that no block holds
+    (the page holding it cannot be emptied) until a commit binds a block to it or the session
+    ends; a session holds at most ``limit_bytes`` of them."""
+
+    def __init__(self, placement: Placement, limit_bytes: int) -> None:
+        self._placement = placement
+        self.limit_bytes = limit_bytes
+        self._held: dict[str, dict[int, set[int]]] = {}   # session id -> slot bytes -> offsets
+
+    def held(self, session_id: str, slot_bytes: int) -> int:
+        """How many spare slots of ``slot_bytes`` the session holds."""
+        return len(self._held.get(session_id, {}).get(slot_bytes, ()))
+
+    def held_bytes(self) -> int:
+        """Bytes of DRAM held in spare slots, all sessions together."""
+        return sum(sb * len(offsets) for sizes in self._held.values() for sb, offsets in sizes.items())
+
+    def top_up(self, session_id: str, slot_bytes: int, wanted: int) -> list[int]:
+        """Allocate spare slots of ``slot_bytes`` (making room as a reservation does) until the
+        session holds ``wanted`` of them or its limit; the new ones' offsets, ascending. Fewer
+        when the tier cannot make room now."""
+        sizes = self._held.setdefault(session_id, {})
+        offsets = sizes.setdefault(slot_bytes, set())
+        room = (self.limit_bytes - sum(sb * len(o) for sb, o in sizes.items())) // slot_bytes
+        new: list[int] = []
+        for _ in range(max(0, min(wanted - len(offsets), room))):
+            offset = self._placement.alloc(slot_bytes)
+            if offset is None:
+                break
+            new.append(offset)
+        offsets.update(new)
+        new.sort()
+        return new
+
+    def commit(self, session_id: str, state: NamespaceState, chain: Sequence[bytes], first: int,
+               offsets: Sequence[int]) -> tuple[int, int, list[int]]:
+        """Store the blocks of ``chain`` from ``first`` on whose rows the session copied into its
+        spare slots ``offsets`` (one per block, in chain order): each block not cached yet takes
+        its row's slot, sealed at once. Returns (blocks cached before, blocks stored, the slots of
+        rows not used, which stay spare, ascending). Nothing is stored when a block before
+        ``first`` is not cached (the rows for it were not given) or from the first block of the
+        rest that another writer holds unsealed (or whose bytes were lost). InvalidArgument for
+        offsets that are not the session's spares of the namespace's slot size."""
+        if not 0 <= first <= len(chain) or len(offsets) != len(chain) - first:
+            raise InvalidArgument(f"{len(offsets)} spare slots for blocks {first}.. of a chain of {len(chain)}")
+        sb = state.index.slot_bytes
+        held = self._held.get(session_id, {}).get(sb, set())
+        given = set(offsets)
+        if len(given) != len(offsets) or not given <= held:
+            raise InvalidArgument("offsets name slots that are not this session's spare slots of "
+                                  f"{sb} bytes (or name one twice)")
+        placement, index = self._placement, state.index
+        placement.dram.advance()
+        present = index.match(chain)
+        # Not a hit for the policies (a save after its lookup, as a reservation's); pages in use.
+        placement.dram.mark_pages(present)
+        stored = []
+        if len(present) >= first:
+            parent = present[-1] if present else None
+            for i in range(len(present), len(chain)):
+                key = chain[i]
+                if index.get(key) is not None:   # being written by another client, or hollow
+                    break
+                parent = placement.bind(index.insert(key, parent, NO_SLOT), offsets[i - first])
+                parent.pins = 0   # (a block is inserted pinned, by its writer: its bytes are here)
+                stored.append(parent)
+        held.difference_update(b.offset for b in stored)
+        placement.sealed_now(stored)
+        unused = sorted(given & held)
+        return len(present), len(stored), unused
+
+    def drop(self, session_id: str) -> None:
+        """The session ended: its spare slots are free again."""
+        for offsets in self._held.pop(session_id, {}).values():
+            for offset in offsets:
+                self._placement.dram.free_unbound(offset)

@@ -1,0 +1,125 @@
+"""``save`` in one call: the SDK copies the rows into its session's spare slots, then one Commit
+names the blocks (README, "Which calls take which path"). Real daemons, both transports."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import kvstored
+from conftest import Daemon, wait_serving
+from kvstored_client.presence import PresenceReader
+
+Factory = Callable[..., Daemon]
+BLOCK = 16
+WIDTH = 4096
+
+
+def prompt(i: int, blocks: int) -> np.ndarray:
+    return np.arange(blocks * BLOCK) + i * 1_000_000
+
+
+def rows(i: int, blocks: int, width: int = WIDTH) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, (blocks, width), np.uint8)
+
+
+def test_saves_after_the_first_take_one_call_and_store_what_reserve_and_seal_stored(client) -> None:  # type: ignore[no-untyped-def]
+    c: kvstored.Client = client
+    first = c.save(prompt(0, 2), rows(0, 2))   # the namespace's block size is fixed by this one
+    assert (first.present, first.stored) == (0, 2)
+    for i, n in enumerate((1, 3, 40), start=1):
+        before = c.committed_saves
+        got = c.save(prompt(i, n), rows(i, n))
+        assert (got.present, got.stored) == (0, n) and c.committed_saves == before + 1
+        assert np.array_equal(c.load(prompt(i, n)).data, rows(i, n))
+    # a longer prompt over a cached one: only the new blocks' rows are stored
+    longer = np.concatenate([prompt(3, 40), prompt(50, 5)])
+    want = np.concatenate([rows(3, 40), rows(50, 5)])
+    got = c.save(longer, want)
+    assert (got.present, got.stored) == (40, 5)
+    assert np.array_equal(c.load(longer).data, want)
+    # with start: the rows of blocks start.. only; a first block not cached stores nothing
+    p = prompt(60, 6)
+    c.save(p[: 2 * BLOCK], rows(60, 6)[:2])
+    got = c.save(p, rows(60, 6)[2:], start=2)
+    assert (got.present, got.stored) == (2, 4) and np.array_equal(c.load(p).data, rows(60, 6))
+    got = c.save(prompt(61, 4), rows(61, 4)[2:], start=2)
+    assert (got.present, got.stored) == (0, 0) and c.lookup(prompt(61, 4)).blocks == 0
+
+
+def test_saves_through_a_full_tier_keep_every_byte_and_leak_no_slot(daemon_factory: Factory) -> None:
+    """Thousands of one-call saves into a DRAM tier that holds 64 blocks: every save stores its
+    blocks, what is still cached reads back as saved, and the spare slots the session held come
+    back when it ends (the tier's used bytes are its blocks' again)."""
+    d = daemon_factory("--dram-capacity", "16MiB", "--set", "ssd.enabled=false", "--set", "dram.page_bytes=1MiB")
+    width = 256 << 10
+    with kvstored.Client(d.socket) as c:
+        for i in range(300):
+            n = 1 + i % 3
+            assert c.save(prompt(i, n), rows(i, n, width)).stored == n
+            if i % 25 == 0:
+                for j in range(max(0, i - 5), i + 1):
+                    m = 1 + j % 3
+                    got = c.load(prompt(j, m))
+                    assert got.blocks in (0, m) and (got.blocks == 0 or np.array_equal(got.data, rows(j, m, width)))
+        assert c.committed_saves >= 299
+        held = c.stats()["tiers"][0]
+    with kvstored.Client(d.socket) as other:
+        for _ in range(50):
+            after = other.stats()["tiers"][0]
+            if after["used_bytes"] == after["blocks"] * width:
+                break
+        assert after["used_bytes"] == after["blocks"] * width, (held, after)
+
+
+def test_a_daemon_without_spares_saves_through_reserve_and_seal(daemon_factory: Factory) -> None:
+    d = daemon_factory("--set", "dram.spare_bytes=0")
+    with kvstored.Client(d.socket) as c:
+        for i in range(3):
+            assert c.save(prompt(i, 3), rows(i, 3)).stored == 3
+            assert np.array_equal(c.load(prompt(i, 3)).data, rows(i, 3))
+        assert c.committed_saves == 0
+
+
+def test_a_block_the_table_showed_cached_but_that_left_is_still_saved(
+        daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK copies rows only for the blocks after those the presence table shows cached; when
+    one of those left before the Commit (evicted meanwhile), the Commit stores nothing and the save
+    goes again through a reservation, which takes every row."""
+    with kvstored.Client(daemon.socket) as c:
+        c.save(prompt(0, 1), rows(0, 1))   # the block size, and the session's spares
+        c.save(prompt(1, 1), rows(1, 1))
+        assert c.committed_saves == 1
+        monkeypatch.setattr(PresenceReader, "lookup", lambda self, ns, packed, size: (2, 0))
+        got = c.save(prompt(2, 4), rows(2, 4))
+        assert (got.present, got.stored) == (0, 4) and c.committed_saves == 1
+        monkeypatch.undo()
+        assert np.array_equal(c.load(prompt(2, 4)).data, rows(2, 4))
+
+
+def test_a_client_saving_across_a_daemon_restart_never_writes_the_old_sessions_slots(
+        daemon_factory: Factory) -> None:
+    d = daemon_factory()
+    c = kvstored.Client(d.socket)
+    for i in range(3):
+        c.save(prompt(i, 2), rows(i, 2))
+    assert d.stop() == 0
+    with open(d.log_path, "ab") as log:
+        d.proc = subprocess.Popen(d.args, stdout=log, stderr=subprocess.STDOUT)
+    wait_serving(d.socket, d.proc)
+    for _ in range(40):
+        try:
+            c.lookup(prompt(0, 2))
+            break
+        except kvstored.DaemonNotRunning:
+            time.sleep(0.1)
+    for i in range(3, 8):
+        assert c.save(prompt(i, 2), rows(i, 2)).stored == 2
+    for i in range(8):   # the first three came back from SSD, the others are new
+        assert np.array_equal(c.load(prompt(i, 2)).data, rows(i, 2)), i
+    assert c.committed_saves >= 5
+    c.close()
