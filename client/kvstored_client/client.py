@@ -38,6 +38,7 @@ from kvstored_client.contract.hashing import ChainHasher
 from kvstored_client.contract.namespace import Namespace
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 from kvstored_client.contract.runs import runs, smallest_step
+from kvstored_client.fast_path import Unreachable
 from kvstored_client.presence import ORDERED_LOADS, PresenceReader
 from kvstored_client.results import (
     LoadResult,
@@ -176,6 +177,7 @@ class Client(Connection):
 
         With ``peers`` the daemon also asks its peers for the blocks after its own prefix:
         ``per_peer`` says how many each holds, and the best one's run counts as tier "peer"."""
+        self._saves_answered()
         ns_id, spec = self._ns(namespace)
         request = pb.LookupRequest(namespace_id=ns_id, peers=peers, packed_reply=True)
         n = self._keys(request.keys, spec, tokens, hashes, cache_salt)
@@ -214,7 +216,7 @@ class Client(Connection):
 
     def save(self, tokens: Any, kv: Any, *, hashes: Sequence[bytes] | None = None,
              namespace: Namespace | None = None, cache_salt: str | None = None,
-             push_to: str = "", start: int = 0) -> SaveResult:
+             push_to: str = "", start: int = 0, wait: bool = True) -> SaveResult:
         """Store a prompt's KV: ``kv`` has one row per whole block (numpy array or CPU tensor).
 
         Blocks already cached are skipped; when the DRAM tier cannot make room, a shorter prefix
@@ -228,6 +230,14 @@ class Client(Connection):
         not, nothing is stored (``stored`` is 0, ``present`` says how many were). A save whose
         blocks the daemon's presence table shows all cached (no ``push_to``) takes no call
         (``table_saves`` counts them).
+
+        With ``wait=False`` a one-call save returns once its rows are in the daemon's memory and
+        its Commit is sent, without the answer (on the fast path; otherwise it waits): ``stored``
+        then counts the blocks whose rows were handed over. The answer is read by this client's
+        next call, lookup or load (which so see the blocks) or :meth:`wait_saves`; blocks it did
+        not store after all (a block before them left meanwhile, a failed call) are counted in
+        ``lost_saved_blocks``, never raised. Other clients see the blocks once the daemon has
+        served the Commit (within a round trip).
         """
         # first: a new session after a restart renews the namespace ids; and the arena goes with it
         session, arena = self._session_arena()
@@ -254,7 +264,8 @@ class Client(Connection):
                     return SaveResult(n_blocks, 0, spec.block_size)
                 seen = found[0]
         if not push_to and spec.block_bytes == rows.shape[1] and self._spares.limit_bytes:
-            done = self._save_by_commit(session, arena, ns_id, spec, reserve.keys, rows, n_blocks, start, seen)
+            done = self._save_by_commit(session, arena, ns_id, spec, reserve.keys, rows, n_blocks, start, seen,
+                                        wait)
             if done is not None:
                 return done
         reserve.block_bytes = rows.shape[1]
@@ -285,7 +296,7 @@ class Client(Connection):
         return SaveResult(first, sealed, spec.block_size)
 
     def _save_by_commit(self, session: str, arena: np.ndarray, ns_id: int, spec: Namespace, keys: pb.BlockKeys,
-                        rows: np.ndarray, n_blocks: int, start: int, seen: int) -> SaveResult | None:
+                        rows: np.ndarray, n_blocks: int, start: int, seen: int, wait: bool) -> SaveResult | None:
         """:meth:`save` in one call: the rows of the blocks after the ``seen`` cached ones go into
         spare slots, and one Commit names the blocks (the call also tops the spares up; the first
         save of a size asks for them first). None when the session cannot hold the spares such a
@@ -297,6 +308,10 @@ class Client(Connection):
         if need <= 0 or not want:
             return None
         taken = self._spares.take(session, spec.block_bytes, need)
+        behind = self._write_behind
+        if taken is None and behind is not None and len(behind):
+            behind.settle()   # their answers give slots back
+            taken = self._spares.take(session, spec.block_bytes, need)
         if taken is None:
             granted = self._call(self._stub.Commit, pb.CommitRequest(
                 session_id=session, namespace_id=ns_id, block_bytes=spec.block_bytes, spares_wanted=want))
@@ -311,14 +326,45 @@ class Client(Connection):
             raise
         # No answer (a deadline, an interrupt): the daemon may have bound the slots to blocks, so
         # they are not given back (they are free again when the session ends).
-        done = self._call(self._stub.Commit, pb.CommitRequest(
-            session_id=session, namespace_id=ns_id, keys=keys, first=first, offsets=taken,
-            block_bytes=spec.block_bytes, spares_wanted=want))
+        commit = pb.CommitRequest(session_id=session, namespace_id=ns_id, keys=keys, first=first, offsets=taken,
+                                  block_bytes=spec.block_bytes, spares_wanted=want)
+        if not wait and behind is not None:
+            try:
+                behind.send(commit, spec.block_bytes, need, self._timeout)
+            except grpc.RpcError as exc:
+                raise self._error(exc) from None
+            except Unreachable:
+                pass   # the fast socket is gone: the call below takes gRPC
+            else:
+                self.committed_saves += 1
+                return SaveResult(first, need, spec.block_size)
+        done = self._call(self._stub.Commit, commit)
         self._spares.give(session, spec.block_bytes, done.spare_offsets)
         if done.present_blocks < first and first > start:
             return None   # a block the table showed cached left meanwhile: its row is the reservation's to write
         self.committed_saves += 1
         return SaveResult(done.present_blocks, done.stored_blocks, spec.block_size)
+
+    def wait_saves(self) -> None:
+        """Return once the daemon has answered every save sent with ``wait=False``: their blocks
+        are cached (or counted in ``lost_saved_blocks``)."""
+        self._check_open()
+        self._saves_answered()
+
+    @property
+    def lost_saved_blocks(self) -> int:
+        """Blocks of saves sent with ``wait=False`` that their answers showed not stored (a block
+        before them had left, the call failed: ``save_errors``)."""
+        return 0 if self._write_behind is None else self._write_behind.lost_blocks
+
+    @property
+    def save_errors(self) -> int:
+        """Saves sent with ``wait=False`` that failed (the last one's error: ``last_save_error``)."""
+        return 0 if self._write_behind is None else self._write_behind.failed
+
+    @property
+    def last_save_error(self) -> KVStoreError | None:
+        return None if self._write_behind is None else self._write_behind.last_error
 
     def load(self, tokens: Any = None, *, hashes: Sequence[bytes] | None = None, out: Any = None,
              dtype: Any = None, namespace: Namespace | None = None,
@@ -339,6 +385,7 @@ class Client(Connection):
         the loads read without a lease; the switches of table lookups turn it off too
         (``fast_path=False``, ``KVSTORED_PRESENCE_TABLE=0``; see ``lookup_transport``).
         """
+        self._saves_answered()
         # first: a new session after a restart renews the namespace ids; and the arena goes with it
         session, arena = self._session_arena()
         assert arena is not None, "an arena comes with the session when asked for"

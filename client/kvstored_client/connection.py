@@ -34,6 +34,7 @@ from kvstored_client.errors import ClientClosed, from_rpc_error, reason_of
 from kvstored_client.fast_path import FastChannel, Unreachable
 from kvstored_client.presence import PresenceReader, TableUnusable
 from kvstored_client.spares import SpareSlots
+from kvstored_client.write_behind import WriteBehind
 
 MAX_MESSAGE_BYTES = 64 << 20
 # gRPC backs off reconnecting after a failed connect (1 s, growing 1.6x up to 120 s): calls made
@@ -120,8 +121,10 @@ class Connection:
         self._fast_retry_at = 0.0
         self._fast_routes = {id(getattr(self._stub, name)): (name, response)
                              for name, _, response in METHODS.values()}
+        self._write_behind: WriteBehind | None = None   # saves sent without their answer (fast path only)
         if fast_path and self._hello.fast_socket and target.startswith("unix:"):
             self._fast = FastChannel(self._hello.fast_socket)
+            self._write_behind = WriteBehind(self._fast, self._spares)
             try:
                 self._fast.open()
             except Unreachable:
@@ -235,8 +238,15 @@ class Connection:
                     self._fast_retry_at = time.monotonic() + FAST_RETRY_S
         return method(request, timeout=self._timeout)
 
+    def _saves_answered(self) -> None:
+        """Read the answers of the saves sent without them (``save(wait=False)``): a call, a
+        lookup or a load comes after the saves sent before it, and sees their blocks."""
+        if self._write_behind is not None and len(self._write_behind):
+            self._write_behind.settle()
+
     def _call(self, method: Callable[..., T], request: Any) -> T:
         self._check_open()
+        self._saves_answered()
         try:
             try:
                 return self._invoke(method, request)
@@ -499,6 +509,8 @@ class Connection:
         afterwards raise ClientClosed; closing again does nothing."""
         if self._closed:
             return
+        if self._write_behind is not None:
+            self._write_behind.settle()
         self._settle_releases(one_way=False)
         with self._lock:
             self._closed = True

@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -48,6 +49,16 @@ class FrameCallError(grpc.RpcError):
         return ((DETAILS_KEY, self._status),) if self._status else ()
 
 
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A call sent whose answer is still to be read (:meth:`FastChannel.answer`)."""
+
+    sock: socket.socket
+    request_id: int
+    generation: int
+    deadline: float | None
+
+
 class Unreachable(Exception):
     """The fast socket cannot be opened (gone, refused, not permitted): use gRPC for the call."""
 
@@ -68,6 +79,8 @@ class FastChannel:
         self._unsettled: set[socket.socket] = set()   # idle ones carrying one-way frames to settle
         self._ids = itertools.count(1)
         self._pid = os.getpid()
+        self._owed: dict[socket.socket, int] = {}   # answers not read yet, by connection (see send)
+        self._ahead: dict[socket.socket, bytes] = {}   # bytes read of answers after the one read
 
     def open(self) -> None:
         """Connect now (calls connect when they need to); :class:`Unreachable` when it cannot."""
@@ -94,6 +107,15 @@ class FastChannel:
              on: socket.socket | None = None) -> M:
         """``method``'s answer to ``request`` within ``timeout_s`` (None: no deadline); ``on``:
         an idle connection taken out of the pool by the caller (see :meth:`settle`)."""
+        return self.answer(self.send(method, request, timeout_s, on), response_type)
+
+    def send(self, method: str, request: Message, timeout_s: float | None, on: socket.socket | None = None,
+             after: Sent | None = None) -> Sent:
+        """Send ``request`` to ``method`` and return without its answer, which :meth:`answer`
+        reads (exactly once). ``after``: a call sent before whose answer is not read yet, to go
+        on the same connection (the daemon serves them in order; their answers are read in the
+        order they were sent); else an idle connection, or ``on``. Raises FrameCallError, or
+        Unreachable when no connection opens (nothing was sent)."""
         body = request.SerializeToString()
         if len(body) > frames.MAX_PAYLOAD_BYTES:
             raise FrameCallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -107,15 +129,25 @@ class FastChannel:
             self._lock = threading.Lock()
             self._idle = []
             self._unsettled = set()
+            self._owed = {}
+            self._ahead = {}
             self._generation += 1
+            after = None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         request_id = next(self._ids)
         frame = frames.REQUEST.pack(len(body), frames.METHOD_IDS[method], request_id, timeout_s or 0.0) + body
         with self._lock:
-            sock = on if on is not None else self._idle.pop() if self._idle else None
-            generation = self._generation
+            if after is not None:
+                sock: socket.socket | None = after.sock
+                generation = after.generation
+            else:
+                sock = on if on is not None else self._idle.pop() if self._idle else None
+                generation = self._generation
             if sock is not None:   # answered, the call shows its connection's one-way frames served
                 self._unsettled.discard(sock)
+        if after is not None and sock is not None and sock.fileno() < 0:
+            raise FrameCallError(grpc.StatusCode.UNAVAILABLE, f"fast socket {self.path}: the connection of the "
+                                 "call before this one failed")
         if sock is not None:
             try:
                 if sock.gettimeout() != timeout_s:   # (a syscall or two each time: only when it changes)
@@ -125,39 +157,71 @@ class FastChannel:
                 sock.close()
                 raise FrameCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
             except OSError:
+                sock.close()
+                if after is not None:
+                    raise FrameCallError(grpc.StatusCode.UNAVAILABLE, f"fast socket {self.path}: the "
+                                         "connection failed") from None
                 # the daemon this connection went to is gone (a restart): nothing reached a
                 # daemon, so the call goes again on a new connection (or by gRPC)
-                sock.close()
                 sock = None
-        sent = sock is not None
         if sock is None:
             sock = self._connect()   # Unreachable: the caller takes gRPC
-        try:
-            if not sent:
-                if sock.gettimeout() != timeout_s:   # (a syscall or two each time: only when it changes)
+            try:
+                if sock.gettimeout() != timeout_s:
                     sock.settimeout(timeout_s)
                 sock.sendall(frame)
+            except TimeoutError:
+                sock.close()
+                raise FrameCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            except OSError as exc:
+                sock.close()
+                raise FrameCallError(grpc.StatusCode.UNAVAILABLE, f"fast socket {self.path}: "
+                                     f"{exc.strerror or exc}") from None
+        with self._lock:
+            self._owed[sock] = self._owed.get(sock, 0) + 1
+        return Sent(sock, request_id, generation, deadline)
+
+    def answer(self, sent: Sent, response_type: type[M]) -> M:
+        """The answer to a call :meth:`send` sent (the calls sent before it on its connection
+        answered first); the connection goes back to the pool once no answer is owed on it."""
+        sock, deadline = sent.sock, sent.deadline
+        try:
             # header and payload in one read when they came together (a small answer always does)
-            data = sock.recv(FIRST_READ)
+            with self._lock:
+                data = self._ahead.pop(sock, b"")
+            if len(data) < frames.ANSWER.size:
+                data += sock.recv(FIRST_READ)
             if len(data) < frames.ANSWER.size:
                 data += self._read(sock, frames.ANSWER.size - len(data), deadline, bool(data))
             length, answered, code = frames.ANSWER.unpack_from(data)
             payload = data[frames.ANSWER.size:]
             if len(payload) < length:
                 payload += self._read(sock, length - len(payload), deadline, True)
+            elif len(payload) > length:   # the next call's on this connection (see send's after)
+                payload, rest = payload[:length], payload[length:]
+                with self._lock:
+                    self._ahead[sock] = rest
         except TimeoutError:
             # closed, not given back: a late answer is never read as another call's
+            self._owing_none(sock)
             sock.close()
             raise FrameCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         except OSError as exc:
+            self._owing_none(sock)
             sock.close()
             raise FrameCallError(grpc.StatusCode.UNAVAILABLE, f"fast socket {self.path}: "
                                  f"{exc.strerror or exc}") from None
-        if answered != request_id or length > frames.MAX_PAYLOAD_BYTES or len(payload) != length:
+        if answered != sent.request_id or length > frames.MAX_PAYLOAD_BYTES or len(payload) != length:
+            self._owing_none(sock)
             sock.close()
             raise FrameCallError(grpc.StatusCode.INTERNAL, f"fast socket {self.path}: an answer to request "
-                                 f"{answered} of {length} bytes, waiting for {request_id}")
-        self._give(sock, generation)
+                                 f"{answered} of {length} bytes, waiting for {sent.request_id}")
+        with self._lock:
+            owed = self._owed.pop(sock, 1) - 1
+            if owed:
+                self._owed[sock] = owed
+        if not owed:
+            self._give(sock, sent.generation)
         if code == frames.OK:
             return response_type.FromString(payload)
         try:
@@ -165,6 +229,11 @@ class FastChannel:
         except DecodeError:
             status = status_pb2.Status(code=code, message="(the daemon's status did not parse)")
         raise FrameCallError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message, payload)
+
+    def _owing_none(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._owed.pop(sock, None)
+            self._ahead.pop(sock, None)
 
     def send_one_way(self, frame: bytes, settle: bool = False) -> bool:
         """Send ``frame`` (a one-way request: never answered) on an idle connection, the one this

@@ -28,10 +28,11 @@ class SpareSlots:
             self._by_size = {}
 
     def wanted(self, block_bytes: int, blocks: int) -> int:
-        """How many to ask the daemon to keep for saves of ``blocks`` blocks: two saves' worth,
-        so that one save's slots come back topped up before the next needs them (0: none fit)."""
+        """How many to ask the daemon to keep for saves of ``blocks`` blocks: four saves' worth
+        (as many as fit), so that saves sent without waiting for their answers find slots while
+        those answers are on their way (0: not even one save's fit)."""
         fit = self.limit_bytes // block_bytes if block_bytes else 0
-        return min(2 * blocks, fit) if blocks <= fit else 0
+        return min(4 * blocks, fit) if blocks <= fit else 0
 
     def take(self, session_id: str, block_bytes: int, n: int) -> list[int] | None:
         """``n`` slots of ``block_bytes`` (the lowest offsets, so that consecutive ones make one

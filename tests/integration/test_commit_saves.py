@@ -3,6 +3,8 @@ names the blocks (README, "Which calls take which path"). Real daemons, both tra
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -123,3 +125,77 @@ def test_a_client_saving_across_a_daemon_restart_never_writes_the_old_sessions_s
         assert np.array_equal(c.load(prompt(i, 2)).data, rows(i, 2)), i
     assert c.committed_saves >= 5
     c.close()
+
+
+def test_saves_that_do_not_wait_are_seen_by_the_next_call_and_by_other_clients_once_answered(
+        daemon: Daemon) -> None:
+    """``save(wait=False)``: the Commit is sent and the save returns; this client's next lookup
+    or load reads the answers first (so sees the blocks), another client sees them once the
+    daemon served them (``wait_saves``). A continuation sent behind its prefix (``start``) is
+    served after it, on the same connection."""
+    with kvstored.Client(daemon.socket) as c, kvstored.Client(daemon.socket) as other:
+        c.save(prompt(0, 1), rows(0, 1))   # the block size, and the spares
+        for i in range(1, 30):
+            n = 1 + i % 4
+            got = c.save(prompt(i, n), rows(i, n), wait=False)
+            assert (got.present, got.stored) == (0, n)
+        p = prompt(40, 6)
+        c.save(p[: 3 * BLOCK], rows(40, 6)[:3], wait=False)
+        c.save(p, rows(40, 6)[3:], start=3, wait=False)
+        assert c.lookup(p).blocks == 6 and np.array_equal(c.load(p).data, rows(40, 6))
+        c.wait_saves()
+        for i in range(1, 30):
+            n = 1 + i % 4
+            assert np.array_equal(other.load(prompt(i, n)).data, rows(i, n)), i
+        assert c.committed_saves == 31 and c.lost_saved_blocks == 0 and c.save_errors == 0
+
+
+def test_a_save_that_did_not_wait_and_stored_nothing_is_counted_not_raised(
+        daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    with kvstored.Client(daemon.socket) as c:
+        c.save(prompt(0, 1), rows(0, 1))
+        monkeypatch.setattr(PresenceReader, "lookup", lambda self, ns, packed, size: (2, 0))
+        got = c.save(prompt(1, 5), rows(1, 5), wait=False)   # rows for blocks 2.. only: a hole
+        assert (got.present, got.stored) == (2, 3)
+        monkeypatch.undo()
+        c.wait_saves()
+        assert c.lost_saved_blocks == 3 and c.save_errors == 0 and c.lookup(prompt(1, 5)).blocks == 0
+        assert c.save(prompt(1, 5), rows(1, 5)).stored == 5   # saved again, waiting: all there
+        assert np.array_equal(c.load(prompt(1, 5)).data, rows(1, 5))
+
+
+def test_a_save_that_did_not_wait_on_a_daemon_that_went_away_is_counted_and_the_client_goes_on(
+        daemon_factory: Factory) -> None:
+    d = daemon_factory()
+    c = kvstored.Client(d.socket, timeout_s=10)
+    c.save(prompt(0, 1), rows(0, 1))
+    c.save(prompt(3, 1), rows(3, 1))   # (one call: the session holds spares now)
+    os.kill(d.proc.pid, signal.SIGSTOP)   # the Commit is sent into the socket, never answered
+    got = c.save(prompt(1, 2), rows(1, 2), wait=False)
+    assert got.stored == 2
+    d.proc.kill()
+    d.proc.wait()
+    with pytest.raises(kvstored.DaemonNotRunning):   # the call reads the answer first: there is none
+        c.stats()
+    assert (c.save_errors, c.lost_saved_blocks) == (1, 2)
+    assert isinstance(c.last_save_error, kvstored.DaemonNotRunning)
+    with open(d.log_path, "ab") as log:
+        d.proc = subprocess.Popen(d.args, stdout=log, stderr=subprocess.STDOUT)
+    wait_serving(d.socket, d.proc)
+    for _ in range(40):
+        try:
+            c.lookup(prompt(0, 1))
+            break
+        except kvstored.DaemonNotRunning:
+            time.sleep(0.1)
+    assert c.save(prompt(2, 2), rows(2, 2), wait=False).stored == 2
+    assert np.array_equal(c.load(prompt(2, 2)).data, rows(2, 2))
+    c.close()
+
+
+def test_over_grpc_a_save_that_does_not_wait_still_waits(daemon: Daemon) -> None:
+    with kvstored.Client(daemon.socket, fast_path=False) as c:
+        c.save(prompt(0, 1), rows(0, 1))
+        assert c.save(prompt(1, 3), rows(1, 3), wait=False).stored == 3 and c.committed_saves == 1
+        with kvstored.Client(daemon.socket) as other:
+            assert np.array_equal(other.load(prompt(1, 3)).data, rows(1, 3))

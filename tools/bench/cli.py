@@ -359,6 +359,7 @@ class Bench:
                 self.step("memcpy limit", self.run_memcpy)
                 self.step("socket stream limits", self.run_streams)
                 self.step("kvstored save/load", self.run_kvstored, "kvstored-arena", report.KV_ARENA)
+                self.step("kvstored save(wait=False)/load", self.run_kvstored, "kvstored-behind", report.KV_BEHIND)
                 self.step("kvstored save_blocks/load_blocks", self.run_kvstored, "kvstored-registered",
                           report.KV_REG)
             if self.want("smallcall") or self.want("prefix") or self.want("trace"):

@@ -27,6 +27,9 @@ class Impl:
         """Load ``keys`` into dst rows start..start+count; returns how many blocks arrived."""
         raise NotImplementedError
 
+    def end_puts(self) -> None:
+        """A pass of puts is over (timed with it): whatever a put left in flight lands now."""
+
     def drop(self, keys: list[bytes]) -> None:
         """Forget the keys of an old run (outside the timing); default: rely on eviction."""
 

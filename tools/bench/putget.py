@@ -115,6 +115,24 @@ class KvstoredArena(Impl):
         self.client.close()
 
 
+class KvstoredWriteBehind(KvstoredArena):
+    """The arena path with ``save(wait=False)``: a put returns once its Commit is sent; the put
+    pass ends with ``wait_saves`` (timed), so the daemon's answers to every put are in."""
+
+    name = "kvstored save(wait=False)/load"
+
+    def put(self, keys: list[bytes], start: int, count: int) -> None:
+        r = self.client.save(None, self.src[start: start + count], hashes=keys, namespace=self.ns, wait=False)
+        self.short += count - r.present - r.stored
+
+    def end_puts(self) -> None:
+        self.client.wait_saves()
+        self.short += self.client.lost_saved_blocks - self._lost   # sent, then not stored after all
+        self._lost = self.client.lost_saved_blocks
+
+    _lost = 0
+
+
 class KvstoredRegistered(Impl):
     """kvstored SDK, engine path: registered shm buffers, ``save_blocks`` / ``load_blocks``.
 
@@ -205,6 +223,8 @@ def run_putget(impl: Impl, sizes: list[int], batches: list[int], ws_bytes: int, 
                             else:
                                 got += impl.get(kk, start, batch)
                             lat.append(time.perf_counter() - a)
+                        if op == "put":
+                            impl.end_puts()
                         elapsed = time.perf_counter() - t0
                         if op == "get":
                             short_get += ops * batch - got if run else 0
@@ -251,6 +271,7 @@ def _verify(impl: Impl, starts: list[int], batch: int, rng: np.random.Generator)
 IMPLS: dict[str, Callable[[argparse.Namespace], Impl]] = {
     "memcpy": lambda a: Memcpy(),
     "kvstored-arena": lambda a: KvstoredArena(a.socket),
+    "kvstored-behind": lambda a: KvstoredWriteBehind(a.socket),
     "kvstored-registered": lambda a: KvstoredRegistered(a.socket),
     "redis": lambda a: peer_stores.Redis(a.port),
     "mooncake": lambda a: peer_stores.Mooncake(a.port),
