@@ -58,7 +58,7 @@ class DramConfig:
     room_wait_s: float = 5.0
     # DRAM each session may hold in spare slots, bound to no block, that its saves copy rows into
     # before naming the blocks: a save in one call (at most 1/16 of the arena; 0: none).
-    spare_bytes: int = 32 << 20
+    spare_bytes: int = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,6 +151,9 @@ class PeerExchange:
         block = self._catalog.get(namespace_id).index.get(key)
         assert block is not None and block.pins > 0, "checkin of a block that is not checked out"
         block.pins -= 1
+        # read from SSD into a buffer of its own, its last copy may have gone meanwhile (another
+        # read found it corrupt): a hollow leaf nothing holds leaves the index
+        self._placement.remove_if_hollow(block)
 
     def checkin_unsent(self, namespace_id: int, key: bytes) -> None:
         """:meth:`checkin` of a block :meth:`serve` (or checkout, ``served``) returned that never

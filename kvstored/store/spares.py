@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvstored.index import NO_SLOT
+from kvstored.index import NO_SLOT, PROMOTING, Block
 from kvstored.store.catalog import NamespaceState
 from kvstored.store.placement import Placement
 from kvstored_client.contract.errors import InvalidArgument
@@ -21,14 +21,6 @@ class Spares:
         self._placement = placement
         self.limit_bytes = limit_bytes
         self._held: dict[str, dict[int, set[int]]] = {}   # session id -> slot bytes -> offsets
-
-    def held(self, session_id: str, slot_bytes: int) -> int:
-        """How many spare slots of ``slot_bytes`` the session holds."""
-        return len(self._held.get(session_id, {}).get(slot_bytes, ()))
-
-    def held_bytes(self) -> int:
-        """Bytes of DRAM held in spare slots, all sessions together."""
-        return sum(sb * len(offsets) for sizes in self._held.values() for sb, offsets in sizes.items())
 
     def top_up(self, session_id: str, slot_bytes: int, wanted: int) -> list[int]:
         """Allocate spare slots of ``slot_bytes`` (making room as a reservation does) until the
@@ -54,8 +46,9 @@ class Spares:
         its row's slot, sealed at once. Returns (blocks cached before, blocks stored, the slots of
         rows not used, which stay spare, ascending). Nothing is stored when a block before
         ``first`` is not cached (the rows for it were not given) or from the first block of the
-        rest that another writer holds unsealed (or whose bytes were lost). InvalidArgument for
-        offsets that are not the session's spares of the namespace's slot size."""
+        rest that is cached or that another writer holds unsealed (a block whose bytes were lost
+        is written again). InvalidArgument for offsets that are not the session's spares of the
+        namespace's slot size."""
         if not 0 <= first <= len(chain) or len(offsets) != len(chain) - first:
             raise InvalidArgument(f"{len(offsets)} spare slots for blocks {first}.. of a chain of {len(chain)}")
         sb = state.index.slot_bytes
@@ -69,16 +62,26 @@ class Spares:
         present = index.match(chain)
         # Not a hit for the policies (a save after its lookup, as a reservation's); pages in use.
         placement.dram.mark_pages(present)
-        stored = []
+        stored: list[Block] = []
         if len(present) >= first:
             parent = present[-1] if present else None
             for i in range(len(present), len(chain)):
-                key = chain[i]
-                if index.get(key) is not None:   # being written by another client, or hollow
+                existing = index.get(chain[i])
+                if existing is None:
+                    block = placement.bind(index.insert(chain[i], parent, NO_SLOT), offsets[i - first])
+                    block.pins = 0   # (a block is inserted pinned, by its writer: its bytes are here)
+                elif existing.sealed and not existing.readable and existing.pins == 0 \
+                        and not existing.flags & PROMOTING:
+                    # hollow (its bytes were lost, its children kept): written again in place, as a
+                    # reservation would; unsealed before it has the slot (see Placement.bind)
+                    existing.flags = 0
+                    index.changed(existing)
+                    block = placement.bind(existing, offsets[i - first])
+                    block.check = None
+                else:   # cached since (its row is not needed), or another client is writing it
                     break
-                parent = placement.bind(index.insert(key, parent, NO_SLOT), offsets[i - first])
-                parent.pins = 0   # (a block is inserted pinned, by its writer: its bytes are here)
-                stored.append(parent)
+                stored.append(block)
+                parent = block
         held.difference_update(b.offset for b in stored)
         placement.sealed_now(stored)
         unused = sorted(given & held)

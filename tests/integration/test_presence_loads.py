@@ -113,8 +113,10 @@ def test_blocks_the_table_cannot_vouch_for_take_the_lease(daemon: Daemon, monkey
 
 
 def test_a_load_from_the_table_is_a_use_of_the_prefix_for_eviction(daemon_factory: Factory) -> None:
-    # 16 slots of 256 KiB, no SSD tier, LRU: the block loaded last is not the one to go
-    d = daemon_factory("--dram-capacity", "4MiB", "--set", "ssd.enabled=false", "--set", "dram.policy=lru")
+    # 16 slots of 256 KiB, each a block's (no spare slots), no SSD tier, LRU:
+    # the block loaded last is not the one to go
+    d = daemon_factory("--dram-capacity", "4MiB", "--set", "ssd.enabled=false", "--set", "dram.policy=lru",
+                       "--set", "dram.spare_bytes=0")
     with kvstored.Client(d.socket) as c:
         for i in range(16):
             assert c.save(prompt(i, 1), rows(i, 1, 256 << 10)).stored == 1

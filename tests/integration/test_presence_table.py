@@ -114,8 +114,10 @@ def test_table_lookups_equal_the_daemons_after_every_kind_of_change(
 
 
 def test_a_table_lookup_is_a_use_of_the_prefix_for_eviction(daemon_factory: Factory) -> None:
-    # 16 slots of 256 KiB, no SSD tier, LRU: the block a lookup touched last is not the one to go
-    d = daemon_factory("--dram-capacity", "4MiB", "--set", "ssd.enabled=false", "--set", "dram.policy=lru")
+    # 16 slots of 256 KiB, each a block's (no spare slots), no SSD tier, LRU:
+    # the block a lookup touched last is not the one to go
+    d = daemon_factory("--dram-capacity", "4MiB", "--set", "ssd.enabled=false", "--set", "dram.policy=lru",
+                       "--set", "dram.spare_bytes=0")
     ns = Namespace(model="lru")
     with kvstored.Client(d.socket, namespace=ns) as c:
         row = np.ones((1, 256 << 10), np.uint8)

@@ -922,7 +922,7 @@ def test_random_operations_keep_the_store_consistent(tmp_path: Path, seed: int) 
 # Seeds that failed before fixes (their interleaving with the copy and SSD threads varies, so each
 # bug is also pinned down by a hand-written test in test_store_faults.py): hollow leaves left in the
 # index by a checkout, or a stream, cancelled after an SSD read failed its checksum.
-@pytest.mark.parametrize("seed", [47, 64])
+@pytest.mark.parametrize("seed", [47, 64, 388])
 def test_random_operations_regressions(tmp_path: Path, seed: int) -> None:
     run_seed(tmp_path, seed, 300)
 
