@@ -234,7 +234,7 @@ class Client(Connection):
         With ``wait=False`` a one-call save returns once its rows are in the daemon's memory and
         its Commit is sent, without the answer (on the fast path; otherwise it waits): ``stored``
         then counts the blocks whose rows were handed over. The answer is read by this client's
-        next call, lookup or load (which so see the blocks) or :meth:`wait_saves`; blocks it did
+        next call, lookup, load or stream (which so see the blocks) or :meth:`wait_saves`; blocks it did
         not store after all (a block before them left meanwhile, a failed call) are counted in
         ``lost_saved_blocks``, never raised. Other clients see the blocks once the daemon has
         served the Commit (within a round trip).
@@ -263,7 +263,8 @@ class Client(Connection):
                     self.table_saves += 1
                     return SaveResult(n_blocks, 0, spec.block_size)
                 seen = found[0]
-        if not push_to and spec.block_bytes == rows.shape[1] and self._spares.limit_bytes:
+        if not push_to and spec.block_bytes == rows.shape[1] and n_blocks <= self._hello.max_batch_blocks \
+                and self._spares.usable(session):
             done = self._save_by_commit(session, arena, ns_id, spec, reserve.keys, rows, n_blocks, start, seen,
                                         wait)
             if done is not None:

@@ -197,6 +197,7 @@ class Connection:
     def _start_stream(self, method: Callable[..., T], request: Any, timeout: float | None) -> T:
         """``method(request, timeout=timeout)``: a streaming call started; ClientClosed, not
         grpc's ValueError, when another thread closed this client since the last check."""
+        self._saves_answered()   # a stream, too, comes after the saves sent before it
         try:
             return method(request, timeout=timeout)
         except ValueError:   # grpc's "Cannot invoke RPC on closed channel!"
@@ -389,6 +390,7 @@ class Connection:
                 # ids are asked for again (cheap; a restarted daemon may know other namespaces)
                 self._session_id = None
                 self._session_call = None
+                self._spares.renew("", 0)   # freed by the daemon with the session: not written again
                 self._namespace_ids.clear()
                 if self._fast is not None:   # its daemon is gone too: the next call connects anew
                     self._fast.reset()
@@ -514,6 +516,7 @@ class Connection:
         self._settle_releases(one_way=False)
         with self._lock:
             self._closed = True
+            self._spares.renew("", 0)
             done, call = self._session_done, self._session_call
         done.set()
         if call is not None:

@@ -185,6 +185,10 @@ class FastChannel:
         """The answer to a call :meth:`send` sent (the calls sent before it on its connection
         answered first); the connection goes back to the pool once no answer is owed on it."""
         sock, deadline = sent.sock, sent.deadline
+        if deadline is not None and deadline < time.monotonic():
+            # an answer read well after its call was sent (saves that did not wait): its own
+            # timeout from now, not a deadline that passed while nobody was reading
+            deadline = time.monotonic() + (sock.gettimeout() or 0.0)
         try:
             # header and payload in one read when they came together (a small answer always does)
             with self._lock:

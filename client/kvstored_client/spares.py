@@ -34,6 +34,11 @@ class SpareSlots:
         fit = self.limit_bytes // block_bytes if block_bytes else 0
         return min(4 * blocks, fit) if blocks <= fit else 0
 
+    def usable(self, session_id: str) -> bool:
+        """Whether this process may ask for and use spare slots of ``session_id`` (its own
+        session, not a parent's it was forked with)."""
+        return bool(self.limit_bytes) and session_id == self._session and os.getpid() == self._pid
+
     def take(self, session_id: str, block_bytes: int, n: int) -> list[int] | None:
         """``n`` slots of ``block_bytes`` (the lowest offsets, so that consecutive ones make one
         run to copy), or None when fewer are held (nothing is taken then)."""

@@ -51,10 +51,13 @@ class WriteBehind:
     def send(self, request: pb.CommitRequest, block_bytes: int, blocks: int, timeout_s: float | None) -> None:
         """Send ``request`` behind the Commits in flight (the daemon serves them in order).
         Raises as :meth:`FastChannel.send` (nothing in flight changes then)."""
+        self._forked()
         with self._lock:
-            self._forked()
             while len(self._in_flight) >= MAX_IN_FLIGHT:
                 self._settle_one()
+            if self._in_flight and self._in_flight[-1].sent.sock.fileno() < 0:
+                while self._in_flight:   # their connection failed: counted, and this goes on a new one
+                    self._settle_one()
             after = self._in_flight[-1].sent if self._in_flight else None
             sent = self._fast.send("Commit", request, timeout_s, after=after)
             self._in_flight.append(InFlight(sent, request.session_id, block_bytes, request.first, blocks))
@@ -62,14 +65,15 @@ class WriteBehind:
     def settle(self) -> None:
         """Read every answer still owed: the blocks of the saves sent so far are cached (or
         counted lost) when this returns."""
+        self._forked()
         if not self._in_flight:
             return
         with self._lock:
-            self._forked()
             while self._in_flight:
                 self._settle_one()
 
     def _forked(self) -> None:
+        # (before taking the lock: a parent's thread may have held it, reading an answer, at the fork)
         if os.getpid() != self._pid:   # the parent's connections and answers are not a child's
             self._pid = os.getpid()
             self._lock = threading.Lock()

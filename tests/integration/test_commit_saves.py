@@ -199,3 +199,36 @@ def test_over_grpc_a_save_that_does_not_wait_still_waits(daemon: Daemon) -> None
         assert c.save(prompt(1, 3), rows(1, 3), wait=False).stored == 3 and c.committed_saves == 1
         with kvstored.Client(daemon.socket) as other:
             assert np.array_equal(other.load(prompt(1, 3)).data, rows(1, 3))
+
+
+def test_streams_and_flushes_come_after_the_saves_that_did_not_wait(
+        daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: a flush, stream, pull or migration is a gRPC stream, not a fast-path call: it too
+    reads the answers of the saves sent before it first (else a flush could miss their blocks)."""
+    with kvstored.Client(daemon.socket) as c:
+        c.save(prompt(0, 1), rows(0, 1))
+        settled: list[int] = []
+        assert c._write_behind is not None
+        real = c._write_behind.settle
+        monkeypatch.setattr(c._write_behind, "settle", lambda: (settled.append(len(c._write_behind)), real())[1])
+        for i in range(1, 4):
+            c.save(prompt(i, 2), rows(i, 2), wait=False)
+        assert c.flush() == 7 and settled and settled[0] == 3
+        c.save(prompt(9, 2), rows(9, 2), wait=False)
+        handle = c.stream(prompt(9, 2))
+        got = [np.asarray(b.data) for b in handle]
+        assert len(got) == 2 and np.array_equal(np.stack(got), rows(9, 2))
+
+
+def test_a_save_over_the_batch_limit_is_refused_before_any_row_is_copied(daemon_factory: Factory) -> None:
+    """Review: a chain longer than server.max_batch_blocks went to a Commit after its rows were
+    copied into spare slots; the daemon refused it and the slots were lost to the session."""
+    d = daemon_factory("--set", "server.max_batch_blocks=8")
+    with kvstored.Client(d.socket) as c:
+        c.save(prompt(0, 1), rows(0, 1))
+        for wait in (True, False):
+            with pytest.raises(kvstored.InvalidArgument):
+                c.save(prompt(1, 10), rows(1, 10), wait=wait)
+        for i in range(2, 40):   # the spares are all still there: every save one call
+            assert c.save(prompt(i, 8), rows(i, 8)).stored == 8
+        assert c.committed_saves == 38
