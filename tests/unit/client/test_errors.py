@@ -133,6 +133,7 @@ def _bare_client(namespace_ids: dict[kvstored.Namespace, tuple[int, kvstored.Nam
     client = Client.__new__(Client)   # no daemon needed: only how a status becomes an error
     client.socket, client._timeout, client._closed, client._namespace_ids = "/run/kv.sock", 5.0, False, namespace_ids
     client._fast = None   # every call by the stub given
+    client._write_behind = None   # (no fast path: no saves in flight)
     return client
 
 
