@@ -29,6 +29,19 @@ def rows(i: int, blocks: int, width: int = WIDTH) -> np.ndarray:
     return np.random.default_rng(i).integers(0, 256, (blocks, width), np.uint8)
 
 
+def start_again(d: Daemon, c: kvstored.Client, tokens: np.ndarray) -> None:
+    """Start the stopped daemon ``d`` over its state and wait until ``c`` reaches it again."""
+    with open(d.log_path, "ab") as log:
+        d.proc = subprocess.Popen(d.args, stdout=log, stderr=subprocess.STDOUT)
+    wait_serving(d.socket, d.proc)
+    for _ in range(40):
+        try:
+            c.lookup(tokens)
+            return
+        except kvstored.DaemonNotRunning:
+            time.sleep(0.1)
+
+
 def test_saves_after_the_first_take_one_call_and_store_what_reserve_and_seal_stored(client) -> None:  # type: ignore[no-untyped-def]
     c: kvstored.Client = client
     first = c.save(prompt(0, 2), rows(0, 2))   # the namespace's block size is fixed by this one
@@ -110,15 +123,7 @@ def test_a_client_saving_across_a_daemon_restart_never_writes_the_old_sessions_s
     for i in range(3):
         c.save(prompt(i, 2), rows(i, 2))
     assert d.stop() == 0
-    with open(d.log_path, "ab") as log:
-        d.proc = subprocess.Popen(d.args, stdout=log, stderr=subprocess.STDOUT)
-    wait_serving(d.socket, d.proc)
-    for _ in range(40):
-        try:
-            c.lookup(prompt(0, 2))
-            break
-        except kvstored.DaemonNotRunning:
-            time.sleep(0.1)
+    start_again(d, c, prompt(0, 2))
     for i in range(3, 8):
         assert c.save(prompt(i, 2), rows(i, 2)).stored == 2
     for i in range(8):   # the first three came back from SSD, the others are new
@@ -179,15 +184,7 @@ def test_a_save_that_did_not_wait_on_a_daemon_that_went_away_is_counted_and_the_
         c.stats()
     assert (c.save_errors, c.lost_saved_blocks) == (1, 2)
     assert isinstance(c.last_save_error, kvstored.DaemonNotRunning)
-    with open(d.log_path, "ab") as log:
-        d.proc = subprocess.Popen(d.args, stdout=log, stderr=subprocess.STDOUT)
-    wait_serving(d.socket, d.proc)
-    for _ in range(40):
-        try:
-            c.lookup(prompt(0, 1))
-            break
-        except kvstored.DaemonNotRunning:
-            time.sleep(0.1)
+    start_again(d, c, prompt(0, 1))
     assert c.save(prompt(2, 2), rows(2, 2), wait=False).stored == 2
     assert np.array_equal(c.load(prompt(2, 2)).data, rows(2, 2))
     c.close()
