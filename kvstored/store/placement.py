@@ -185,24 +185,30 @@ class Placement:
             return "ssd_full"
         return "refused"
 
-    async def wait_for_room(self, until: float) -> bool:
-        """A save found no slot: DRAM holds only blocks that may not leave now. When some wait
-        for their SSD copy (or are being written), have the write-back write at once and wait a
-        moment (at most until ``until``, the event loop's time) for it; True: try again. False
-        when waiting for the write-back cannot help (no SSD tier, nothing it would free) or the
-        time is up."""
+    async def wait_for_room(self, until: float, landing: bool = False) -> bool:
+        """A save or a read found no slot: DRAM holds only blocks that may not leave now. When
+        some wait for their SSD copy (or are being written), have the write-back write at once
+        and wait a moment (at most until ``until``, the event loop's time) for it; with
+        ``landing`` (reads from SSD into slots are in flight: their blocks may leave once they
+        land) wait a moment all the same. True: try again. False when waiting cannot help (no
+        SSD tier, nothing the write-back would free, nothing landing) or the time is up."""
         loop = asyncio.get_running_loop()
         left = until - loop.time()
-        if left <= 0 or not self.ssd.enabled or not self._writer_can_help():
+        if left <= 0 or not self.ssd.enabled:
             return False
-        self.queue.waiters += 1
-        self.queue.wanted.set()
+        writer = self._writer_can_help()
+        if not writer and not landing:
+            return False
+        if writer:
+            self.queue.waiters += 1
+            self.queue.wanted.set()
         try:
             # polled: a write-back round takes milliseconds to seconds, and other slots free up
             # as leases end; an event per change would cost every one of those paths
             await asyncio.sleep(min(left, ROOM_POLL_S))
         finally:
-            self.queue.waiters -= 1
+            if writer:
+                self.queue.waiters -= 1
         return True
 
     def _writer_can_help(self, scan: int = 256) -> bool:

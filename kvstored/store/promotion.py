@@ -88,7 +88,8 @@ class Promotion:
         at its turn (its reader's lease ended meanwhile), or ``wanted()`` false at a step (a busy
         lease doomed: it keeps its pins until its request ends), ends the prefix there. A block
         without an SSD copy never gives its slot up to a promotion: with ``room_until`` (the event
-        loop's time) a promotion that finds no other slot waits for the write-back until then.
+        loop's time) a promotion that finds no other slot waits until then for the write-back or for
+        other blocks' promotions (a prefetch's) to land.
         """
         placement = self._placement
         ssd_policy = placement.ssd.policy
@@ -148,8 +149,10 @@ class Promotion:
                 offset = placement.alloc(block.index.slot_bytes)
                 if offset is None:
                     # DRAM holds only blocks that may not leave now (leased, or waiting for their
-                    # SSD copy, which a promotion never evicts): a reader waits for the write-back
-                    if room_until is not None and await placement.wait_for_room(room_until):
+                    # SSD copy, which a promotion never evicts, or being promoted for others, a
+                    # prefetch's for one): a reader waits for the write-back or for those to land
+                    if room_until is not None and await placement.wait_for_room(
+                            room_until, landing=self._landing_elsewhere(blocks)):
                         report(i)
                         if cut < i or (wanted is not None and not wanted()):
                             cut = min(cut, i)
@@ -193,6 +196,14 @@ class Promotion:
                 await asyncio.shield(fut)
             report(cut)
         return cut
+
+    def _landing_elsewhere(self, blocks: list[Block]) -> bool:
+        """Whether blocks other than ``blocks`` are being promoted (their slots may free up once
+        their reads land and their readers are done)."""
+        if len(self._promoting) > len(blocks):
+            return True
+        mine = set(blocks)
+        return any(b not in mine for b in self._promoting)
 
     def _read_landed(self, loop: asyncio.AbstractEventLoop, block: Block, done: asyncio.Future[bool],
                      reuses: int, read: Future[int]) -> None:

@@ -1101,3 +1101,61 @@ def test_a_corrupt_block_two_peers_read_at_once_is_dropped_and_counted_once(
     assert stats.dropped_blocks == 1, stats.dropped_blocks        # ... of one block, lost once
     assert stats.tiers[1].blocks == 0 and stats.tiers[1].used_bytes == 0
     assert exchange(store).held(ns, a) == 0
+
+
+def test_a_load_waits_for_a_prefetch_that_holds_every_dram_slot(ssd_env: tuple[BlockStore, Clock]) -> None:
+    """(found by the burst benchmark's restart check) Lookups of many prompts on SSD start
+    promoting them in the background; while their reads were in flight they held every DRAM
+    slot, and a load then found no slot, no write-back that could make one, and returned 0
+    blocks of a prompt that lookup reported cached. It now waits for the prefetch to land (its
+    blocks, with SSD copies, then give their slots up) and reads the whole prompt."""
+    import concurrent.futures
+    import threading
+
+    from kvstored.index import Tier
+    store, _ = ssd_env
+    s = store.open_session("decode", 1).session_id
+    ns = store.open_namespace(NS).namespace_id
+    a, b = chain(8), chain(2, start=100)
+    assert store.ssd_tier is not None
+    real_read = store.ssd_tier.read_into
+    release = threading.Event()
+
+    def slow_read(namespace_id, key, view):  # type: ignore[no-untyped-def]
+        done = real_read(namespace_id, key, view)
+        if key not in a:
+            return done
+        out: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+        def finish() -> None:
+            release.wait(5)
+            try:
+                out.set_result(done.result())
+            except BaseException as exc:
+                out.set_exception(exc)
+        threading.Thread(target=finish, daemon=True).start()
+        return out
+
+    async def main() -> int:
+        for keys in (a, b):
+            r = store.reserve(s, ns, KeyRequest(hashes=keys), BLOCK)
+            store.seal(s, r.reservation_id)
+            await store.flush()
+            store.evict("", Tier.DRAM)
+        assert store.stats().tiers[0].used_bytes == 0
+        store.ssd_tier.read_into = slow_read  # type: ignore[method-assign, union-attr]
+        assert (await store.lookup(ns, KeyRequest(hashes=a))).blocks == 8   # a prefetch of all 8 slots
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert len(store.promotion) == 8, "the prefetch should hold every DRAM slot"
+        load = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=b), lease=True, session_id=s))
+        await asyncio.sleep(0.02)                               # (the harness's room wait: 0.05 s)
+        release.set()                                           # the prefetch's reads land
+        blocks = (await load).blocks
+        await store.finish_background()
+        return blocks
+
+    try:
+        assert asyncio.run(main()) == 2, "the load gave up while a prefetch's reads were in flight"
+    finally:
+        release.set()
