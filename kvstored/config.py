@@ -57,7 +57,8 @@ class DramConfig:
     # to this long for the write-back to copy some, then stores what fits.
     room_wait_s: float = 5.0
     # DRAM each session may hold in spare slots, bound to no block, that its saves copy rows into
-    # before naming the blocks: a save in one call (at most 1/16 of the arena; 0: none).
+    # before naming the blocks: a save in one call (at most 1/16 of the arena, all sessions
+    # together at most 1/8; 0: none).
     spare_bytes: int = 64 << 20
 
 

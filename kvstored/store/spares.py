@@ -15,11 +15,14 @@ from kvstored_client.contract.errors import InvalidArgument
 class Spares:
     """Each session's spare slots by slot size. A spare slot is used DRAM that no block holds
     (the page holding it cannot be emptied) until a commit binds a block to it or the session
-    ends; a session holds at most ``limit_bytes`` of them."""
+    ends; a session holds at most ``limit_bytes`` of them, all sessions together at most
+    ``total_bytes`` (the sessions past it save by reservations until others give theirs up)."""
 
-    def __init__(self, placement: Placement, limit_bytes: int) -> None:
+    def __init__(self, placement: Placement, limit_bytes: int, total_bytes: int) -> None:
         self._placement = placement
         self.limit_bytes = limit_bytes
+        self.total_bytes = total_bytes
+        self.held_bytes = 0   # over all sessions
         self._held: dict[str, dict[int, set[int]]] = {}   # session id -> slot bytes -> offsets
 
     def top_up(self, session_id: str, slot_bytes: int, wanted: int) -> list[int]:
@@ -28,7 +31,8 @@ class Spares:
         when the tier cannot make room now."""
         sizes = self._held.setdefault(session_id, {})
         offsets = sizes.setdefault(slot_bytes, set())
-        room = (self.limit_bytes - sum(sb * len(o) for sb, o in sizes.items())) // slot_bytes
+        room = min(self.limit_bytes - sum(sb * len(o) for sb, o in sizes.items()),
+                   self.total_bytes - self.held_bytes) // slot_bytes
         new: list[int] = []
         for _ in range(max(0, min(wanted - len(offsets), room))):
             offset = self._placement.alloc(slot_bytes)
@@ -36,6 +40,7 @@ class Spares:
                 break
             new.append(offset)
         offsets.update(new)
+        self.held_bytes += slot_bytes * len(new)
         new.sort()
         return new
 
@@ -83,12 +88,14 @@ class Spares:
                 stored.append(block)
                 parent = block
         held.difference_update(b.offset for b in stored)
+        self.held_bytes -= sb * len(stored)
         placement.sealed_now(stored)
         unused = sorted(given & held)
         return len(present), len(stored), unused
 
     def drop(self, session_id: str) -> None:
         """The session ended: its spare slots are free again."""
-        for offsets in self._held.pop(session_id, {}).values():
+        for slot_bytes, offsets in self._held.pop(session_id, {}).items():
+            self.held_bytes -= slot_bytes * len(offsets)
             for offset in offsets:
                 self._placement.dram.free_unbound(offset)

@@ -151,3 +151,18 @@ def test_no_spares_when_the_config_gives_none(tmp_path: Path) -> None:
         ns = store.open_namespace(Namespace()).namespace_id
         assert spares(store, sid, ns, 4) == []
         assert store.spares.limit_bytes == 0
+
+
+def test_all_sessions_together_hold_at_most_an_eighth_of_the_arena(tmp_path: Path) -> None:
+    """Every engine process is a session: without a cap over them all, sixteen sessions could hold
+    the whole arena in slots no block uses, evicting every cached block for them. The sessions
+    past an eighth get none (their saves take reservations) until another gives its slots up."""
+    with make_store(tmp_path) as (store, _):
+        ns = store.open_namespace(Namespace()).namespace_id
+        sids = [store.open_session(f"s{i}", i + 1).session_id for i in range(3)]
+        got = [len(spares(store, sid, ns, 8)) for sid in sids]
+        assert got == [8, 8, 0], "two sessions' worth (1/8 of 128 slots) in all"
+        assert store.stats().tiers[0].used_bytes == 16 * BLOCK
+        store.close_session(sids[0])
+        assert len(spares(store, sids[2], ns, 8)) == 8, "the slots an ended session gave up go to another"
+        assert spares(store, sids[1], ns, 8) == [] and store.spares.held_bytes == 16 * BLOCK

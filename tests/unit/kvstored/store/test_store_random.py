@@ -128,6 +128,7 @@ class Fuzz:
         self.spares: dict[str, dict[int, dict[int, bytes | None]]] = {}
         # (the default's 1/16 of these few-page arenas is not one slot)
         self.store.spares.limit_bytes = 2 * SIZES[0]
+        self.store.spares.total_bytes = 3 * SIZES[0]   # (two sessions: the cap over all binds too)
         self.sessions = [self.new_session() for _ in range(2)]
 
     def watch_slots_handed_out(self) -> None:
@@ -271,6 +272,9 @@ class Fuzz:
                     used += store.catalog.get(self.ns_ids[ns]).index.slot_bytes
                     if want is not None and bytes(self.arena.view(offset, SIZES[ns])) != want:
                         self.fail(f"spare slot {offset} of session {sid}: its bytes changed before a commit")
+        if store.spares.held_bytes != sum(store.catalog.get(self.ns_ids[ns]).index.slot_bytes * len(held)
+                                          for by_ns in self.spares.values() for ns, held in by_ns.items()):
+            self.fail(f"spare slots counted as {store.spares.held_bytes} bytes held in all")
         for _, key, _, landing in self.landings:
             if landing.offset in taken:
                 self.fail(f"landing of {key.hex()[:8]} shares slot {landing.offset} with another")
