@@ -93,7 +93,7 @@ class BlockStore:
         self.promotion = Promotion(self.placement, arena, ssd, self.background)
         self.writeback = WriteBack(config, clock, self.catalog, self.placement, arena, ssd, self.background, keep)
         self.leasing = Leasing(config, clock, self.placement, new_session_id)
-        self.reservations = Reservations(config, self.leasing, self.placement)
+        self.reservations = Reservations(config, self.leasing, self.placement, self.promotion)
         self.spares = Spares(self.placement, min(config.dram.spare_bytes, arena.capacity // 16),
                              arena.capacity // 8)
         self.reads = Reads(config, self.leasing, self.placement, self.promotion)

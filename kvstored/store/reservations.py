@@ -11,6 +11,7 @@ from kvstored.leases import Lease, LeaseKind, Session
 from kvstored.store.catalog import NamespaceState
 from kvstored.store.leasing import Leasing
 from kvstored.store.placement import Placement
+from kvstored.store.promotion import Promotion
 from kvstored.store.waits import WaitHistogram
 from kvstored_client.contract.errors import LeaseExpired, Reason, ResourceExhausted
 
@@ -25,10 +26,11 @@ class Reservations:
     """Reserving slots under a lease of kind RESERVATION: its ``pinned`` blocks are the cached
     prefix it writes after, its ``new`` blocks the slots it holds (unsealed until it ends)."""
 
-    def __init__(self, config: Config, leasing: Leasing, placement: Placement) -> None:
+    def __init__(self, config: Config, leasing: Leasing, placement: Placement, promotion: Promotion) -> None:
         self._config = config
         self._leasing = leasing
         self._placement = placement
+        self._promotion = promotion
         self.room_waits = WaitHistogram()   # how long reservations waited for the write-back
 
     def reserve_chain(self, session: Session, state: NamespaceState, chain: list[bytes]) -> Lease:
@@ -47,9 +49,10 @@ class Reservations:
     async def reserve_chain_waiting(self, session: Session, state: NamespaceState, chain: list[bytes],
                                     until: float) -> Lease:
         """:meth:`reserve_chain`, except that when DRAM holds only blocks that must reach the SSD
-        tier before they leave, it waits for the write-back to copy some (until ``until``, the
-        event loop's time) rather than store less: saves faster than the disk slow down to its
-        speed instead of dropping blocks. Each wait is observed in :attr:`room_waits`."""
+        tier before they leave (or blocks whose promotions are in flight), it waits for the
+        write-back to copy some (or for those to land; until ``until``, the event loop's time)
+        rather than store less: saves faster than the disk slow down to its speed instead of
+        dropping blocks. Each wait is observed in :attr:`room_waits`."""
         lease = self.reserve_present(session, state, chain)
         outcome = RESERVED
         loop = asyncio.get_running_loop()
@@ -57,7 +60,7 @@ class Reservations:
         try:
             for key in chain[len(lease.pinned):]:
                 outcome = self.reserve_next(lease, state, key)
-                while outcome == FULL and await self._placement.wait_for_room(until):
+                while outcome == FULL and await self._placement.wait_for_room(until, landing=len(self._promotion) > 0):
                     began = loop.time() if began is None else began
                     if not self._leasing.live(lease):   # its session ended (or it expired) meanwhile
                         raise LeaseExpired("session closed or reservation expired while it waited for room; "

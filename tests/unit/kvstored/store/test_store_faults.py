@@ -1103,12 +1103,14 @@ def test_a_corrupt_block_two_peers_read_at_once_is_dropped_and_counted_once(
     assert exchange(store).held(ns, a) == 0
 
 
-def test_a_load_waits_for_a_prefetch_that_holds_every_dram_slot(ssd_env: tuple[BlockStore, Clock]) -> None:
+@pytest.mark.parametrize("how", ["load", "save"])
+def test_a_load_or_save_waits_for_a_prefetch_that_holds_every_dram_slot(ssd_env: tuple[BlockStore, Clock],
+                                                                         how: str) -> None:
     """(found by the burst benchmark's restart check) Lookups of many prompts on SSD start
     promoting them in the background; while their reads were in flight they held every DRAM
     slot, and a load then found no slot, no write-back that could make one, and returned 0
-    blocks of a prompt that lookup reported cached. It now waits for the prefetch to land (its
-    blocks, with SSD copies, then give their slots up) and reads the whole prompt."""
+    blocks of a prompt that lookup reported cached (a save, likewise, stored nothing). Both now
+    wait for the prefetch to land (its blocks, with SSD copies, then give their slots up)."""
     import concurrent.futures
     import threading
 
@@ -1137,7 +1139,7 @@ def test_a_load_waits_for_a_prefetch_that_holds_every_dram_slot(ssd_env: tuple[B
         return out
 
     async def main() -> int:
-        for keys in (a, b):
+        for keys in (a, b) if how == "load" else (a,):
             r = store.reserve(s, ns, KeyRequest(hashes=keys), BLOCK)
             store.seal(s, r.reservation_id)
             await store.flush()
@@ -1148,14 +1150,17 @@ def test_a_load_waits_for_a_prefetch_that_holds_every_dram_slot(ssd_env: tuple[B
         for _ in range(20):
             await asyncio.sleep(0)
         assert len(store.promotion) == 8, "the prefetch should hold every DRAM slot"
-        load = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=b), lease=True, session_id=s))
+        if how == "load":
+            call = asyncio.ensure_future(store.lookup(ns, KeyRequest(hashes=b), lease=True, session_id=s))
+        else:
+            call = asyncio.ensure_future(store.reserve_waiting(s, ns, KeyRequest(hashes=b), BLOCK))
         await asyncio.sleep(0.02)                               # (the harness's room wait: 0.05 s)
         release.set()                                           # the prefetch's reads land
-        blocks = (await load).blocks
+        result = await call
         await store.finish_background()
-        return blocks
+        return result.blocks if how == "load" else len(result.offsets)  # type: ignore[union-attr]
 
     try:
-        assert asyncio.run(main()) == 2, "the load gave up while a prefetch's reads were in flight"
+        assert asyncio.run(main()) == 2, f"the {how} gave up while a prefetch's reads were in flight"
     finally:
         release.set()
