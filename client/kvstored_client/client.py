@@ -310,8 +310,9 @@ class Client(Connection):
             return None
         taken = self._spares.take(session, spec.block_bytes, need)
         behind = self._write_behind
-        if taken is None and behind is not None and len(behind):
-            behind.settle()   # their answers give slots back
+        # the oldest answers give slots back; reading only as many as it takes keeps the
+        # others (and the daemon's work on them) going while this save copies its rows
+        while taken is None and behind is not None and behind.settle_oldest():
             taken = self._spares.take(session, spec.block_bytes, need)
         if taken is None:
             granted = self._call(self._stub.Commit, pb.CommitRequest(
@@ -351,6 +352,11 @@ class Client(Connection):
         are cached (or counted in ``lost_saved_blocks``)."""
         self._check_open()
         self._saves_answered()
+
+    @property
+    def saves_in_flight(self) -> int:
+        """Saves sent with ``wait=False`` whose answers this client has not read yet."""
+        return 0 if self._write_behind is None else len(self._write_behind)
 
     @property
     def lost_saved_blocks(self) -> int:

@@ -72,6 +72,16 @@ class WriteBehind:
             while self._in_flight:
                 self._settle_one()
 
+    def settle_oldest(self) -> bool:
+        """Read the oldest answer still owed (the spare slots it gives back let the next save go
+        on while the others are on their way); False when none is owed."""
+        self._forked()
+        with self._lock:
+            if not self._in_flight:
+                return False
+            self._settle_one()
+            return True
+
     def _forked(self) -> None:
         # (before taking the lock: a parent's thread may have held it, reading an answer, at the fork)
         if os.getpid() != self._pid:   # the parent's connections and answers are not a child's

@@ -155,6 +155,24 @@ def test_saves_that_do_not_wait_are_seen_by_the_next_call_and_by_other_clients_o
         assert c.committed_saves == 31 and c.lost_saved_blocks == 0 and c.save_errors == 0
 
 
+def test_saves_that_do_not_wait_read_only_the_oldest_answer_when_the_spares_run_out(daemon: Daemon) -> None:
+    """The spares hold four saves' worth: the fifth save in a row waits for slots. It read every
+    answer owed, so every fourth save stopped until the daemon had served all the others (the
+    daemon then idle while the client copied the next rows); it reads the oldest answer only,
+    whose slots it needs, and the other saves stay in flight."""
+    with kvstored.Client(daemon.socket) as c:
+        c.save(prompt(0, 4), rows(0, 4))   # the block size
+        depth = []
+        for i in range(1, 25):
+            assert c.save(prompt(i, 4), rows(i, 4), wait=False).stored == 4
+            depth.append(c.saves_in_flight)
+        assert depth[:4] == [1, 2, 3, 4] and min(depth[4:]) == 4, depth
+        c.wait_saves()
+        assert c.saves_in_flight == 0 and c.lost_saved_blocks == 0 and c.committed_saves == 24
+        for i in range(1, 25):
+            assert np.array_equal(c.load(prompt(i, 4)).data, rows(i, 4)), i
+
+
 def test_a_save_that_did_not_wait_and_stored_nothing_is_counted_not_raised(
         daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
     with kvstored.Client(daemon.socket) as c:
