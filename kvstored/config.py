@@ -59,7 +59,7 @@ class DramConfig:
     # DRAM each session may hold in spare slots, bound to no block, that its saves copy rows into
     # before naming the blocks: a save in one call (at most 1/16 of the arena, all sessions
     # together at most 1/8; 0: none).
-    spare_bytes: int = 64 << 20
+    spare_bytes: int = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
