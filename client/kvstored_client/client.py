@@ -34,7 +34,7 @@ from kvstored_client.contract.errors import (
     NotFound,
     Reason,
 )
-from kvstored_client.contract.hashing import ChainHasher
+from kvstored_client.contract.hashing import ChainHasher, checked_tokens
 from kvstored_client.contract.namespace import Namespace
 from kvstored_client.contract.proto import kvstored_pb2 as pb
 from kvstored_client.contract.runs import runs, smallest_step
@@ -52,6 +52,7 @@ from kvstored_client.results import (
 )
 from kvstored_client.streams import BlockStream, LoadHandle
 
+FIRST_HASHED = 32   # blocks a table lookup of tokens hashes first (a hasher memo group: see hashing.py)
 # The daemon repeats a migration's or a flush's progress at least every 5 s: a client gives up
 # after three silent intervals (or its timeout_s, when longer).
 PROGRESS_IDLE_MIN_S = 15.0
@@ -147,19 +148,24 @@ class Client(Connection):
         if tokens is None:
             raise InvalidArgument("give tokens or hashes")
         salt = cache_salt if cache_salt is not None else self._cache_salt
-        hasher_key = (spec.block_size, spec.hash_seed, spec.hash_algo)
-        hasher = self._hashers.get(hasher_key)
-        if hasher is None:
-            try:
-                hasher = self._hashers[hasher_key] = ChainHasher(*hasher_key)
-            except ValueError as exc:
-                raise InvalidArgument(str(exc)) from None
         try:
-            chain = hasher.hashes(coerce.token_array(tokens), cache_salt=salt or None)
+            chain = self._hasher(spec).hashes(coerce.token_array(tokens), cache_salt=salt or None)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
         self._put_keys(into, b"".join(chain), chain)
         return len(chain)
+
+    def _hasher(self, spec: Namespace) -> ChainHasher:
+        """The namespace's chain hasher (one per block size, seed and algorithm, with its memo);
+        InvalidArgument for an unknown algorithm."""
+        key = (spec.block_size, spec.hash_seed, spec.hash_algo)
+        hasher = self._hashers.get(key)
+        if hasher is None:
+            try:
+                hasher = self._hashers[key] = ChainHasher(*key)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
+        return hasher
 
     def _put_keys(self, into: pb.BlockKeys, packed: bytes, chain: Sequence[bytes]) -> None:
         if self._packed_keys:
@@ -179,6 +185,11 @@ class Client(Connection):
         ``per_peer`` says how many each holds, and the best one's run counts as tier "peer"."""
         self._saves_answered()
         ns_id, spec = self._ns(namespace)
+        if tokens is not None and hashes is None and not peers and self._packed_keys \
+                and (reader := self._presence_reader()) is not None:
+            answered = self._lookup_hashing_to_the_miss(reader, ns_id, spec, tokens, cache_salt)
+            if answered is not None:
+                return answered
         request = pb.LookupRequest(namespace_id=ns_id, peers=peers, packed_reply=True)
         n = self._keys(request.keys, spec, tokens, hashes, cache_salt)
         if not peers and 0 < n <= self._hello.max_batch_blocks and self._packed_keys \
@@ -196,6 +207,44 @@ class Client(Connection):
         resp = self._call(self._stub.Lookup, request)
         return LookupResult(resp.hit_blocks * spec.block_size, resp.hit_blocks, per_tier(reply_tiers(resp)),
                             {h.node_id: h.blocks for h in resp.peer_hits})
+
+    def _lookup_hashing_to_the_miss(self, reader: PresenceReader, ns_id: int, spec: Namespace, tokens: Any,
+                                    cache_salt: str | None) -> LookupResult | None:
+        """:meth:`lookup` of a prompt's tokens from the presence table, hashing only as far as
+        the cached prefix goes: the first FIRST_HASHED blocks, then four times as many each time
+        the table holds all of those, so that a new prompt costs a few dozen hashes instead of
+        one per block (a chain cannot be hashed faster than one block after the other). The
+        daemon is told the keys hashed and the prompt's length. None when the table cannot
+        answer (the caller takes the whole path, which raises what it raises)."""
+        salt = cache_salt if cache_salt is not None else self._cache_salt
+        bs = spec.block_size
+        try:
+            toks = checked_tokens(coerce.token_array(tokens))   # all of them, as the whole path would
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        hasher = self._hasher(spec)
+        n = toks.size // bs
+        if not 0 < n <= self._hello.max_batch_blocks:
+            return None
+        upto = min(n, FIRST_HASHED)
+        while True:
+            chain = hasher.hashes(toks[: upto * bs], cache_salt=salt or None)
+            packed = b"".join(chain)
+            found = reader.lookup(ns_id, packed, spec.digest_size)
+            if found is None:
+                return None
+            if found[0] < upto or upto == n:
+                break
+            upto = min(n, upto * 4)
+        request = pb.LookupRequest(namespace_id=ns_id, packed_reply=True, prompt_blocks=n)
+        self._put_keys(request.keys, packed, chain)
+        if not self._tell(reader, request):
+            return None
+        hits, ssd = found
+        tiers = {"dram": hits - ssd} if hits > ssd else {}
+        if ssd:
+            tiers["ssd"] = ssd
+        return LookupResult(hits * bs, hits, tiers, {})
 
     def _tell(self, reader: PresenceReader, request: pb.LookupRequest) -> bool:
         """Send a lookup the table answered to the daemon one-way (for its policy and its

@@ -233,7 +233,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             r, holders = await self._peers.lookup(request.namespace_id, _keys(request.keys))
         else:
             r = await self._store.lookup(request.namespace_id, _keys(request.keys), request.lease,
-                                         request.session_id)
+                                         request.session_id, request.prompt_blocks)
         best = max(holders.values(), default=0)
         reply = pb.LookupResponse(hit_blocks=r.blocks + best, lease_id=r.lease_id,
                                   lease_ttl_ms=int(r.lease_ttl_s * 1000), block_bytes=r.block_bytes,

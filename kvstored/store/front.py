@@ -147,16 +147,19 @@ class BlockStore:
 
     # -- reads ------------------------------------------------------------------------------
     async def lookup(self, namespace_id: int, keys: KeyRequest, lease: bool = False,
-                     session_id: str = "") -> CachedPrefix:
+                     session_id: str = "", prompt_blocks: int = 0) -> CachedPrefix:
         """Longest cached prefix of ``keys``, with the tier of each block.
 
         With ``lease``, the hit blocks are brought to DRAM (awaiting SSD reads; a block that
         fails its checksum ends the prefix there) and pinned for a direct read. Without, blocks
         found on a slower tier start moving to DRAM in the background (prefetch).
+        ``prompt_blocks``: the prompt's length in blocks when ``keys`` are only its first ones
+        (counted as asked for; capped at ``server.max_batch_blocks``).
         """
         session = self.leasing.working_session(session_id) if lease else None
         state, chain = self.catalog.resolve_keys(namespace_id, keys)
-        return await self.reads.lookup_chain(state, chain, session)
+        asked = max(len(chain), min(prompt_blocks, self.config.server.max_batch_blocks))
+        return await self.reads.lookup_chain(state, chain, session, asked=asked)
 
     def prefetch(self, namespace_id: int, keys: KeyRequest) -> tuple[int, int]:
         """Start promoting the cached prefix's slower-tier blocks; returns (hit, promoting)."""

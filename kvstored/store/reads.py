@@ -45,8 +45,9 @@ class Reads:
 
     async def lookup_chain(self, state: NamespaceState, chain: list[bytes], session: Session | None,
                            prefix_up: PrefixUp | None = None,
-                           on_lease: Callable[[int], None] | None = None) -> CachedPrefix:
-        """Longest cached prefix of ``chain``, with the tier of each block.
+                           on_lease: Callable[[int], None] | None = None, asked: int = 0) -> CachedPrefix:
+        """Longest cached prefix of ``chain``, with the tier of each block; the lookup is counted
+        as one of ``asked`` blocks (at least the chain's: more when it is a prompt's first keys).
 
         With ``session``, the hit blocks are brought to DRAM (awaiting SSD reads; a block that
         fails its checksum ends the prefix there) and leased for it, for a direct read; then
@@ -115,7 +116,7 @@ class Reads:
         elif hits and not found.settled and any(not b.in_dram for b in hits):
             self._promotion.in_background(hits)
         self.lookups += 1
-        self.lookup_blocks += len(chain)
+        self.lookup_blocks += max(len(chain), asked)
         self.hit_blocks += len(hits)
         self.hit_tokens += len(hits) * state.spec.block_size
         return CachedPrefix(len(hits), tiers, list(map(_OFFSET, hits)) if session is not None else [],

@@ -19,6 +19,7 @@ import pytest
 
 import kvstored
 from conftest import Daemon, start_daemon
+from kvstored_client.contract import hashing
 from kvstored_client.contract.namespace import Namespace
 from kvstored_client.contract.presence import presence_table_path
 
@@ -218,3 +219,37 @@ def test_a_save_of_blocks_all_cached_is_answered_from_the_table(pair: tuple[kvst
     with pytest.raises(kvstored.FailedPrecondition):             # a push always takes the call (no peers here)
         table.save(p, kv[:4], push_to="nowhere")
     assert table.table_saves == 2
+
+
+def test_a_table_lookup_of_tokens_hashes_only_as_far_as_the_cached_prefix_goes(
+        pair: tuple[kvstored.Client, kvstored.Client], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain's hashes come one block after the other (~1 us each in Python: 2 ms for a 32k
+    prompt), and a lookup only needs them up to the first block not cached: the SDK hashes 32
+    blocks, then four times as many while the table holds them all. The answers are the daemon's
+    at every length around those steps, the daemon counts the whole prompt as asked for, and a
+    bad token past the prefix is still refused."""
+    table, rpc = pair
+    hashed: list[int] = []
+    real = hashing.ChainHasher.hashes
+
+    def counting(self, token_ids, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(self, token_ids, *args, **kwargs)
+        hashed.append(len(out))
+        return out
+    monkeypatch.setattr(hashing.ChainHasher, "hashes", counting)
+    long = 600
+    for i, cached in enumerate((0, 1, 31, 32, 33, 127, 128, 129, 513, long)):
+        p = prompt(100 + i, long)
+        if cached:
+            rpc.save(p[: cached * BLOCK], np.full((cached, 64), i, np.uint8))
+        hashed.clear()
+        asked = rpc.stats()["lookup_blocks"]
+        got = table.lookup(p)
+        most = max(hashed)
+        assert got.blocks == cached == rpc.lookup(p).blocks, (cached, got)
+        # 32, 128, 512, then all: the last step reaches past the cached prefix, or the prompt's end
+        assert most == next(s for s in (32, 128, 512, long) if s > cached or s == long), (cached, hashed)
+        until(lambda asked=asked: rpc.stats()["lookup_blocks"] >= asked + 2 * long,
+              "the table lookup counted whole")
+    with pytest.raises(kvstored.InvalidArgument):
+        table.lookup(np.concatenate([prompt(200, 40), [-1]]))

@@ -107,6 +107,19 @@ def block_hashes(
         token_ids, extras, cache_salt=cache_salt, lora_name=lora_name)
 
 
+def checked_tokens(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``token_ids`` as an array, checked as :func:`block_hashes` checks them: one-dimensional,
+    integers in 0..2**32-1 (ValueError otherwise)."""
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1:
+        raise ValueError("token_ids must be one-dimensional")
+    if tokens.size and (tokens.dtype.kind not in "iu" or int(tokens.min()) < 0):
+        raise ValueError("token ids must be non-negative integers")
+    if tokens.size and int(tokens.max()) >= 1 << 32:
+        raise ValueError("token ids must be below 2**32")
+    return tokens
+
+
 class ChainHasher:
     """:func:`block_hashes` with a bounded memo of recent blocks, for a client that sees the same
     prefixes again and again: a group of MEMO_GROUP blocks already hashed under the same parent
@@ -129,13 +142,7 @@ class ChainHasher:
                cache_salt: str | None = None, lora_name: str | None = None) -> list[bytes]:
         """The chain of keys of every whole block of ``token_ids`` (see :func:`block_hashes`)."""
         bs = self._block_size
-        tokens = np.asarray(token_ids)
-        if tokens.ndim != 1:
-            raise ValueError("token_ids must be one-dimensional")
-        if tokens.size and (tokens.dtype.kind not in "iu" or int(tokens.min()) < 0):
-            raise ValueError("token ids must be non-negative integers")
-        if tokens.size and int(tokens.max()) >= 1 << 32:
-            raise ValueError("token ids must be below 2**32")
+        tokens = checked_tokens(token_ids)
         n_blocks = tokens.size // bs
         if n_blocks == 0:
             return []

@@ -125,20 +125,22 @@ class OpenNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[int] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "keys", "lease", "session_id", "peers", "packed_reply")
+    __slots__ = ("namespace_id", "keys", "lease", "session_id", "peers", "packed_reply", "prompt_blocks")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     PACKED_REPLY_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: int
     keys: BlockKeys
     lease: bool
     session_id: str
     peers: bool
     packed_reply: bool
-    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., lease: _Optional[bool] = ..., session_id: _Optional[str] = ..., peers: _Optional[bool] = ..., packed_reply: _Optional[bool] = ...) -> None: ...
+    prompt_blocks: int
+    def __init__(self, namespace_id: _Optional[int] = ..., keys: _Optional[_Union[BlockKeys, _Mapping]] = ..., lease: _Optional[bool] = ..., session_id: _Optional[str] = ..., peers: _Optional[bool] = ..., packed_reply: _Optional[bool] = ..., prompt_blocks: _Optional[int] = ...) -> None: ...
 
 class PeerHit(_message.Message):
     __slots__ = ("node_id", "blocks")
