@@ -328,7 +328,8 @@ class Client(Connection):
             self._release_now(session, resp.reservation_id)
             return SaveResult(first, 0, spec.block_size)
         try:
-            copy_rows(arena, resp.offsets, rows[first - start:], to_arena=True)
+            with self._writing_arena():
+                copy_rows(arena, resp.offsets, rows[first - start:], to_arena=True)
         except BaseException:
             # interrupted (KeyboardInterrupt, a bad row): the reservation would keep other writers
             # of this prefix waiting until it expires
@@ -371,7 +372,8 @@ class Client(Connection):
             if taken is None:
                 return None
         try:
-            copy_rows(arena, taken, rows[first - start:], to_arena=True)
+            with self._writing_arena():
+                copy_rows(arena, taken, rows[first - start:], to_arena=True)
         except BaseException:
             self._spares.give(session, spec.block_bytes, taken)   # not named to the daemon: still spare
             raise
@@ -428,7 +430,9 @@ class Client(Connection):
         """Read the KV of the longest cached prefix, one row per block.
 
         With ``out`` (an array or tensor with a row per block, e.g. reused between calls) rows
-        are copied into it and ``data`` is a view of its first rows; otherwise a new uint8 array
+        are copied into it and ``data`` is a view of its first rows (rows past those may have been
+        written too: a read without a lease that raced with an eviction, taken again under a
+        lease, can come back shorter); otherwise a new uint8 array
         (or ``dtype``) is returned. With ``start`` (blocks the caller holds already) only the rows
         of blocks ``start`` on are read; ``blocks`` still counts the whole cached prefix. Raises
         LeaseExpired if the read outlived its lease; bad ``out``/``dtype`` raise InvalidArgument

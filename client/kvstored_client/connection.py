@@ -37,6 +37,7 @@ from kvstored_client.spares import SpareSlots
 from kvstored_client.write_behind import WriteBehind
 
 MAX_MESSAGE_BYTES = 64 << 20
+CLOSE_WAITS_FOR_COPIES_S = 10.0   # close() waits this long at most for rows being copied into the arena
 # gRPC backs off reconnecting after a failed connect (1 s, growing 1.6x up to 120 s): calls made
 # while the daemon restarts stretched it, and the same client kept failing with DaemonNotRunning for
 # as long again after the daemon was back. The daemon is local: retrying its socket is cheap.
@@ -101,6 +102,8 @@ class Connection:
         self._takes_end_stream = self._hello.end_stream   # renewed with each session, as packed keys
         self._lock = threading.Lock()
         self._closed = False
+        self._writers = 0   # threads copying rows into the arena (close waits for them)
+        self._writers_done = threading.Condition(self._lock)
         self._session_id: str | None = None
         self._session_call: Any = None
         self._session_done = threading.Event()   # the current session's: set, its stream ends
@@ -190,6 +193,23 @@ class Connection:
         return "frames"
 
     # -- plumbing -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _writing_arena(self) -> Iterator[None]:
+        """Hold off :meth:`close` while rows are copied into slots of this session (a
+        reservation's, spares): once the session ends the daemon may give them to other blocks.
+        ClientClosed when the client is closed already."""
+        with self._lock:
+            if self._closed:
+                raise ClientClosed(f"this client of {self.socket} is closed; make a new one")
+            self._writers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._writers -= 1
+                if not self._writers:
+                    self._writers_done.notify_all()
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClientClosed(f"this client of {self.socket} is closed; make a new one")
@@ -517,6 +537,8 @@ class Connection:
         with self._lock:
             self._closed = True
             self._spares.renew("", 0)
+            # rows being copied into this session's slots land before the session ends
+            self._writers_done.wait_for(lambda: not self._writers, timeout=CLOSE_WAITS_FOR_COPIES_S)
             done, call = self._session_done, self._session_call
         done.set()
         if call is not None:

@@ -94,8 +94,9 @@ class BlockStore:
         self.writeback = WriteBack(config, clock, self.catalog, self.placement, arena, ssd, self.background, keep)
         self.leasing = Leasing(config, clock, self.placement, new_session_id)
         self.reservations = Reservations(config, self.leasing, self.placement, self.promotion)
+        # an ended session's slots are quarantined as long as a read lease lasts (see Spares)
         self.spares = Spares(self.placement, min(config.dram.spare_bytes, arena.capacity // 16),
-                             arena.capacity // 8)
+                             arena.capacity // 8, clock, config.leases.ttl_s)
         self.reads = Reads(config, self.leasing, self.placement, self.promotion)
         self.buffers = EngineBuffers(config, self.catalog, self.leasing, self.reservations, self.reads, copy,
                                      self.background)
@@ -240,7 +241,9 @@ class BlockStore:
         return self.leasing.reservation_chain(session_id, reservation_id)
 
     def reap(self) -> int:
-        """End leases past their deadline, idle ones only; returns the count."""
+        """End leases past their deadline, idle ones only, and free the spare slots whose
+        quarantine is over; returns the count of leases."""
+        self.spares.release_due()
         return self.leasing.reap()
 
     # -- registered engine buffers ----------------------------------------------------------

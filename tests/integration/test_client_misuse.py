@@ -744,3 +744,43 @@ def test_a_stream_into_buffers_refuses_a_namespace_that_is_not_theirs(client) ->
     for same in (ns, bufs.namespace):   # the engine's own namespace, with or without the layout
         outcome = client.stream(tokens, buffers=bufs, block_ids=[3, 4, 5], namespace=same).wait()
         assert outcome.complete and outcome.blocks == 3
+
+
+@pytest.mark.parametrize("path", ["commit", "reserve"])
+def test_close_from_another_thread_waits_for_rows_being_copied_into_the_arena(
+        daemon: Daemon, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """(found by test_sdk_random, saves without waiting and clients closed by other threads) A
+    save copies its rows into slots of its session (spare slots, or a reservation's) before it
+    names them; a close from another thread ended the session meanwhile, the daemon gave those
+    slots to other blocks, and the copy still landed there: another prompt's block read back
+    with wrong bytes. close() now waits for the copy, and a save that starts copying after the
+    close raises ClientClosed."""
+    import kvstored_client.client as sdk
+    c = kvstored.Client(daemon.socket, **({} if path == "commit" else {"fast_path": False}))
+    if path == "reserve":
+        monkeypatch.setattr(sdk.Client, "_save_by_commit", lambda self, *a, **k: None)
+    c.save(np.arange(16), rows(1))   # the block size (and spares)
+    copying, release = threading.Event(), threading.Event()
+    real = sdk.copy_rows
+
+    def slow_copy(arena, offsets, data, to_arena):  # type: ignore[no-untyped-def]
+        if to_arena:
+            copying.set()
+            release.wait(10)
+        real(arena, offsets, data, to_arena=to_arena)
+    monkeypatch.setattr(sdk, "copy_rows", slow_copy)
+    saver = ThreadPoolExecutor(1).submit(c.save, np.arange(16, 64), rows(3, seed=1))
+    assert copying.wait(10)
+    closer = threading.Thread(target=c.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive(), "close ended the session while rows were being copied into its slots"
+    release.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    try:
+        saver.result(10)   # stored, or the closed client said so: never a write after the end
+    except kvstored.KVStoreError:
+        pass
+    with pytest.raises(kvstored.ClientClosed):
+        c.save(np.arange(64, 80), rows(1))

@@ -69,8 +69,10 @@ def test_saves_after_the_first_take_one_call_and_store_what_reserve_and_seal_sto
 def test_saves_through_a_full_tier_keep_every_byte_and_leak_no_slot(daemon_factory: Factory) -> None:
     """Thousands of one-call saves into a DRAM tier that holds 64 blocks: every save stores its
     blocks, what is still cached reads back as saved, and the spare slots the session held come
-    back when it ends (the tier's used bytes are its blocks' again)."""
-    d = daemon_factory("--dram-capacity", "16MiB", "--set", "ssd.enabled=false", "--set", "dram.page_bytes=1MiB")
+    back once it ended and their quarantine (``leases.ttl_s``) is over (the tier's used bytes are
+    its blocks' again)."""
+    d = daemon_factory("--dram-capacity", "16MiB", "--set", "ssd.enabled=false", "--set", "dram.page_bytes=1MiB",
+                       "--set", "leases.ttl_s=1", "--set", "leases.reap_interval_s=0.1")
     width = 256 << 10
     with kvstored.Client(d.socket) as c:
         for i in range(300):
@@ -84,10 +86,11 @@ def test_saves_through_a_full_tier_keep_every_byte_and_leak_no_slot(daemon_facto
         assert c.committed_saves >= 299
         held = c.stats()["tiers"][0]
     with kvstored.Client(d.socket) as other:
-        for _ in range(50):
+        for _ in range(100):
             after = other.stats()["tiers"][0]
             if after["used_bytes"] == after["blocks"] * width:
                 break
+            time.sleep(0.05)
         assert after["used_bytes"] == after["blocks"] * width, (held, after)
 
 

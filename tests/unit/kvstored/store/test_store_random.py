@@ -272,6 +272,11 @@ class Fuzz:
                     used += store.catalog.get(self.ns_ids[ns]).index.slot_bytes
                     if want is not None and bytes(self.arena.view(offset, SIZES[ns])) != want:
                         self.fail(f"spare slot {offset} of session {sid}: its bytes changed before a commit")
+        for offset, slot_bytes in store.spares.quarantined():   # an ended session's, not free yet
+            if offset in taken:
+                self.fail(f"slot {offset} in quarantine is also a block's or a spare")
+            taken.add(offset)
+            used += slot_bytes
         if store.spares.held_bytes != sum(store.catalog.get(self.ns_ids[ns]).index.slot_bytes * len(held)
                                           for by_ns in self.spares.values() for ns, held in by_ns.items()):
             self.fail(f"spare slots counted as {store.spares.held_bytes} bytes held in all")
