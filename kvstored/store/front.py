@@ -94,9 +94,8 @@ class BlockStore:
         self.writeback = WriteBack(config, clock, self.catalog, self.placement, arena, ssd, self.background, keep)
         self.leasing = Leasing(config, clock, self.placement, new_session_id)
         self.reservations = Reservations(config, self.leasing, self.placement, self.promotion)
-        # an ended session's slots are quarantined as long as a read lease lasts (see Spares)
         self.spares = Spares(self.placement, min(config.dram.spare_bytes, arena.capacity // 16),
-                             arena.capacity // 8, clock, config.leases.ttl_s)
+                             arena.capacity // 8, clock, config.dram.spare_quarantine_s)
         self.reads = Reads(config, self.leasing, self.placement, self.promotion)
         self.buffers = EngineBuffers(config, self.catalog, self.leasing, self.reservations, self.reads, copy,
                                      self.background)
