@@ -60,9 +60,10 @@ class DramConfig:
     # before naming the blocks: a save in one call (at most 1/16 of the arena, all sessions
     # together at most 1/8; 0: none).
     spare_bytes: int = 256 << 20
-    # An ended session's spare slots stay out of use this long before they are free: its client
-    # learns of the end after the daemon, and may still be copying rows into them.
-    spare_quarantine_s: float = 30.0
+    # The slots a client may still be copying rows into stay out of use this long before they are
+    # free: an ended session's spare slots, and those of a reservation its session ended under or
+    # that expired (the client learns of the end after the daemon).
+    quarantine_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +319,7 @@ def validate(cfg: Config) -> None:
         (0 < cfg.dram.writeback_watermark <= 1, "dram.writeback_watermark: must be in (0, 1]"),
         (cfg.dram.room_wait_s >= 0, "dram.room_wait_s: must not be negative"),
         (cfg.dram.spare_bytes >= 0, "dram.spare_bytes: must not be negative"),
-        (cfg.dram.spare_quarantine_s >= 0, "dram.spare_quarantine_s: must not be negative"),
+        (cfg.dram.quarantine_s >= 0, "dram.quarantine_s: must not be negative"),
         (cfg.ssd.max_dirty_s > 0, "ssd.max_dirty_s: must be positive"),
         (cfg.ssd.capacity > 0, "ssd.capacity: must be positive"),
         (cfg.ssd.map_slack >= 1.1, "ssd.map_slack: must be at least 1.1"),

@@ -163,18 +163,21 @@ class DramResidency:
             block.offset = offset
             page_blocks[offset // page_bytes][block] = None
 
-    def release(self, block: Block, moved: bool, leaving: bool = False) -> None:
+    def release(self, block: Block, moved: bool, leaving: bool = False, free: bool = True) -> int:
         """Give back ``block``'s slot; its policy forgets it (``moved``: its bytes stay on SSD).
         The presence table learns it first: no SDK reads the slot as this block's once another
         may take it. ``leaving``: the block leaves the index before anything else runs, which
-        tells the table (so it is not told twice)."""
+        tells the table (so it is not told twice). Without ``free`` the slot stays allocated,
+        bound to no block (the caller frees it later: :meth:`free_unbound`). Returns its offset."""
         self.policy_for(block).removed(block, moved=moved)
         offset = block.offset
         del self._page_blocks[offset // self._allocator.page_bytes][block]   # KeyError: never bound
         block.offset = NO_SLOT
         if block.flags & SEALED and not leaving:
             block.index.changed(block)
-        self._allocator.free(offset)
+        if free:
+            self._allocator.free(offset)
+        return offset
 
     def room_for(self, sb: int) -> Room | None:
         """What to evict for a slot of ``sb`` bytes: the victim of this size's policy, or a whole

@@ -35,6 +35,7 @@ from kvstored.store.events import TierEvents
 from kvstored.store.leasing import Leasing
 from kvstored.store.placement import Placement
 from kvstored.store.promotion import Promotion
+from kvstored.store.quarantine import Quarantine
 from kvstored.store.reads import Reads
 from kvstored.store.reservations import Reservations
 from kvstored.store.restore import restore
@@ -92,10 +93,12 @@ class BlockStore:
                                    config.dram.writeback_watermark * arena.capacity, clock)
         self.promotion = Promotion(self.placement, arena, ssd, self.background)
         self.writeback = WriteBack(config, clock, self.catalog, self.placement, arena, ssd, self.background, keep)
-        self.leasing = Leasing(config, clock, self.placement, new_session_id)
+        quarantine_s = config.dram.quarantine_s
+        self.leasing = Leasing(config, clock, self.placement, Quarantine(self.placement.dram, clock, quarantine_s),
+                               new_session_id)
         self.reservations = Reservations(config, self.leasing, self.placement, self.promotion)
         self.spares = Spares(self.placement, min(config.dram.spare_bytes, arena.capacity // 16),
-                             arena.capacity // 8, clock, config.dram.spare_quarantine_s)
+                             arena.capacity // 8, Quarantine(self.placement.dram, clock, quarantine_s))
         self.reads = Reads(config, self.leasing, self.placement, self.promotion)
         self.buffers = EngineBuffers(config, self.catalog, self.leasing, self.reservations, self.reads, copy,
                                      self.background)
@@ -242,7 +245,7 @@ class BlockStore:
     def reap(self) -> int:
         """End leases past their deadline, idle ones only, and free the spare slots whose
         quarantine is over; returns the count of leases."""
-        self.spares.release_due()
+        self.spares.quarantine.release_due()
         return self.leasing.reap()
 
     # -- registered engine buffers ----------------------------------------------------------

@@ -16,6 +16,7 @@ from kvstored.config import Config
 from kvstored.index import NO_SLOT, ON_SSD, SEALED, Block
 from kvstored.leases import Lease, LeaseKind, LeaseTable, Session
 from kvstored.store.placement import Placement
+from kvstored.store.quarantine import Quarantine
 from kvstored_client.contract.errors import DaemonNotRunning, FailedPrecondition, LeaseExpired, NotFound, Reason
 
 
@@ -23,12 +24,16 @@ class Leasing:
     """Sessions by id, the lease table, and the leases' request-side states: *busy* (a request
     is copying under it: never reaped, and ending it is deferred), *doomed* (its end was asked
     for while busy: it ends when its request is done). Once :meth:`quiesce` began, requests that
-    would start new work are refused."""
+    would start new work are refused.
 
-    def __init__(self, config: Config, clock: Callable[[], float], placement: Placement,
+    A reservation that ends without its client asking (its session ended, it expired) puts its
+    slots in ``quarantine``: the client may still be copying rows into them."""
+
+    def __init__(self, config: Config, clock: Callable[[], float], placement: Placement, quarantine: Quarantine,
                  new_session_id: Callable[[], str] = lambda: secrets.token_hex(16)) -> None:
         self._config = config
         self._placement = placement
+        self.quarantine = quarantine
         self._new_session_id = new_session_id
         self._sessions: dict[str, Session] = {}
         self._leases = LeaseTable(clock)
@@ -60,7 +65,7 @@ class Leasing:
         for lease_id in list(session.leases):
             lease = self._leases.get(lease_id)
             if lease is not None:
-                self.end(lease, session, aborted=True)
+                self.end(lease, session, aborted=True, quarantine=True)
         return session
 
     def has_session(self, session_id: str) -> bool:
@@ -154,9 +159,10 @@ class Leasing:
             return 0, []
         return lease.namespace_id, [b.key for b in lease.pinned] + [b.key for b in lease.new]
 
-    def end(self, lease: Lease, session: Session | None, aborted: bool) -> None:
+    def end(self, lease: Lease, session: Session | None, aborted: bool, quarantine: bool = False) -> None:
         """End ``lease`` (deferred while it is busy: it is doomed then). A reservation's new
-        blocks are sealed, or with ``aborted`` taken back out of the index."""
+        blocks are sealed, or with ``aborted`` taken back out of the index, their slots freed
+        (with ``quarantine``, put in quarantine: a client may still be writing them)."""
         if lease.lease_id in self._busy:
             self._doomed.add(lease.lease_id)
             return
@@ -179,14 +185,19 @@ class Leasing:
         if lease.kind != LeaseKind.RESERVATION:
             return
         if aborted:
+            held: list[int] = []
             for block in reversed(lease.new):
                 block.pins -= 1
-                placement.release_slot(block)
+                offset = placement.release_slot(block, free=not quarantine)
+                if quarantine and offset is not None:
+                    held.append(offset)
                 if block.children:
                     block.flags = SEALED  # a hollow block we were rewriting: hollow again
                     block.index.changed(block)
                 else:
                     block.index.remove(block)
+            if held:
+                self.quarantine.hold(lease.new[0].index.slot_bytes, held)
             first = lease.new[0].parent if lease.new else None
             placement.remove_if_hollow(lease.new[0] if lease.new and lease.new[0].children else first)
             return
@@ -196,13 +207,15 @@ class Leasing:
         self.saved_blocks += len(lease.new)
 
     def reap(self) -> int:
-        """End leases past their deadline, idle ones only; returns the count."""
+        """End leases past their deadline, idle ones only (an expired reservation's slots go to
+        quarantine), and free the slots whose quarantine is over; returns the count of leases."""
         # A busy lease (a copy or a stream in flight) is judged once it is idle: its blocks are
         # pinned meanwhile anyway, and a stream renews the lease it hands over at its end.
         expired = [lease for lease in self._leases.expired() if lease.lease_id not in self._busy]
         for lease in expired:
             self._leases.mark_expired(lease)
-            self.end(lease, self._sessions.get(lease.session_id), aborted=True)
+            self.end(lease, self._sessions.get(lease.session_id), aborted=True, quarantine=True)
+        self.quarantine.release_due()
         return len(expired)
 
     # -- requests under way -----------------------------------------------------------------

@@ -154,17 +154,18 @@ class Placement:
     def bind(self, block: Block, offset: int) -> Block:
         return self.dram.bind(block, offset)
 
-    def release_slot(self, block: Block, leaving: bool = False) -> None:
+    def release_slot(self, block: Block, leaving: bool = False, free: bool = True) -> int | None:
         """Give back a block's DRAM slot (its bytes stay wherever else they are); ``leaving``:
-        the block leaves the index too."""
+        the block leaves the index too; ``free``: as for :meth:`DramResidency.release`. Returns
+        the slot's offset (None when the block had none)."""
         if block.offset == NO_SLOT:
-            return
+            return None
         if block.sealed and not block.on_ssd:
             self.queue.discard(block)
         if block.sealed and not block.flags & PROMOTING:   # a promotion that failed was never announced
             self.events.removed((block,), Tier.DRAM)
         # to the SSD tier (a move, not an eviction of its bytes), or gone
-        self.dram.release(block, moved=block.on_ssd and not leaving, leaving=leaving)
+        return self.dram.release(block, moved=block.on_ssd and not leaving, leaving=leaving, free=free)
 
     def evict_slot(self, block: Block) -> None:
         """Evict ``block`` from DRAM: with an SSD copy it only loses its slot, else it is dropped

@@ -4,12 +4,12 @@ copy and a seal."""
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvstored.index import NO_SLOT, PROMOTING, Block
 from kvstored.store.catalog import NamespaceState
 from kvstored.store.placement import Placement
+from kvstored.store.quarantine import Quarantine
 from kvstored_client.contract.errors import InvalidArgument
 
 
@@ -20,31 +20,27 @@ class Spares:
     quarantine) at most ``total_bytes`` (the sessions past it save by reservations until others
     give theirs up).
 
-    The slots of an ended session stay out of use for ``grace_s`` (quarantine) before they are
-    free: its client learns of the end after the daemon, and a save of one of its threads may
-    be copying rows into them meanwhile (a close from another thread, a broken session stream)."""
+    The slots of an ended session go to ``quarantine`` before they are free: its client learns
+    of the end after the daemon, and a save of one of its threads may be copying rows into them
+    meanwhile (a close from another thread, a broken session stream)."""
 
-    def __init__(self, placement: Placement, limit_bytes: int, total_bytes: int,
-                 clock: Callable[[], float], grace_s: float) -> None:
+    def __init__(self, placement: Placement, limit_bytes: int, total_bytes: int, quarantine: Quarantine) -> None:
         self._placement = placement
         self.limit_bytes = limit_bytes
         self.total_bytes = total_bytes
         self.held_bytes = 0          # over all sessions
-        self.quarantined_bytes = 0   # of ended sessions, not free yet
-        self._clock = clock
-        self._grace_s = grace_s
+        self.quarantine = quarantine   # of ended sessions, not free yet
         self._held: dict[str, dict[int, set[int]]] = {}   # session id -> slot bytes -> offsets
-        self._quarantine: deque[tuple[float, int, list[int]]] = deque()   # (free at, slot bytes, offsets)
 
     def top_up(self, session_id: str, slot_bytes: int, wanted: int) -> list[int]:
         """Allocate spare slots of ``slot_bytes`` (making room as a reservation does) until the
         session holds ``wanted`` of them or its limit; the new ones' offsets, ascending. Fewer
         when the tier cannot make room now."""
-        self.release_due()
+        self.quarantine.release_due()
         sizes = self._held.setdefault(session_id, {})
         offsets = sizes.setdefault(slot_bytes, set())
         room = min(self.limit_bytes - sum(sb * len(o) for sb, o in sizes.items()),
-                   self.total_bytes - self.held_bytes - self.quarantined_bytes) // slot_bytes
+                   self.total_bytes - self.held_bytes - self.quarantine.bytes) // slot_bytes
         new: list[int] = []
         for _ in range(max(0, min(wanted - len(offsets), room))):
             offset = self._placement.alloc(slot_bytes)
@@ -107,25 +103,7 @@ class Spares:
 
     def drop(self, session_id: str) -> None:
         """The session ended: its spare slots are free again once their quarantine is over."""
-        until = self._clock() + self._grace_s
         for slot_bytes, offsets in self._held.pop(session_id, {}).items():
             self.held_bytes -= slot_bytes * len(offsets)
-            if offsets:
-                self._quarantine.append((until, slot_bytes, sorted(offsets)))
-                self.quarantined_bytes += slot_bytes * len(offsets)
-        self.release_due()
-
-    def release_due(self) -> int:
-        """Free the slots whose quarantine is over; how many."""
-        now, freed = self._clock(), 0
-        while self._quarantine and self._quarantine[0][0] <= now:
-            _, slot_bytes, offsets = self._quarantine.popleft()
-            self.quarantined_bytes -= slot_bytes * len(offsets)
-            for offset in offsets:
-                self._placement.dram.free_unbound(offset)
-            freed += len(offsets)
-        return freed
-
-    def quarantined(self) -> list[tuple[int, int]]:
-        """(offset, slot bytes) of every slot in quarantine."""
-        return [(offset, sb) for _, sb, offsets in self._quarantine for offset in offsets]
+            self.quarantine.hold(slot_bytes, offsets)
+        self.quarantine.release_due()

@@ -79,7 +79,7 @@ BUF_BLOCK_BYTES = LAYERS * 2 * 16 * HEADS * DIM * 2
 COMMON_ARGS = ("--set", "log.level=info", "--set", "dram.page_bytes=64KiB", "--set", f"peers.token={TOKEN}",
                "--set", f"peers.deadline_s={PEER_DEADLINE_S}",
                # (check_unpinned: an ended session's spare slots are free again within its wait)
-               "--set", "dram.spare_quarantine_s=1")
+               "--set", "dram.quarantine_s=1")
 ROOMY_ARGS = ("--dram-capacity", "8MiB", "--ssd-capacity", "32MiB")
 SMALL_ARGS = ("--dram-capacity", "512KiB", "--ssd-capacity", "1MiB")   # blocks sink to SSD and fall out
 

@@ -69,10 +69,10 @@ def test_saves_after_the_first_take_one_call_and_store_what_reserve_and_seal_sto
 def test_saves_through_a_full_tier_keep_every_byte_and_leak_no_slot(daemon_factory: Factory) -> None:
     """Thousands of one-call saves into a DRAM tier that holds 64 blocks: every save stores its
     blocks, what is still cached reads back as saved, and the spare slots the session held come
-    back once it ended and their quarantine (``dram.spare_quarantine_s``) is over (the tier's used bytes are
+    back once it ended and their quarantine (``dram.quarantine_s``) is over (the tier's used bytes are
     its blocks' again)."""
     d = daemon_factory("--dram-capacity", "16MiB", "--set", "ssd.enabled=false", "--set", "dram.page_bytes=1MiB",
-                       "--set", "dram.spare_quarantine_s=0.5", "--set", "leases.reap_interval_s=0.1")
+                       "--set", "dram.quarantine_s=0.5", "--set", "leases.reap_interval_s=0.1")
     width = 256 << 10
     with kvstored.Client(d.socket) as c:
         for i in range(300):

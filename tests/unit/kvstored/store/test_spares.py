@@ -121,7 +121,7 @@ def test_a_commit_naming_slots_that_are_not_its_spares_is_refused_and_changes_no
 
 
 def test_spare_slots_are_never_evicted_nor_reserved_and_go_back_when_the_session_ends(tmp_path: Path) -> None:
-    """...once their quarantine (``dram.spare_quarantine_s``) is over: the client learns of its session's
+    """...once their quarantine (``dram.quarantine_s``) is over: the client learns of its session's
     end after the daemon, and one of its threads may still be copying rows into its spares."""
     with make_store(tmp_path) as (store, clock):
         sid = store.open_session("a", 1).session_id
@@ -144,7 +144,7 @@ def test_spare_slots_are_never_evicted_nor_reserved_and_go_back_when_the_session
         r = store.reserve(other, ns, KeyRequest(hashes=chain(8, 800_000)), BLOCK)
         assert len(r.offsets) == 8 and not set(r.offsets) & set(held), "a quarantined slot was handed out"
         store.release(other, r.reservation_id)   # (its 8 slots free: 120 used)
-        clock.now += store.config.dram.spare_quarantine_s
+        clock.now += store.config.dram.quarantine_s
         store.reap()
         assert store.stats().tiers[0].used_bytes == 112 * BLOCK   # the 8 spare slots are free again
         with pytest.raises(FailedPrecondition):
@@ -173,6 +173,6 @@ def test_all_sessions_together_hold_at_most_an_eighth_of_the_arena(tmp_path: Pat
         assert store.stats().tiers[0].used_bytes == 16 * BLOCK
         store.close_session(sids[0])
         assert spares(store, sids[2], ns, 8) == [], "in quarantine, still counted"
-        clock.now += store.config.dram.spare_quarantine_s
+        clock.now += store.config.dram.quarantine_s
         assert len(spares(store, sids[2], ns, 8)) == 8, "the slots an ended session gave up go to another"
         assert spares(store, sids[1], ns, 8) == [] and store.spares.held_bytes == 16 * BLOCK

@@ -105,6 +105,8 @@ def test_read_lease_expires_and_release_says_so(env: tuple[BlockStore, Clock]) -
 
 
 def test_reservation_expiry_drops_unsealed_blocks(env: tuple[BlockStore, Clock]) -> None:
+    """...and keeps their slots out of use for ``dram.quarantine_s``: a slow client may still be
+    copying rows into them."""
     store, clock = env
     s = store.open_session("t", 1)
     ns = store.open_namespace(Namespace()).namespace_id
@@ -113,7 +115,36 @@ def test_reservation_expiry_drops_unsealed_blocks(env: tuple[BlockStore, Clock])
     store.reap()
     with pytest.raises(FailedPrecondition, match="expired"):
         store.seal(s.session_id, r.reservation_id)
-    assert store.stats().index_blocks == 0 and store.stats().tiers[0].used_bytes == 0
+    assert store.stats().index_blocks == 0 and store.stats().tiers[0].used_bytes == 2 * BLOCK
+    clock.now += store.config.dram.quarantine_s
+    store.reap()
+    assert store.stats().tiers[0].used_bytes == 0
+
+
+def test_a_reservation_ended_with_its_session_keeps_its_slots_out_of_use_until_the_quarantine_ends(
+        env: tuple[BlockStore, Clock]) -> None:
+    """A session whose stream broke ends on the daemon before its client knows, and one of the
+    client's threads may still be copying rows into the reservation's slots: handed to another
+    block at once, that copy would overwrite it. They stay out of use for ``dram.quarantine_s``;
+    a reservation its client releases frees its slots at once."""
+    store, clock = env
+    ns = store.open_namespace(Namespace()).namespace_id
+    mine = store.open_session("a", 1).session_id
+    other = store.open_session("b", 2).session_id
+    released = store.reserve(mine, ns, KeyRequest(hashes=chain(4, 50_000)), BLOCK)
+    store.release(mine, released.reservation_id)
+    assert store.stats().tiers[0].used_bytes == 0, "a released reservation's slots are free at once"
+    held = store.reserve(mine, ns, KeyRequest(hashes=chain(4)), BLOCK).offsets
+    store.close_session(mine)
+    assert store.stats().index_blocks == 0 and store.stats().tiers[0].used_bytes == 4 * BLOCK
+    r = store.reserve(other, ns, KeyRequest(hashes=chain(8, 100_000)), BLOCK)
+    assert len(r.offsets) == 4 and not set(r.offsets) & set(held), "a quarantined slot was handed out"
+    store.release(other, r.reservation_id)
+    clock.now += store.config.dram.quarantine_s
+    store.reap()
+    assert store.stats().tiers[0].used_bytes == 0
+    r = store.reserve(other, ns, KeyRequest(hashes=chain(8, 100_000)), BLOCK)
+    assert set(held) <= set(r.offsets)
 
 
 def test_leased_blocks_are_never_evicted(env: tuple[BlockStore, Clock]) -> None:

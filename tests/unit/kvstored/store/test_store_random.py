@@ -272,7 +272,8 @@ class Fuzz:
                     used += store.catalog.get(self.ns_ids[ns]).index.slot_bytes
                     if want is not None and bytes(self.arena.view(offset, SIZES[ns])) != want:
                         self.fail(f"spare slot {offset} of session {sid}: its bytes changed before a commit")
-        for offset, slot_bytes in store.spares.quarantined():   # an ended session's, not free yet
+        # an ended session's spares, and the slots of reservations ended under their client: not free yet
+        for offset, slot_bytes in store.spares.quarantine.slots() + store.leasing.quarantine.slots():
             if offset in taken:
                 self.fail(f"slot {offset} in quarantine is also a block's or a spare")
             taken.add(offset)
