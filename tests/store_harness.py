@@ -76,13 +76,15 @@ def streamer(store: BlockStore) -> ChainStreamer:
     return st
 
 
-def gate_ssd_read(store: BlockStore, key: bytes) -> threading.Event:
-    """Hold the SSD read of ``key`` until the returned event is set; other reads run as usual."""
+def gate_ssd_read(store: BlockStore, *keys: bytes) -> threading.Event:
+    """Hold the SSD reads of ``keys`` (of every block when none are named) until the returned
+    event is set; other reads run as usual."""
     assert store.ssd_tier is not None
     real, gate = store.ssd_tier.read_into, threading.Event()
+    held = set(keys)
 
     def gated(namespace_id: int, k: bytes, dst):  # type: ignore[no-untyped-def]
-        if k != key:
+        if held and k not in held:
             return real(namespace_id, k, dst)
         out: Future[int] = Future()
 

@@ -123,6 +123,10 @@ class AdaptivePolicy:
 
     # -- the ghost list and learning ---------------------------------------------------------
 
+    def set_ghost_entries(self, entries: int) -> None:
+        """Remember up to ``entries`` departed keys per generation from now on."""
+        self._ghost_entries = max(0, entries)
+
     def _ghost_get(self, key: bytes) -> int | None:
         h = hash(key)
         rec = self._ghost.get(h)
@@ -177,6 +181,15 @@ class AdaptivePolicy:
         self._since_build = 0
 
     # -- BlockPolicy ---------------------------------------------------------------------------
+
+    def seen_hit(self, blocks: Sequence[Block]) -> None:
+        pass   # learns from its own tier's accesses only
+
+    def seen_stored(self, blocks: Sequence[Block]) -> None:
+        pass
+
+    def resize(self, capacity_blocks: int) -> None:
+        pass   # sized by its blocks, not by the tier's capacity
 
     def catch_up(self) -> None:
         pass   # nothing put off (a subclass with shadows may)

@@ -41,6 +41,15 @@ class _HeapPolicy:
     def admit(self, key: bytes, full: bool) -> bool:
         return True
 
+    def seen_hit(self, blocks: Sequence[Block]) -> None:
+        pass   # learns from its own tier's accesses only
+
+    def seen_stored(self, blocks: Sequence[Block]) -> None:
+        pass
+
+    def resize(self, capacity_blocks: int) -> None:
+        pass   # sized by its blocks, not by the tier's capacity
+
     def catch_up(self) -> None:
         pass   # nothing put off
 

@@ -93,6 +93,15 @@ class CreditPolicy:
         cls, moved = ghost
         return cls if moved else min(cls + 1, self._top)
 
+    def seen_hit(self, blocks: Sequence[Block]) -> None:
+        pass   # learns from its own tier's accesses only
+
+    def seen_stored(self, blocks: Sequence[Block]) -> None:
+        pass
+
+    def resize(self, capacity_blocks: int) -> None:
+        pass   # sized by its blocks, not by the tier's capacity
+
     def catch_up(self) -> None:
         pass   # nothing put off
 

@@ -73,6 +73,13 @@ class _Shadow:
         self.policy = _FixedScale(clock, 3 * capacity, scale)
         self.score = 0.0
 
+    def resize(self, capacity: int, exact: bool) -> None:
+        """Hold about ``capacity`` blocks (``exact``: that many; else the sample's adjustment sets
+        it at the next access), remembering three departed keys per block."""
+        if exact:
+            self.capacity = capacity
+        self.policy.set_ghost_entries(3 * capacity)
+
     def lookup(self, deepest: bytes, length: int, path: Callable[[], Sequence[bytes]]) -> int:
         """A lookup matched a path of ``length`` blocks ending in ``deepest`` in the live tier
         (``path()``: its keys, root first): hit what this shadow holds, store the rest. Returns
@@ -136,7 +143,9 @@ class DuelPolicy(AdaptivePolicy):
     ``clock`` gives seconds (monotonic); ``ghost_entries`` bounds the remembered departed keys;
     ``capacity_blocks`` sizes the shadows; ``can_evict`` and ``lane`` as for ``adaptive``;
     ``defer``: a call's shadow replay waits for :meth:`catch_up` (or the next call), so that a
-    store answers before it (the same decisions).
+    store answers before it (the same decisions); ``observed``: the shadows are fed the whole
+    store's accesses (:meth:`seen_hit`, :meth:`seen_stored`) instead of this tier's, for a lower
+    tier, whose own accesses are what the tiers above it missed.
     """
 
     name = "duel"
@@ -145,8 +154,9 @@ class DuelPolicy(AdaptivePolicy):
                  can_evict: Callable[[Block], bool] = index_leaf, *, lane: int = 0,
                  candidates: Sequence[float] = CANDIDATES, min_shadow: int = DEFAULT_MIN_SHADOW,
                  max_rate: int = DEFAULT_MAX_RATE, window: float = DEFAULT_WINDOW,
-                 margin: float = DEFAULT_MARGIN, defer: bool = False) -> None:
+                 margin: float = DEFAULT_MARGIN, defer: bool = False, observed: bool = False) -> None:
         super().__init__(clock, ghost_entries, can_evict=can_evict, lane=lane)
+        self._observed = observed
         if not candidates or min(candidates) < 0 or min_shadow < 1 or max_rate < 1 or window < 1 or margin < 0:
             raise ValueError("need candidates >= 0, min_shadow, max_rate and window >= 1, margin >= 0")
         rate = 1
@@ -185,6 +195,11 @@ class DuelPolicy(AdaptivePolicy):
         """Each candidate's decayed saved prefill in its shadow (read it to see the duel)."""
         self.catch_up()
         return tuple(s.score for s in self._shadows)
+
+    @property
+    def shadow_capacity(self) -> int:
+        """The blocks each shadow holds (of the sampled chains)."""
+        return self._shadows[0].capacity
 
     def _shadow_time(self) -> float:
         at = self._replaying_at
@@ -274,6 +289,19 @@ class DuelPolicy(AdaptivePolicy):
             self.catch_up()
         return super().victim()
 
+    def resize(self, capacity_blocks: int) -> None:
+        """The tier holds about ``capacity_blocks`` blocks when full (a tier of several block
+        sizes learns it as it fills): the shadows hold that many, sampled (the sample rate stays)."""
+        if capacity_blocks < 1 or capacity_blocks == self._capacity:
+            return
+        cap = max(1, capacity_blocks // self.sample_rate)
+        # the ghost lists remember as many departed keys per block as they were made to
+        self.set_ghost_entries(self._ghost_entries * capacity_blocks // self._capacity)
+        self._capacity = capacity_blocks
+        self._max_shadow = 2 * cap
+        for shadow in self._shadows:
+            shadow.resize(cap, exact=self.sample_rate == 1)
+
     def learned(self) -> dict[str, float]:
         """The tier's scale and the leading shadow's (the shadows themselves start empty again)."""
         self.catch_up()
@@ -292,6 +320,26 @@ class DuelPolicy(AdaptivePolicy):
         if self._pending:
             self.catch_up()
         super().hit(blocks)
+        if not self._observed:
+            self._feed_hit(blocks)
+
+    def seen_hit(self, blocks: Sequence[Block]) -> None:
+        # An SSD tier's own hits are what DRAM missed, and its stores what DRAM evicted: shadows fed
+        # those judge a cache that never sees the prompts DRAM serves, whose copies the SSD tier
+        # keeps all the same (the tiers are inclusive), and did not find credit's order ahead
+        # where it was (BENCHMARKS.md section 3h).
+        if self._observed:
+            if self._pending:
+                self.catch_up()
+            self._feed_hit(blocks)
+
+    def seen_stored(self, blocks: Sequence[Block]) -> None:
+        if self._observed:
+            if self._pending:
+                self.catch_up()
+            self._feed_inserted(blocks)
+
+    def _feed_hit(self, blocks: Sequence[Block]) -> None:
         if not blocks:
             return
         deepest = blocks[-1]
@@ -309,6 +357,10 @@ class DuelPolicy(AdaptivePolicy):
         if self._pending:
             self.catch_up()
         super().inserted(blocks, reuses)
+        if not self._observed:
+            self._feed_inserted(blocks)
+
+    def _feed_inserted(self, blocks: Sequence[Block]) -> None:
         start = 0
         for i in range(1, len(blocks) + 1):   # one access per run of a chain (a parent, then its child)
             if i < len(blocks) and blocks[i].parent is blocks[i - 1]:

@@ -43,11 +43,12 @@ class GlidePolicy(DuelPolicy):
     def __init__(self, clock: Callable[[], float], ghost_entries: int, capacity_blocks: int,
                  can_evict: Callable[[Block], bool] = index_leaf, *, lane: int = 0,
                  candidates: Sequence[float] = CANDIDATES, window: float = DEFAULT_WINDOW,
-                 margin: float = DEFAULT_MARGIN, step: float = DEFAULT_STEP, defer: bool = False) -> None:
+                 margin: float = DEFAULT_MARGIN, step: float = DEFAULT_STEP, defer: bool = False,
+                 observed: bool = False) -> None:
         if step <= 0:
             raise ValueError("need step > 0")
         super().__init__(clock, ghost_entries, capacity_blocks, can_evict, lane=lane, candidates=candidates,
-                         window=window, margin=margin, defer=defer)
+                         window=window, margin=margin, defer=defer, observed=observed)
         self._step = step
 
     @property

@@ -65,6 +65,23 @@ class BlockPolicy(Protocol):
         """A lookup matched ``blocks``, the parent-first prefix of a chain: mark them used."""
         ...
 
+    def seen_hit(self, blocks: Sequence[Block]) -> None:
+        """The store as a whole (any tier) hit ``blocks``, a parent-first prefix. A lower tier's
+        policy made ``observed`` learns from the whole store's accesses (which are what its
+        blocks' worth depends on), not from the share that reaches it; the others ignore it."""
+        ...
+
+    def seen_stored(self, blocks: Sequence[Block]) -> None:
+        """The store as a whole stored ``blocks`` (parents first; in another tier): as
+        :meth:`seen_hit`."""
+        ...
+
+    def resize(self, capacity_blocks: int) -> None:
+        """The tier holds about ``capacity_blocks`` blocks when full, as measured (the SSD tier
+        holds blocks of every size, so it learns this as blocks are written): a policy that
+        simulates the tier (``duel``'s shadows) sizes itself so; the others ignore it."""
+        ...
+
     def removed(self, block: Block, moved: bool = False) -> None:
         """``block`` left the index (evicted, aborted or lost) or, with ``moved``, only this tier
         (its bytes stay in another: it may come back by a move, which is not a reuse); untracked

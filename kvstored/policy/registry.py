@@ -21,12 +21,15 @@ GHOST_PER_BLOCK = 3  # ghost entries per block of capacity, for the policies tha
 
 
 def make_policy(name: str, clock: Callable[[], float], capacity_blocks: int,
-                can_evict: Callable[[Block], bool] = index_leaf, lane: int = 0, defer: bool = False) -> BlockPolicy:
+                can_evict: Callable[[Block], bool] = index_leaf, lane: int = 0, defer: bool = False,
+                observed: bool = False) -> BlockPolicy:
     """A fresh policy for one tier holding about ``capacity_blocks`` blocks; ``clock`` in seconds;
     ``can_evict``: may a tracked leaf leave this tier now (default: it may leave the index);
     ``lane``: the tier's lane for the policies that keep their records on the blocks (DRAM 0,
     SSD 1: a block is tracked by one policy per lane at most); ``defer``: the work a policy can
-    put off until :meth:`~kvstored.policy.interface.BlockPolicy.catch_up` waits for it (a store's).
+    put off until :meth:`~kvstored.policy.interface.BlockPolicy.catch_up` waits for it (a store's);
+    ``observed``: the policies that learn from shadow caches (``duel``, ``glide``) feed them the
+    whole store's accesses (``seen_hit``, ``seen_stored``), not the tier's own (a lower tier's).
 
     Raises ValueError naming the known policies for an unknown ``name``.
     """
@@ -42,11 +45,13 @@ def make_policy(name: str, clock: Callable[[], float], capacity_blocks: int,
                               can_evict=can_evict, lane=lane)
     if name == "duel":
         return DuelPolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
-                          capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane, defer=defer)
+                          capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane, defer=defer,
+                          observed=observed)
     if name == "lecar":
         return LecarPolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
                            capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane)
     if name == "glide":
         return GlidePolicy(clock, ghost_entries=GHOST_PER_BLOCK * max(capacity_blocks, 0),
-                           capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane, defer=defer)
+                           capacity_blocks=capacity_blocks, can_evict=can_evict, lane=lane, defer=defer,
+                           observed=observed)
     raise ValueError(f"unknown eviction policy {name!r}; known: {', '.join(POLICIES)}")

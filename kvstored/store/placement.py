@@ -116,7 +116,9 @@ class Placement:
         O(1) whatever the prefix length: the policies record a hit on the deepest block they track
         (:mod:`kvstored.policy.usage`). A DRAM-resident prefix is closed under ancestors (only
         leaves leave a tier), so the common case is a DRAM run, then an SSD-only run; the SSD
-        policy is only asked when the prefix ends off DRAM, so an all-DRAM hit costs it nothing.
+        policy records a hit only when the prefix ends off DRAM. It is told of every hit (and
+        every store) all the same, as the store's (``seen_hit``): an SSD tier's worth is judged
+        on every access (``glide``'s shadows; O(1) to classify, their replay deferred).
         """
         if not blocks:
             return
@@ -131,6 +133,8 @@ class Placement:
             self.dram.policy_for(blocks[0]).hit(blocks)
         if not last:
             self.ssd.policy.hit(blocks)
+        if self.ssd.enabled:
+            self.ssd.policy.seen_hit(blocks)
         self.dram.mark_pages(blocks)
         self.deferred()
 
@@ -252,6 +256,8 @@ class Placement:
             self.queue.add(block, now)
         blocks[0].index.changed_many(blocks)
         self.dram.policy_for(blocks[0]).inserted(blocks)  # one chain: one namespace, one slot size
+        if self.ssd.enabled:
+            self.ssd.policy.seen_stored(blocks)
         self.events.stored(blocks, Tier.DRAM)
         self.dram.mark_pages(blocks)
         self.deferred()

@@ -35,11 +35,13 @@ class SsdResidency:
         self._tier = tier
         self.policy: BlockPolicy = make_policy(config.ssd.policy, clock,
                                                max(config.ssd.capacity // GHOST_BLOCK_BYTES, MIN_GHOST_BLOCKS),
-                                               can_evict=ssd_can_evict, lane=1, defer=True)
+                                               can_evict=ssd_can_evict, lane=1, defer=True, observed=True)
         self._used = 0
         # blocks with an SSD copy (ON_SSD), kept as they gain and lose it: stats() (every scrape)
         # must not walk millions of blocks on the event loop to count them
         self._blocks = 0
+        self._copied = 0   # bytes of the copies written (of the ``_blocks``), for their mean size
+        self._told = 0     # the capacity in blocks last told to the policy (_measure)
 
     @property
     def enabled(self) -> bool:
@@ -83,14 +85,29 @@ class SsdResidency:
         block.flags |= ON_SSD
         block.index.changed(block)
         self._blocks += 1
+        self._copied += block.index.block_bytes
         block.check = check
+        self._measure()
+
+    def _measure(self) -> None:
+        """Tell the policy how many blocks the tier holds when full, at its blocks' mean size,
+        once that moved by more than 1% (its sizing assumed blocks of GHOST_BLOCK_BYTES)."""
+        if not self._copied:
+            return
+        blocks = int(self.high_bytes * self._blocks / self._copied)
+        if abs(blocks - self._told) > self._told / 100:
+            self._told = blocks
+            self.policy.resize(blocks)
 
     def restored(self, blocks: Sequence[Block], reuses: Sequence[int] | None = None) -> None:
         """``blocks`` (parents first, each marked ON_SSD) were found on the tier at start, with
         the reuse counts their records kept."""
         self._blocks += len(blocks)
-        self._used += sum(b.index.block_bytes for b in blocks)
+        restored = sum(b.index.block_bytes for b in blocks)
+        self._used += restored
+        self._copied += restored
         self.policy.inserted(blocks, reuses)   # parents first, as the policies expect
+        self._measure()
 
     def dropped(self, block: Block, leaving: bool) -> None:
         """``block`` loses its SSD copy (deleted from the tier); ``leaving``: the index too,
@@ -101,5 +118,6 @@ class SsdResidency:
             block.index.changed(block)
         self._blocks -= 1
         self._used -= block.index.block_bytes
+        self._copied -= block.index.block_bytes
         if self._tier is not None:
             self._tier.delete(block.index.namespace_id, block.key)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from policy_cache import PolicyCache, assert_fresh_policy_is_lru, scan_polluted_loop, zero_clock
 
+from kvstored.index import Block
 from kvstored.policy.glide import GlidePolicy
 from kvstored.policy.registry import make_policy
 
@@ -123,3 +124,47 @@ def test_a_put_off_access_is_replayed_in_the_shadows_at_its_own_time() -> None:
             cache.access(key)
         return cache.policy.scores
     assert run(defer=True) == run(defer=False)
+
+
+class _Mirrored:
+    """A policy whose own hits and stores are also told to it as the whole store's (``seen_hit``,
+    ``seen_stored``): what a lower tier's policy hears when every access reaches it."""
+
+    def __init__(self, policy: GlidePolicy) -> None:
+        self._policy = policy
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._policy, name)
+
+    def __len__(self) -> int:
+        return len(self._policy)
+
+    def hit(self, blocks: list[Block]) -> None:
+        self._policy.hit(blocks)
+        self._policy.seen_hit(blocks)
+
+    def inserted(self, blocks: list[Block], reuses: list[int] | None = None) -> None:
+        self._policy.inserted(blocks, reuses)
+        self._policy.seen_stored(blocks)
+
+
+def test_an_observed_policy_learns_from_the_stores_accesses_not_its_own() -> None:
+    """A lower tier's own accesses are what the tiers above missed: with ``observed`` its shadows
+    are fed only what it is told the whole store saw, and learn from that as a one-tier policy
+    learns from its own."""
+    alone = new_cache(20, window=50.0, step=0.01, observed=True)
+    scan_polluted_loop(alone, 60)
+    assert alone.policy.scores == (0.0, 0.0) and alone.policy.scale == 0.0   # its own accesses: nothing
+    told = new_cache(20, window=50.0, step=0.01, observed=True)
+    told.policy = _Mirrored(told.policy)
+    plain = new_cache(20, window=50.0, step=0.01)
+    assert scan_polluted_loop(told, 60) == scan_polluted_loop(plain, 60)
+    assert told.policy.scale == plain.policy.scale == 1.0
+    assert told.policy.scores == plain.policy.scores
+
+
+def test_resize_sizes_the_shadows_to_the_tier_as_measured() -> None:
+    policy = make_policy("glide", zero_clock(), 1024)
+    assert isinstance(policy, GlidePolicy) and policy.shadow_capacity == 1024
+    policy.resize(7550)
+    assert policy.shadow_capacity == 7550

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from clock import Clock
-from store_harness import chain, exchange, open_store, streamer
+from store_harness import chain, exchange, gate_ssd_read, open_store, streamer
 
 from kvstored.copy import CopyEngine
 from kvstored.peers.chain_streams import Fetched
@@ -777,7 +777,6 @@ def test_shutdown_waits_for_a_load_still_reading_from_ssd(ssd_env: tuple[BlockSt
     were still coming up from SSD holds a lease that is not busy yet, so quiesce() returned at
     once, the session's end took the lease, and the call that was in flight at SIGTERM reported
     a miss (0 blocks) instead of finishing, as the README promises in-flight calls do."""
-    import concurrent.futures
     import threading
 
     from kvstored.index import Tier
@@ -786,29 +785,14 @@ def test_shutdown_waits_for_a_load_still_reading_from_ssd(ssd_env: tuple[BlockSt
     ns = store.open_namespace(NS).namespace_id
     engine, buffers = _engine_buffers(store, s, ns)
     a = chain(2)
-    assert store.ssd_tier is not None
-    real_read = store.ssd_tier.read_into
-    release = threading.Event()
-
-    def slow_read(*args, **kwargs):  # type: ignore[no-untyped-def]
-        done = real_read(*args, **kwargs)
-        out: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def finish() -> None:
-            release.wait(5)
-            try:
-                out.set_result(done.result())
-            except BaseException as exc:
-                out.set_exception(exc)
-        threading.Thread(target=finish, daemon=True).start()
-        return out
+    gates: list[threading.Event] = []   # the SSD reads held (gate_ssd_read), set when they may end
 
     async def main() -> int:
         r = store.reserve(s, ns, KeyRequest(hashes=a), BLOCK)
         store.seal(s, r.reservation_id)
         assert await store.flush() == 2
         assert store.evict("", Tier.DRAM) == 2                 # on SSD only
-        store.ssd_tier.read_into = slow_read  # type: ignore[method-assign, union-attr]
+        gates.append(gate_ssd_read(store))
         if how == "load":
             call = asyncio.ensure_future(store.load_blocks(s, ns, buffers.buffers_id, KeyRequest(hashes=a), [0, 1]))
         else:
@@ -819,7 +803,7 @@ def test_shutdown_waits_for_a_load_still_reading_from_ssd(ssd_env: tuple[BlockSt
         # SIGTERM, as app.serve does it: wait for the calls in flight, then end the sessions
         quiesce = asyncio.ensure_future(store.quiesce(5.0))
         await asyncio.sleep(0.05)
-        release.set()                                          # the SSD reads end
+        gates[0].set()                                         # the SSD reads end
         assert await quiesce, "calls still in flight after the grace period"
         store.close_session(s)
         result = await call
@@ -829,7 +813,8 @@ def test_shutdown_waits_for_a_load_still_reading_from_ssd(ssd_env: tuple[BlockSt
     try:
         assert asyncio.run(main()) == 2, "the call in flight at shutdown was cut off"
     finally:
-        release.set()
+        for gate in gates:
+            gate.set()
         engine.close()
 
 
@@ -1111,7 +1096,6 @@ def test_a_load_or_save_waits_for_a_prefetch_that_holds_every_dram_slot(ssd_env:
     slot, and a load then found no slot, no write-back that could make one, and returned 0
     blocks of a prompt that lookup reported cached (a save, likewise, stored nothing). Both now
     wait for the prefetch to land (its blocks, with SSD copies, then give their slots up)."""
-    import concurrent.futures
     import threading
 
     from kvstored.index import Tier
@@ -1119,24 +1103,7 @@ def test_a_load_or_save_waits_for_a_prefetch_that_holds_every_dram_slot(ssd_env:
     s = store.open_session("decode", 1).session_id
     ns = store.open_namespace(NS).namespace_id
     a, b = chain(8), chain(2, start=100)
-    assert store.ssd_tier is not None
-    real_read = store.ssd_tier.read_into
-    release = threading.Event()
-
-    def slow_read(namespace_id, key, view):  # type: ignore[no-untyped-def]
-        done = real_read(namespace_id, key, view)
-        if key not in a:
-            return done
-        out: concurrent.futures.Future[int] = concurrent.futures.Future()
-
-        def finish() -> None:
-            release.wait(5)
-            try:
-                out.set_result(done.result())
-            except BaseException as exc:
-                out.set_exception(exc)
-        threading.Thread(target=finish, daemon=True).start()
-        return out
+    gates: list[threading.Event] = []   # the SSD reads held (gate_ssd_read), set when they may end
 
     async def main() -> int:
         for keys in (a, b) if how == "load" else (a,):
@@ -1145,7 +1112,7 @@ def test_a_load_or_save_waits_for_a_prefetch_that_holds_every_dram_slot(ssd_env:
             await store.flush()
             store.evict("", Tier.DRAM)
         assert store.stats().tiers[0].used_bytes == 0
-        store.ssd_tier.read_into = slow_read  # type: ignore[method-assign, union-attr]
+        gates.append(gate_ssd_read(store, *a))
         assert (await store.lookup(ns, KeyRequest(hashes=a))).blocks == 8   # a prefetch of all 8 slots
         for _ in range(20):
             await asyncio.sleep(0)
@@ -1155,7 +1122,7 @@ def test_a_load_or_save_waits_for_a_prefetch_that_holds_every_dram_slot(ssd_env:
         else:
             call = asyncio.ensure_future(store.reserve_waiting(s, ns, KeyRequest(hashes=b), BLOCK))
         await asyncio.sleep(0.02)                               # (the harness's room wait: 0.05 s)
-        release.set()                                           # the prefetch's reads land
+        gates[0].set()                                          # the prefetch's reads land
         result = await call
         await store.finish_background()
         return result.blocks if how == "load" else len(result.offsets)  # type: ignore[union-attr]
@@ -1163,4 +1130,5 @@ def test_a_load_or_save_waits_for_a_prefetch_that_holds_every_dram_slot(ssd_env:
     try:
         assert asyncio.run(main()) == 2, f"the {how} gave up while a prefetch's reads were in flight"
     finally:
-        release.set()
+        for gate in gates:
+            gate.set()
