@@ -338,12 +338,19 @@ class Fuzz:
                 self.fail(f"{name}: a landing shares slot {landing.offset} with a block")
             used += landing.state.index.slot_bytes
             landing_pages[landing.offset // pb] += 1
+        # slots bound to no block whose client may still write them (an ended session's reservations)
+        for offset, slot_bytes in store.leasing.quarantine.slots() + store.spares.quarantine.slots():
+            if offset in offsets:
+                self.fail(f"{name}: slot {offset} in quarantine is also a block's")
+            used += slot_bytes
+            landing_pages[offset // pb] += 1
         if sum(len(store.placement.dram.page_blocks(p)) for p in range(store.placement.dram.num_pages)) != in_dram:
             known = sum(len(store.placement.dram.page_blocks(p)) for p in range(store.placement.dram.num_pages))
             self.fail(f"{name}: pages know {known} blocks; {in_dram} are in DRAM")
         for page, held in ((p, store.placement.dram.page_blocks(p)) for p in range(store.placement.dram.num_pages)):
             if len(held) + landing_pages[page] != store.placement.dram.used_slots(page):
-                self.fail(f"{name}: page {page} knows {len(held)} blocks and {landing_pages[page]} landings; "
+                self.fail(f"{name}: page {page} knows {len(held)} blocks and {landing_pages[page]} landings "
+                          "or quarantined slots; "
                           f"the allocator counts {store.placement.dram.used_slots(page)} used slots")
         kids = Counter(b.parent for b in blocks if b.parent is not None)
         for b in blocks:
