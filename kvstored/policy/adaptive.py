@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from kvstored.index import Block
 from kvstored.policy.credit import DEFAULT_CLASS_WEIGHTS, DEFAULT_TAU_S
+from kvstored.policy.interface import OwnAccessesOnly
 from kvstored.policy.lanes import Lane
 from kvstored.policy.leafheap import Priority, index_leaf
 
@@ -60,7 +61,7 @@ def learned_value(learned: Mapping[str, float], name: str, default: float) -> fl
     return float(value)
 
 
-class AdaptivePolicy:
+class AdaptivePolicy(OwnAccessesOnly):
     """Leaf-only eviction by ``last use + scale * credit(reuse class)``, the scale learned from
     ghost hits; admission as ``credit`` at the current scale.
 
@@ -181,15 +182,6 @@ class AdaptivePolicy:
         self._since_build = 0
 
     # -- BlockPolicy ---------------------------------------------------------------------------
-
-    def seen_hit(self, blocks: Sequence[Block]) -> None:
-        pass   # learns from its own tier's accesses only
-
-    def seen_stored(self, blocks: Sequence[Block]) -> None:
-        pass
-
-    def resize(self, capacity_blocks: int) -> None:
-        pass   # sized by its blocks, not by the tier's capacity
 
     def catch_up(self) -> None:
         pass   # nothing put off (a subclass with shadows may)

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from kvstored.index import Block
+from kvstored.policy.interface import OwnAccessesOnly
 from kvstored.policy.leafheap import LeafHeap, Priority, index_leaf, track_stored
 from kvstored.policy.usage import Use, UseLog
 
 
-class _HeapPolicy:
+class _HeapPolicy(OwnAccessesOnly):
     """What LRU and LFU share: an admit-all policy over a heap of evictable leaves, ordered by a
     priority computed from each block's use record."""
 
@@ -40,15 +41,6 @@ class _HeapPolicy:
 
     def admit(self, key: bytes, full: bool) -> bool:
         return True
-
-    def seen_hit(self, blocks: Sequence[Block]) -> None:
-        pass   # learns from its own tier's accesses only
-
-    def seen_stored(self, blocks: Sequence[Block]) -> None:
-        pass
-
-    def resize(self, capacity_blocks: int) -> None:
-        pass   # sized by its blocks, not by the tier's capacity
 
     def catch_up(self) -> None:
         pass   # nothing put off

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 from kvstored.index import Block
+from kvstored.policy.interface import OwnAccessesOnly
 from kvstored.policy.leafheap import LeafHeap, Priority, index_leaf, track_stored
 from kvstored.policy.usage import Use, UseLog
 
@@ -31,7 +32,7 @@ DEFAULT_TAU_S = 300.0
 DEFAULT_CLASS_WEIGHTS = (1.0, 1.7, 2.9, 4.0)  # never hit, hit once, twice, three times or more
 
 
-class CreditPolicy:
+class CreditPolicy(OwnAccessesOnly):
     """Leaf-only eviction by ``last use + credit(reuse class)`` with a ghost list and admission.
 
     ``clock`` gives seconds (monotonic); ``ghost_entries`` bounds the remembered evicted keys
@@ -92,15 +93,6 @@ class CreditPolicy:
             return 0
         cls, moved = ghost
         return cls if moved else min(cls + 1, self._top)
-
-    def seen_hit(self, blocks: Sequence[Block]) -> None:
-        pass   # learns from its own tier's accesses only
-
-    def seen_stored(self, blocks: Sequence[Block]) -> None:
-        pass
-
-    def resize(self, capacity_blocks: int) -> None:
-        pass   # sized by its blocks, not by the tier's capacity
 
     def catch_up(self) -> None:
         pass   # nothing put off

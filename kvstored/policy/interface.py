@@ -107,3 +107,17 @@ class BlockPolicy(Protocol):
     def victim(self) -> Block | None:
         """The block to evict next (evictable, hence a leaf), or None when no tracked block is."""
         ...
+
+
+class OwnAccessesOnly:
+    """What a policy that learns only from its own tier's accesses answers to the store's
+    (``seen_hit``, ``seen_stored``) and to the tier's measured size (``resize``): nothing."""
+
+    def seen_hit(self, blocks: Sequence[Block]) -> None:
+        pass
+
+    def seen_stored(self, blocks: Sequence[Block]) -> None:
+        pass
+
+    def resize(self, capacity_blocks: int) -> None:
+        pass

@@ -243,8 +243,8 @@ class BlockStore:
         return self.leasing.reservation_chain(session_id, reservation_id)
 
     def reap(self) -> int:
-        """End leases past their deadline, idle ones only, and free the spare slots whose
-        quarantine is over; returns the count of leases."""
+        """End leases past their deadline, idle ones only, and free the slots (spare or
+        reserved) whose quarantine is over; returns the count of leases."""
         self.spares.quarantine.release_due()
         return self.leasing.reap()
 

@@ -28,7 +28,7 @@ class Spares:
         self._placement = placement
         self.limit_bytes = limit_bytes
         self.total_bytes = total_bytes
-        self.held_bytes = 0          # over all sessions
+        self.held_bytes = 0            # over all sessions
         self.quarantine = quarantine   # of ended sessions, not free yet
         self._held: dict[str, dict[int, set[int]]] = {}   # session id -> slot bytes -> offsets
 
